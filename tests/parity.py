@@ -1,0 +1,66 @@
+"""Shared pieces of the parity tests: one model, one data stream, a plain single-process trainer."""
+from __future__ import annotations
+
+import torch
+
+from zerotron.models.gpt import GPT, config_for
+
+SEQ = 16
+LR = 3e-3
+
+
+def make_model(seed: int = 0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(config_for("tiny", max_seq_len=SEQ, **overrides))
+
+
+def global_batches(steps: int, batch: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Deterministic token batches; targets are the inputs shifted by one."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, 256, (batch, SEQ + 1), generator=g)
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+def micro_batches(batch, dp_rank: int, dp: int, gas: int):
+    """This rank's micro-batches of one global batch: a contiguous block of rows, split in `gas`."""
+    x, y = batch
+    rows = x.shape[0] // dp
+    x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
+    return list(zip(x.chunk(gas), y.chunk(gas)))
+
+
+def ds_config(micro: int, gas: int, clip: float = 1.0, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+            "gradient_clipping": clip, "steps_per_print": 10 ** 6,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+            **extra}
+
+
+def reference_training(batches, clip: float = 1.0, **model_overrides):
+    """Plain PyTorch on one process: the ground truth every strategy must reproduce."""
+    model = make_model(**model_overrides)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+    losses = []
+    for x, y in batches:
+        loss = model(x, y)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_losses_close(got, want, rtol: float):
+    assert len(got) == len(want)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= rtol * abs(b), f"step {step}: loss {a} vs reference {b} (rel {abs(a - b) / abs(b):.2e})"
+
+
+def max_weight_diff(state, reference) -> float:
+    assert state.keys() == reference.keys()
+    return max((state[k].float() - reference[k].float()).abs().max().item() for k in reference)

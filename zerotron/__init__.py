@@ -1,0 +1,88 @@
+"""zerotron: a distributed training engine for PyTorch, in pure Python, with DeepSpeed's API.
+
+    import zerotron as deepspeed
+    engine, optimizer, dataloader, lr_scheduler = deepspeed.initialize(model=model, config="ds.json")
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from .comm import init_distributed, launched_by_torchrun, local_device
+from .config import Config, resolve_auto
+from .engine import Engine
+from .errors import ConfigError
+from .topology import Topology
+
+__version__ = "0.1.0"
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "Config", "ConfigError", "Engine",
+           "Topology", "resolve_auto", "__version__"]
+
+
+def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, distributed_port: int = 29500, mpu=None,
+               dist_init_required: bool | None = None, collate_fn=None, config=None, mesh_param=None,
+               config_params=None):
+    """Build the engine; DeepSpeed's signature. Returns (engine, optimizer, dataloader, lr_scheduler).
+
+    The config (path, dict or Config; or `args.deepspeed_config`) is validated completely before any
+    process-group work, so a bad value fails fast with a message naming the key and the fix.
+    """
+    if model is None:
+        raise ValueError("zerotron.initialize needs model=")
+    if mpu is not None or mesh_param is not None:
+        raise ValueError("mpu= and mesh_param= are Megatron/DeepSpeed hooks zerotron does not take; "
+                         "set tensor/pipeline sizes in the config instead")
+    config = _config_source(args, config, config_params)
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    cfg = Config.load(config, world_size=world_size, **_auto_values(model, optimizer))
+    topology = Topology(world_size, tp=cfg.tensor_parallel.autotp_size, pp=1)
+
+    init_distributed()
+    topology.build_groups(local_device().type)
+    engine = Engine(model, cfg, topology, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                    model_parameters=model_parameters, training_data=training_data, collate_fn=collate_fn)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _config_source(args, config, config_params):
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if config is None:
+        raise ConfigError("config", None, "pass config= (a JSON path, dict or zerotron.Config) or "
+                          "--deepspeed_config on the command line")
+    return config
+
+
+def _auto_values(model, optimizer) -> dict:
+    """What "auto" config values can be resolved from, taken from initialize's arguments."""
+    values = {}
+    dtypes = {p.dtype for p in model.parameters()}
+    if dtypes == {torch.bfloat16}:
+        values["bf16"] = True
+    elif dtypes == {torch.float16}:
+        values["fp16"] = True
+    if isinstance(optimizer, torch.optim.Optimizer):
+        group = optimizer.param_groups[0]
+        values.update({k: group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in group})
+        values["betas"] = list(values["betas"]) if "betas" in values else None
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None) or \
+        getattr(getattr(model, "config", None), "d_model", None)
+    if isinstance(hidden, int):
+        values["hidden_size"] = hidden
+    return values
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's command-line flags: --deepspeed and --deepspeed_config (and the old deepscale names)."""
+    group = parser.add_argument_group("zerotron", "zerotron / DeepSpeed configuration")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="enable the engine (accepted for DeepSpeed scripts)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON config file")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser

@@ -1,0 +1,89 @@
+"""`zerotron train` (the reference job) and `zerotron run` (launch any script through torchrun)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="zerotron", description="zerotron: distributed training for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    from .train import add_train_arguments
+    add_train_arguments(sub.add_parser("train", help="train the reference GPT on the embedded corpus"))
+    _add_run_arguments(sub.add_parser("run", help="launch a script on N processes through torchrun"))
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        return _train(args, argv if argv is not None else sys.argv[1:])
+    return _run(args)
+
+
+# ---- zerotron train ---------------------------------------------------------------------------
+def default_nproc() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def _train(args, argv: list[str]) -> int:
+    from .comm import launched_by_torchrun
+    if launched_by_torchrun():
+        from .train import train
+        train(args)
+        return 0
+    nproc = args.nproc or default_nproc()
+    # Relaunch ourselves under torchrun: one process per GPU (or `nproc` CPU processes).
+    return _torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "zerotron.cli", *argv])
+
+
+# ---- zerotron run -----------------------------------------------------------------------------
+def _add_run_arguments(p: argparse.ArgumentParser):
+    p.add_argument("-n", "--nproc", type=int, default=None, help="processes per node (default: GPUs, else 2)")
+    p.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for elastic jobs")
+    p.add_argument("--node-rank", type=int, default=None)
+    p.add_argument("--master-addr", default=None)
+    p.add_argument("--master-port", type=int, default=None)
+    p.add_argument("--rdzv-backend", default=None)
+    p.add_argument("--rdzv-endpoint", default=None)
+    p.add_argument("--rdzv-id", default=None)
+    p.add_argument("--max-restarts", type=int, default=None)
+    p.add_argument("script", help="the training script (or -m module)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+
+
+def _run(args) -> int:
+    if not os.path.exists(args.script) and args.script != "-m":
+        print(f"zerotron run: no such script: {args.script}", file=sys.stderr)
+        return 2
+    argv = [f"--nproc-per-node={args.nproc or default_nproc()}", f"--nnodes={args.nnodes}"]
+    multi_node = args.nnodes != "1" or args.master_addr or args.rdzv_endpoint
+    if not multi_node:
+        argv.append("--standalone")
+    for flag in ("node_rank", "master_addr", "master_port", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "max_restarts"):
+        value = getattr(args, flag)
+        if value is not None:
+            argv.append(f"--{flag.replace('_', '-')}={value}")
+    return _torchrun([*argv, args.script, *args.script_args])
+
+
+def _torchrun(argv: list[str]) -> int:
+    from torch.distributed.run import main as torchrun_main
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, _nproc_of(argv)))))
+    try:
+        torchrun_main(argv)
+    except ChildFailedError as e:
+        print(f"zerotron: a worker process failed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _nproc_of(argv: list[str]) -> int:
+    for a in argv:
+        if a.startswith("--nproc-per-node="):
+            return int(a.split("=", 1)[1])
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

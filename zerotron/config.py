@@ -1,0 +1,420 @@
+"""DeepSpeed-style JSON config: loading, "auto" values, batch arithmetic and validation.
+
+Everything here is pure: a bad value raises `ConfigError` (naming the key, the value and the
+fix) before the engine touches a process group.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import typing
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .errors import ConfigError
+
+AUTO = "auto"
+
+# DeepSpeed keys we accept but that change nothing about the math here; no warning for them.
+_ACCEPTED_NO_EFFECT = {
+    "wall_clock_breakdown", "memory_breakdown", "dump_state", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer", "dataloader_drop_last", "flops_profiler", "comms_logger",
+    "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "gradient_accumulation_dtype",
+}
+
+
+def _is_auto(value) -> bool:
+    return isinstance(value, str) and value == AUTO
+
+
+# --------------------------------------------------------------------------------------------
+# Typed sections. Field names are DeepSpeed's JSON keys; defaults are DeepSpeed's defaults.
+# --------------------------------------------------------------------------------------------
+@dataclass
+class FP16Config:
+    enabled: bool = False
+    loss_scale: float = 0.0  # 0 means dynamic
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+    auto_cast: bool = False
+
+    def validate(self, p: str):
+        _check(self.loss_scale >= 0, p + ".loss_scale", self.loss_scale, "use 0 for dynamic scaling or a positive static scale")
+        _check(0 <= self.initial_scale_power <= 64, p + ".initial_scale_power", self.initial_scale_power, "use a power of two exponent in [0, 64], e.g. 16")
+        _check(self.loss_scale_window >= 1, p + ".loss_scale_window", self.loss_scale_window, "use a positive number of steps, e.g. 1000")
+        _check(self.hysteresis >= 1, p + ".hysteresis", self.hysteresis, "use a positive integer, e.g. 2")
+        _check(self.min_loss_scale > 0, p + ".min_loss_scale", self.min_loss_scale, "use a positive scale, e.g. 1")
+
+
+@dataclass
+class BF16Config:
+    enabled: bool = False
+
+
+@dataclass
+class OffloadConfig:
+    device: str = "none"
+    pin_memory: bool = False
+    nvme_path: Optional[str] = None
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+    fast_init: bool = False
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    ratio: float = 1.0
+
+    def validate(self, p: str):
+        _check(self.device in ("none", "cpu", "nvme"), p + ".device", self.device, "use 'none', 'cpu' or 'nvme'")
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 0
+    contiguous_gradients: bool = True
+    overlap_comm: bool = True
+    reduce_scatter: bool = True
+    reduce_bucket_size: int = 500_000_000
+    allgather_partitions: bool = True
+    allgather_bucket_size: int = 500_000_000
+    load_from_fp32_weights: bool = True
+    round_robin_gradients: bool = False
+    sub_group_size: int = 1_000_000_000
+    offload_optimizer: Optional[OffloadConfig] = None
+    offload_param: Optional[OffloadConfig] = None
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    stage3_gather_fp16_weights_on_model_save: bool = False
+    ignore_unused_parameters: bool = True
+    elastic_checkpoint: bool = False
+
+    def validate(self, p: str):
+        _check(self.stage in (0, 1, 2, 3), p + ".stage", self.stage, "use 0 (data parallel), 1, 2 or 3")
+        _check(self.stage == 0, p + ".stage", self.stage,
+               "ZeRO stages 1-3 are not available in this version of zerotron yet; use stage 0 "
+               "(plain data parallelism) for now")
+        for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size",
+                    "stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
+            value = getattr(self, key)
+            _check(value > 0, f"{p}.{key}", value, "use a positive number of elements, e.g. 5e8")
+        _check(self.stage3_param_persistence_threshold >= 0, p + ".stage3_param_persistence_threshold",
+               self.stage3_param_persistence_threshold, "use a non-negative number of elements")
+        for key in ("offload_optimizer", "offload_param"):
+            off = getattr(self, key)
+            if off is not None:
+                off.validate(f"{p}.{key}")
+            if off is not None and off.device != "none":
+                _check(False, f"{p}.{key}.device", off.device,
+                       "offload needs ZeRO stage 1-3, which this version does not have yet; remove the key")
+
+
+@dataclass
+class OptimizerConfig:
+    type: str = "AdamW"
+    params: dict = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerConfig:
+    type: str = "WarmupLR"
+    params: dict = field(default_factory=dict)
+
+
+@dataclass
+class MonitorConfig:
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+@dataclass
+class TensorParallelConfig:
+    autotp_size: int = 1
+
+    def validate(self, p: str):
+        _check(self.autotp_size >= 1, p + ".autotp_size", self.autotp_size, "use a positive integer")
+        _check(self.autotp_size == 1, p + ".autotp_size", self.autotp_size,
+               "tensor parallelism is not available in this version of zerotron yet; use 1")
+
+
+@dataclass
+class Config:
+    """The resolved training config. Build it with `Config.load(path_or_dict, world_size=...)`."""
+    train_batch_size: Optional[int] = None
+    train_micro_batch_size_per_gpu: Optional[int] = None
+    gradient_accumulation_steps: Optional[int] = None
+    gradient_clipping: float = 0.0
+    steps_per_print: int = 10
+    communication_data_type: Optional[str] = None
+    optimizer: Optional[OptimizerConfig] = None
+    scheduler: Optional[SchedulerConfig] = None
+    fp16: FP16Config = field(default_factory=FP16Config)
+    bf16: BF16Config = field(default_factory=BF16Config)
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
+    csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    wandb: MonitorConfig = field(default_factory=MonitorConfig)
+    raw: dict = field(default_factory=dict, repr=False)
+    world_size: int = 1
+
+    # ---- construction ----------------------------------------------------------------------
+    @classmethod
+    def load(cls, source, *, world_size: int = 1, **auto_values) -> "Config":
+        """Parse a path, dict or Config for `world_size` processes; resolve "auto" from
+        `auto_values` (see `resolve_auto`); validate everything."""
+        raw = resolve_auto(read_raw(source), **auto_values)
+        cfg = _parse(cls, raw, "")
+        cfg.raw = raw
+        cfg.world_size = world_size
+        cfg._validate()
+        return cfg
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size: the world divided by the model-parallel sizes."""
+        return self.world_size // self.tensor_parallel.autotp_size
+
+    # ---- convenience -----------------------------------------------------------------------
+    @property
+    def model_dtype_name(self) -> str:
+        return "bf16" if self.bf16.enabled else "fp16" if self.fp16.enabled else "fp32"
+
+    def to_dict(self) -> dict:
+        return copy.deepcopy(self.raw)
+
+    # ---- validation ------------------------------------------------------------------------
+    def _validate(self):
+        _check(self.world_size >= 1, "world_size", self.world_size, "the number of processes must be >= 1")
+        self.tensor_parallel.validate("tensor_parallel")
+        _check(self.world_size % self.tensor_parallel.autotp_size == 0, "tensor_parallel.autotp_size",
+               self.tensor_parallel.autotp_size, f"it must divide the number of processes ({self.world_size})")
+        _check(not (self.fp16.enabled and self.bf16.enabled), "fp16.enabled", True,
+               "fp16 and bf16 are both enabled; enable at most one of them")
+        _check(self.gradient_clipping >= 0, "gradient_clipping", self.gradient_clipping,
+               "use 0 to disable clipping or a positive max norm, e.g. 1.0")
+        _check(self.steps_per_print >= 1, "steps_per_print", self.steps_per_print, "use a positive integer")
+        _check(self.communication_data_type in (None, "fp32", "fp16", "bf16"), "communication_data_type",
+               self.communication_data_type, "use 'fp32', 'fp16' or 'bf16' (or leave it out to reduce in the gradient dtype)")
+        self.fp16.validate("fp16")
+        self.zero_optimization.validate("zero_optimization")
+        _check(not self.wandb.enabled, "wandb.enabled", True,
+               "zerotron does not log to Weights & Biases; use 'tensorboard' or 'csv_monitor'")
+        if self.optimizer is not None:
+            from .optim import validate_optimizer
+            validate_optimizer(self.optimizer.type, self.optimizer.params)
+        if self.scheduler is not None:
+            from .schedulers import validate_scheduler
+            validate_scheduler(self.scheduler.type, self.scheduler.params)
+        self._resolve_batch()
+
+    def _resolve_batch(self):
+        """train_batch_size = micro x accumulation x data-parallel size; any two give the third."""
+        tbs, mbs, gas, dp = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                             self.gradient_accumulation_steps, self.dp_size)
+        for key, v in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", mbs),
+                       ("gradient_accumulation_steps", gas)):
+            _check(v is None or v >= 1, key, v, "use a positive integer")
+        if tbs is None and mbs is None:
+            raise ConfigError("train_micro_batch_size_per_gpu", None,
+                              "set train_micro_batch_size_per_gpu or train_batch_size")
+        if tbs is not None and mbs is not None and gas is not None:
+            _check(tbs == mbs * gas * dp, "train_batch_size", tbs,
+                   f"it must equal train_micro_batch_size_per_gpu ({mbs}) x gradient_accumulation_steps "
+                   f"({gas}) x data-parallel size ({dp}) = {mbs * gas * dp}; fix one of them or leave one out")
+        elif tbs is not None and mbs is not None:
+            _check(tbs % (mbs * dp) == 0, "train_batch_size", tbs,
+                   f"it must be divisible by train_micro_batch_size_per_gpu ({mbs}) x data-parallel size ({dp})")
+            gas = tbs // (mbs * dp)
+        elif tbs is not None:
+            gas = gas or 1
+            _check(tbs % (gas * dp) == 0, "train_batch_size", tbs,
+                   f"it must be divisible by gradient_accumulation_steps ({gas}) x data-parallel size ({dp})")
+            mbs = tbs // (gas * dp)
+        else:
+            gas = gas or 1
+            tbs = mbs * gas * dp
+        self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = tbs, mbs, gas
+
+
+def _check(ok: bool, key: str, value, fix: str):
+    if not ok:
+        raise ConfigError(key, value, fix)
+
+
+# --------------------------------------------------------------------------------------------
+# Raw loading
+# --------------------------------------------------------------------------------------------
+def read_raw(source) -> dict:
+    """A deep copy of the raw dict behind a path, a JSON string, a dict or a Config."""
+    if isinstance(source, Config):
+        return copy.deepcopy(source.raw)
+    if isinstance(source, dict):
+        return copy.deepcopy(source)
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if not os.path.exists(path):
+            if path.lstrip().startswith("{"):
+                return _parse_json(path, "<inline JSON>")
+            raise ConfigError("config", path, "no such file; pass the path of a DeepSpeed JSON config, a dict or a zerotron.Config")
+        with open(path) as f:
+            return _parse_json(f.read(), path)
+    raise ConfigError("config", type(source).__name__, "pass a path to a JSON file, a dict or a zerotron.Config")
+
+
+def _parse_json(text: str, where: str) -> dict:
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError("config", where, f"not valid JSON ({e}); fix the file") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("config", where, "the JSON must be an object at the top level")
+    return raw
+
+
+# --------------------------------------------------------------------------------------------
+# "auto" values: (path, name in auto_values, what to do when the caller gave no value)
+# --------------------------------------------------------------------------------------------
+_DROP = object()      # fall back to the key's default (or derive it, for the batch triple)
+_REQUIRED = object()  # no sensible default: the user must say
+
+_AUTO_RULES = [
+    ("train_batch_size", "train_batch_size", _DROP),
+    ("train_micro_batch_size_per_gpu", "micro_batch_size", _DROP),
+    ("gradient_accumulation_steps", "gradient_accumulation_steps", _DROP),
+    ("gradient_clipping", "max_grad_norm", _DROP),
+    ("fp16.enabled", "fp16", _DROP),
+    ("bf16.enabled", "bf16", _DROP),
+    ("optimizer.params.lr", "lr", _DROP),
+    ("optimizer.params.betas", "betas", _DROP),
+    ("optimizer.params.eps", "eps", _DROP),
+    ("optimizer.params.weight_decay", "weight_decay", _DROP),
+    ("scheduler.params.warmup_min_lr", "warmup_min_lr", 0.0),
+    ("scheduler.params.warmup_max_lr", "lr", "optimizer.params.lr"),
+    ("scheduler.params.warmup_num_steps", "warmup_steps", _DROP),
+    ("scheduler.params.total_num_steps", "total_steps", _REQUIRED),
+    ("zero_optimization.reduce_bucket_size", "reduce_bucket_size", _DROP),
+    ("zero_optimization.stage3_prefetch_bucket_size", "stage3_prefetch_bucket_size", _DROP),
+    ("zero_optimization.stage3_param_persistence_threshold", "stage3_param_persistence_threshold", _DROP),
+]
+_OPTIMIZER_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+
+
+def resolve_auto(raw: dict, **values) -> dict:
+    """Replace "auto" values in a raw DeepSpeed config dict.
+
+    `values` use the names a training script knows: micro_batch_size, gradient_accumulation_steps,
+    train_batch_size, lr, betas, eps, weight_decay, max_grad_norm, fp16, bf16, warmup_steps,
+    total_steps, warmup_min_lr, and hidden_size (which sets the ZeRO bucket sizes the way the
+    Transformers Trainer does). A None value counts as not given. Keys with nothing to resolve
+    from fall back to their defaults; keys without a sensible default raise ConfigError.
+    """
+    raw = copy.deepcopy(raw)
+    values = {k: v for k, v in values.items() if v is not None}
+    hidden = values.pop("hidden_size", None)
+    if hidden is not None:
+        values.setdefault("reduce_bucket_size", hidden * hidden)
+        values.setdefault("stage3_prefetch_bucket_size", int(0.9 * hidden * hidden))
+        values.setdefault("stage3_param_persistence_threshold", 10 * hidden)
+    for path, name, fallback in _AUTO_RULES:
+        parent, key = _walk(raw, path)
+        if parent is None or not _is_auto(parent.get(key)):
+            continue
+        if name in values:
+            parent[key] = values[name]
+        elif fallback is _DROP:
+            if path.startswith("optimizer.params."):
+                parent[key] = _OPTIMIZER_DEFAULTS[key]
+            else:
+                del parent[key]
+        elif fallback is _REQUIRED:
+            raise ConfigError(path, AUTO, f"nothing to resolve it from; set a number or pass {name}=... "
+                              "to zerotron.resolve_auto(config, ...)")
+        elif isinstance(fallback, str):  # another key's (resolved) value
+            src_parent, src_key = _walk(raw, fallback)
+            src = None if src_parent is None else src_parent.get(src_key)
+            parent[key] = _OPTIMIZER_DEFAULTS["lr"] if src is None or _is_auto(src) else src
+        else:
+            parent[key] = fallback
+    left = [p for p in _auto_paths(raw, "")]
+    if left:
+        raise ConfigError(left[0], AUTO, "zerotron cannot resolve 'auto' for this key; set a value")
+    return raw
+
+
+def _walk(raw: dict, path: str):
+    *parents, key = path.split(".")
+    node = raw
+    for part in parents:
+        node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            return None, key
+    return node, key
+
+
+def _auto_paths(node, prefix):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _auto_paths(v, f"{prefix}{k}" if not prefix else f"{prefix}.{k}")
+    elif _is_auto(node):
+        yield prefix
+
+
+# --------------------------------------------------------------------------------------------
+# Typed parsing of dataclass sections
+# --------------------------------------------------------------------------------------------
+def _parse(cls, raw: dict, prefix: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(prefix.rstrip(".") or "config", raw, "expected a JSON object here")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.name not in ("raw", "world_size")}
+    kwargs, unknown = {}, []
+    for key, value in raw.items():
+        if key not in names:
+            if not (prefix == "" and key in _ACCEPTED_NO_EFFECT):
+                unknown.append(prefix + key)
+            continue
+        kwargs[key] = _convert(hints[key], value, prefix + key)
+    if unknown:
+        warnings.warn(f"zerotron ignores unknown config keys: {', '.join(unknown)}", stacklevel=3)
+    return cls(**kwargs)
+
+
+def _convert(tp, value, key: str):
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:  # Optional[X]
+        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        return None if value is None else _convert(inner, value, key)
+    if dataclasses.is_dataclass(tp):
+        return _parse(tp, value, key + ".")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(key, value, "expected true or false")
+    if tp is int:
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or (isinstance(value, float) and not value.is_integer())):
+            raise ConfigError(key, value, "expected an integer")
+        return int(value)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(key, value, "expected a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, value, "expected a string")
+        return value
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(key, value, "expected a JSON object")
+        return dict(value)
+    return value

@@ -1,0 +1,131 @@
+"""Data parallelism (ZeRO stage 0): gradients in flat buckets, all-reduced while backward runs.
+
+Each bucket is one contiguous buffer; every parameter's `.grad` is a view into it, so autograd
+accumulates straight into the buffer and one bucket is one collective, with no copies. Buckets
+hold parameters in reverse registration order (roughly the order backward produces their
+gradients); a post-accumulate-grad hook counts a bucket's parameters, and when the last one is
+in, the bucket's all-reduce is launched asynchronously while backward carries on. Buckets are
+always launched in index order, so every rank issues the same collectives in the same order
+even when hooks fire in a different order.
+"""
+from __future__ import annotations
+
+import torch
+
+from .comm import Comm
+
+
+class Bucket:
+    def __init__(self, index: int, params: list[torch.nn.Parameter], dtype: torch.dtype, device):
+        self.index = index
+        self.params = params
+        numel = sum(p.numel() for p in params)
+        self.grads = torch.zeros(numel, dtype=dtype, device=device)
+        self.views, offset = [], 0
+        for p in params:
+            self.views.append(self.grads[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.ready: set[int] = set()
+        self.work = None
+        self.comm_buffer = None  # only when reducing in another dtype
+        self.launched_in_backward = False
+
+    def attach(self):
+        for p, view in zip(self.params, self.views):
+            p.grad = view
+
+
+class GradBuckets:
+    """Owns the gradient buffers of `params` and reduces them over `comm` at accumulation boundaries."""
+
+    def __init__(self, params: list[torch.nn.Parameter], comm: Comm, bucket_numel: int,
+                 reduce_dtype: torch.dtype | None = None):
+        self.comm = comm
+        self.reduce_dtype = reduce_dtype
+        self.buckets: list[Bucket] = []
+        self.sync = True            # reduce in this backward? (False inside gradient accumulation)
+        self._next_launch = 0
+        self._bucket_of: dict[int, tuple[Bucket, int]] = {}
+        current: list[torch.nn.Parameter] = []
+        for p in reversed(params):
+            if current and (sum(q.numel() for q in current) + p.numel() > bucket_numel
+                            or p.dtype != current[0].dtype or p.device != current[0].device):
+                self._add_bucket(current)
+                current = []
+            current.append(p)
+        if current:
+            self._add_bucket(current)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    def _add_bucket(self, params):
+        bucket = Bucket(len(self.buckets), params, params[0].dtype, params[0].device)
+        bucket.attach()
+        for i, p in enumerate(params):
+            self._bucket_of[id(p)] = (bucket, i)
+        self.buckets.append(bucket)
+
+    # ---- during backward --------------------------------------------------------------------
+    def _on_grad_ready(self, param: torch.nn.Parameter):
+        bucket, i = self._bucket_of[id(param)]
+        view = bucket.views[i]
+        if param.grad is not view:
+            # Someone replaced .grad (e.g. zero_grad(set_to_none=True)); fold it back into the bucket.
+            if param.grad is not None:
+                view.add_(param.grad)
+            param.grad = view
+        if not self.sync:
+            return
+        if bucket.index < self._next_launch:
+            raise RuntimeError(
+                f"gradient of a parameter of shape {tuple(param.shape)} arrived after its bucket was reduced: "
+                "the parameter was used again after backward reached it (reentrant checkpointing or a "
+                "second backward before engine.step()); use torch.utils.checkpoint(use_reentrant=False)")
+        bucket.ready.add(i)
+        self._launch_ready(in_backward=True)
+
+    def _launch_ready(self, in_backward: bool):
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if in_backward and len(bucket.ready) < len(bucket.params):
+                return
+            self._launch(bucket, in_backward)
+            self._next_launch += 1
+
+    def _launch(self, bucket: Bucket, in_backward: bool):
+        bucket.launched_in_backward = in_backward
+        # Divide first: averaging stays exact for power-of-two sizes and fp16 sums cannot overflow.
+        buf = bucket.grads
+        if self.reduce_dtype is not None and self.reduce_dtype != buf.dtype:
+            bucket.comm_buffer = buf.to(self.reduce_dtype)
+            buf = bucket.comm_buffer
+        if self.comm.size > 1:
+            buf.div_(self.comm.size)
+            bucket.work = self.comm.all_reduce(buf, async_op=True)
+
+    # ---- after backward ---------------------------------------------------------------------
+    def finish(self) -> None:
+        """Launch buckets whose parameters got no gradient, then wait for every reduction."""
+        if not self.sync:
+            return
+        self._launch_ready(in_backward=False)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
+            if bucket.comm_buffer is not None:
+                bucket.grads.copy_(bucket.comm_buffer)
+                bucket.comm_buffer = None
+            bucket.ready.clear()
+        self._next_launch = 0
+
+    def zero(self) -> None:
+        for bucket in self.buckets:
+            bucket.grads.zero_()
+            bucket.attach()
+
+    def flat_grads(self) -> list[torch.Tensor]:
+        return [b.grads for b in self.buckets]
+
+    def remove_hooks(self):
+        for h in self._hooks:
+            h.remove()

@@ -1,0 +1,333 @@
+"""The training engine: forward / backward / step / train_batch on one model replica per rank."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .comm import Comm, local_device
+from .config import Config
+from .data_parallel import GradBuckets
+from .errors import ConfigError
+from .log import logger
+from .monitor import Monitor
+from .optim import build_optimizer
+from .precision import DTYPES, LossScaler, MasterWeights, clip_by_global_norm, model_dtype
+from .topology import Topology
+
+
+class Engine(nn.Module):
+    """What `zerotron.initialize` returns; DeepSpeed's engine API.
+
+    Gradients accumulate over `gradient_accumulation_steps` micro-batches without communication;
+    in the boundary micro-batch's backward they are all-reduced bucket by bucket as they become
+    ready, and `step()` then unscales, clips, updates the fp32 masters and copies them back.
+    """
+
+    def __init__(self, module: nn.Module, config: Config, topology: Topology, optimizer=None,
+                 lr_scheduler=None, model_parameters=None, training_data=None, collate_fn=None):
+        super().__init__()
+        self.config = config
+        self.topology = topology
+        self.device = local_device()
+        self.global_rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.local_rank = int(__import__("os").environ.get("LOCAL_RANK", 0))
+        self.coords = topology.coords(self.global_rank)
+        self.dtype = model_dtype(config)
+        self.module = module.to(device=self.device, dtype=self.dtype)
+
+        self.dp_comm = Comm(topology.group("dp"))
+        self.world_comm = Comm(None)
+        self._broadcast_module()
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the model has no parameters that require gradients; nothing to train")
+        reduce_dtype = DTYPES[config.communication_data_type] if config.communication_data_type else None
+        self.grad_buckets = GradBuckets(params, self.dp_comm, config.zero_optimization.reduce_bucket_size,
+                                        reduce_dtype)
+        self.master = MasterWeights(params)
+        self.optimizer = self._make_optimizer(optimizer, model_parameters, params)
+        self.master.adopt(self.optimizer)
+        self.lr_scheduler = self._make_scheduler(lr_scheduler)
+        self.loss_scaler = LossScaler(config.fp16)
+        self.monitor = Monitor(config, self.global_rank)
+        self.training_dataloader = self._make_dataloader(training_data, collate_fn)
+        self._data_iter = None
+
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._global_grad_norm = None
+        self._micro_losses: list[torch.Tensor] = []
+        self._step_start = time.perf_counter()
+
+    # ---- construction helpers ---------------------------------------------------------------
+    @torch.no_grad()
+    def _broadcast_module(self):
+        """Start every data-parallel replica from dp-rank 0's weights, seeded or not."""
+        if self.topology.dp > 1:
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                self.dp_comm.broadcast(t.data, src_group_rank=0)
+            self.dp_comm.reset_stats()
+
+    def _make_optimizer(self, client, model_parameters, params):
+        if client is not None and self.config.optimizer is not None:
+            raise ConfigError("optimizer", self.config.optimizer.type,
+                              "both the config and initialize(optimizer=...) give an optimizer; keep one")
+        groups = list(model_parameters) if model_parameters is not None else params
+        if client is None:
+            if self.config.optimizer is None:
+                raise ConfigError("optimizer", None, "no optimizer: add an 'optimizer' section to the config "
+                                  "or pass optimizer= to zerotron.initialize")
+            return build_optimizer(self.config.optimizer.type, self.config.optimizer.params, groups)
+        if isinstance(client, torch.optim.Optimizer):
+            return client
+        if callable(client):
+            return client(groups)
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable, not {type(client).__name__}")
+
+    def _make_scheduler(self, client):
+        if client is not None:
+            return client(self.optimizer) if callable(client) and not hasattr(client, "step") else client
+        if self.config.scheduler is None:
+            return None
+        from .schedulers import build_scheduler
+        return build_scheduler(self.config.scheduler.type, self.config.scheduler.params, self.optimizer)
+
+    def _make_dataloader(self, dataset, collate_fn):
+        if dataset is None:
+            return None
+        from .data import ResumableDistributedSampler
+        sampler = ResumableDistributedSampler(len(dataset), num_replicas=self.topology.dp,
+                                              rank=self.coords.dp, shuffle=True, infinite=False)
+        return torch.utils.data.DataLoader(dataset, batch_size=self.train_micro_batch_size_per_gpu(),
+                                           sampler=sampler, collate_fn=collate_fn, drop_last=True)
+
+    # ---- the training verbs -----------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Backpropagate one micro-batch's loss; at the accumulation boundary, reduce gradients."""
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise ValueError("engine.backward expects the scalar loss tensor of one micro-batch")
+        boundary = self.is_gradient_accumulation_boundary()
+        self._micro_losses.append(loss.detach())
+        scaled = loss.float()
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            scaled = scaled / self.gradient_accumulation_steps()
+        if self.loss_scaler.enabled:
+            scaled = scaled * self.loss_scaler.scale
+        self.grad_buckets.sync = boundary
+        scaled.backward(retain_graph=retain_graph)
+        if boundary:
+            self.grad_buckets.finish()
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None):
+        """Count a micro-batch; at the accumulation boundary, update the weights."""
+        if self.is_gradient_accumulation_boundary():
+            self._take_model_step(lr_kwargs)
+        self.micro_steps += 1
+        self.global_samples += self.train_micro_batch_size_per_gpu() * self.topology.dp
+
+    def _take_model_step(self, lr_kwargs):
+        scaled = self.loss_scaler.enabled
+        overflow = self.master.take_grads(1.0 / self.loss_scaler.scale if scaled else None)
+        if scaled:  # every rank must agree to skip
+            flag = torch.tensor([float(overflow)], device=self.device)
+            self.world_comm.all_reduce(flag, op=dist.ReduceOp.MAX)
+            overflow = bool(flag.item())
+            previous_scale = self.loss_scaler.scale
+            self.loss_scaler.update(overflow)
+        if overflow:
+            self.skipped_steps += 1
+            logger.warning(f"step {self.global_steps}: fp16 gradients overflowed, step skipped; "
+                           f"loss scale {previous_scale:g} -> {self.loss_scaler.scale:g}")
+        else:
+            self._global_grad_norm = clip_by_global_norm(self.master.grads(), self.config.gradient_clipping)
+            self.optimizer.step()
+            self.master.copy_to_model()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.grad_buckets.zero()
+        self.global_steps += 1
+        self._report()
+
+    def _report(self):
+        losses, self._micro_losses = self._micro_losses, []
+        print_now = self.global_steps % self.config.steps_per_print == 0
+        if not (print_now or self.monitor.enabled) or not losses:
+            return
+        loss = torch.stack(losses).float().mean().item()
+        if self.monitor.enabled:
+            events = [("Train/Samples/train_loss", loss, self.global_samples),
+                      ("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
+            if self.loss_scaler.enabled:
+                events.append(("Train/Samples/loss_scale", self.loss_scaler.scale, self.global_samples))
+            self.monitor.write(events)
+        if print_now:
+            elapsed = time.perf_counter() - self._step_start
+            self._step_start = time.perf_counter()
+            logger.info(f"step={self.global_steps} loss={loss:.4f} lr={self.get_lr()} skipped={self.skipped_steps} "
+                        f"samples/s={self.config.steps_per_print * self.train_batch_size() / elapsed:.1f}")
+
+    def train_batch(self, data_iter=None) -> torch.Tensor:
+        """One global batch: all micro-batches, reduction and step. Returns the mean loss (all ranks)."""
+        it = self._iterator(data_iter)
+        losses = []
+        for _ in range(self.gradient_accumulation_steps()):
+            loss = self._loss_of(self.forward_batch(next(it)))
+            self.backward(loss)
+            self.step()
+            losses.append(loss.detach().float())
+        return self._mean_over_dp(torch.stack(losses).mean())
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter=None) -> torch.Tensor:
+        """Mean loss over one global batch without touching gradients or weights."""
+        it = self._iterator(data_iter)
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            losses = [self._loss_of(self.forward_batch(next(it))).float()
+                      for _ in range(self.gradient_accumulation_steps())]
+        finally:
+            self.module.train(was_training)
+        return self._mean_over_dp(torch.stack(losses).mean())
+
+    def forward_batch(self, batch):
+        """Call the model on a batch: a tuple/list is unpacked, a dict passed as keywords."""
+        batch = _to_device(batch, self.device)
+        if isinstance(batch, (list, tuple)):
+            return self(*batch)
+        if isinstance(batch, dict):
+            return self(**batch)
+        return self(batch)
+
+    def _iterator(self, data_iter):
+        if data_iter is not None:
+            return data_iter
+        if self.training_dataloader is None:
+            raise ValueError("train_batch needs a data iterator, or training_data given to zerotron.initialize")
+        if self._data_iter is None:
+            self._data_iter = _RepeatingIterator(self.training_dataloader)
+        return self._data_iter
+
+    @staticmethod
+    def _loss_of(output) -> torch.Tensor:
+        if torch.is_tensor(output):
+            return output
+        if hasattr(output, "loss") and output.loss is not None:
+            return output.loss
+        if isinstance(output, (tuple, list)) and output and torch.is_tensor(output[0]):
+            return output[0]
+        raise ValueError("the model's output has no loss: return the loss tensor (or an object with .loss)")
+
+    def _mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
+        if self.topology.dp > 1:
+            value = value.clone()
+            self.dp_comm.all_reduce(value)
+            value /= self.topology.dp
+        return value
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.grad_buckets.zero()
+
+    # ---- accessors DeepSpeed scripts use ----------------------------------------------------
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bf16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return None if self._global_grad_norm is None else float(self._global_grad_norm)
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.topology.dp
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds for model states."""
+        def nbytes(tensors):
+            seen, total = set(), 0
+            for t in tensors:
+                if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    total += t.untyped_storage().nbytes()
+            return total
+        report = {
+            "params": nbytes(self.module.parameters()),
+            "grads": nbytes(self.grad_buckets.flat_grads()) + (nbytes(self.master.grads()) if self.master.separate else 0),
+            "master_weights": nbytes(self.master.masters) if self.master.separate else 0,
+            "optimizer": nbytes(v for s in self.optimizer.state.values() for v in s.values()),
+        }
+        report["total"] = sum(report.values())
+        return report
+
+    def comm_stats(self) -> dict[str, int]:
+        """Bytes of the full tensors each kind of collective moved since start or the last reset."""
+        a, b = self.dp_comm.stats(), self.world_comm.stats()
+        return {k: a[k] + b[k] for k in a}
+
+    def reset_comm_stats(self):
+        self.dp_comm.reset_stats()
+        self.world_comm.reset_stats()
+
+
+class _RepeatingIterator:
+    """Cycles a DataLoader over epochs (advancing the sampler's epoch) for train_batch()."""
+
+    def __init__(self, loader):
+        self.loader, self.epoch = loader, 0
+        self.it = iter(loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.it)
+        except StopIteration:
+            self.epoch += 1
+            if hasattr(self.loader.sampler, "set_epoch"):
+                self.loader.sampler.set_epoch(self.epoch)
+            self.it = iter(self.loader)
+            return next(self.it)
+
+
+def _to_device(batch, device):
+    if torch.is_tensor(batch):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch

@@ -1,0 +1,188 @@
+"""The reference model: a Llama-style decoder LM, plain single-device PyTorch.
+
+RMSNorm, rotary positions, grouped-query attention through `scaled_dot_product_attention`, SwiGLU.
+Parallelism is applied to it from outside; nothing in here knows about ranks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256          # bytes
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 4             # < n_head: grouped-query attention
+    d_model: int = 128
+    ffn_hidden: int = 0            # 0: SwiGLU's usual 8/3 * d_model, rounded up to a multiple of 32
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
+        if (self.d_model // self.n_head) % 2:
+            raise ValueError("the head size d_model / n_head must be even for rotary positions")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 32 * math.ceil(8 * self.d_model / 3 / 32)
+
+
+# Sizes by name, from ~0.1M parameters (tests) to billions (GPUs). Vocabulary: bytes unless overridden.
+SIZES = {
+    "tiny": GPTConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=64),
+    "small": GPTConfig(n_layer=4, n_head=4, n_kv_head=2, d_model=128),
+    "medium": GPTConfig(n_layer=6, n_head=8, n_kv_head=4, d_model=256),
+    "large": GPTConfig(n_layer=8, n_head=8, n_kv_head=4, d_model=512),
+    "125m": GPTConfig(n_layer=12, n_head=12, n_kv_head=12, d_model=768, max_seq_len=2048),
+    "350m": GPTConfig(n_layer=24, n_head=16, n_kv_head=16, d_model=1024, max_seq_len=2048),
+    "1.3b": GPTConfig(n_layer=24, n_head=16, n_kv_head=16, d_model=2048, max_seq_len=2048),
+    "2.7b": GPTConfig(n_layer=32, n_head=32, n_kv_head=32, d_model=2560, max_seq_len=2048),
+    "7b": GPTConfig(n_layer=32, n_head=32, n_kv_head=32, d_model=4096, ffn_hidden=11008, max_seq_len=4096),
+    "13b": GPTConfig(n_layer=40, n_head=40, n_kv_head=40, d_model=5120, ffn_hidden=13824, max_seq_len=4096),
+}
+
+
+def config_for(size: str, **overrides) -> GPTConfig:
+    if size not in SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose one of {', '.join(SIZES)}")
+    return replace(SIZES[size], **overrides)
+
+
+def rotary_tables(cfg: GPTConfig, seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of the rotary angles, always fp32 and computed per call (cheap), so casting the
+    model to bf16/fp16 never degrades positions."""
+    dims = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device=device)
+    inv_freq = 1.0 / cfg.rope_theta ** (dims / cfg.head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (batch, heads, seq, head_dim); rotate pairs (first half, second half) of each head."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        self.wq = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        # view(..., -1, head_dim): the head count comes from the weights, so a tensor-parallel
+        # split of wq/wk/wv (fewer local heads) needs no change here.
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each k/v head
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.d_model, cfg.ffn, bias=False)  # up
+        self.w2 = nn.Linear(cfg.ffn, cfg.d_model, bias=False)  # down
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, cos, sin):
+        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.wo.weight", "mlp.w2.weight")):  # GPT-2's scaled residual init
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+        """Logits (batch, seq, vocab); or, given targets, the mean cross-entropy loss."""
+        t = tokens.shape[1]
+        if t > self.config.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds max_seq_len {self.config.max_seq_len}")
+        x = self.tok_emb(tokens)
+        cos, sin = rotary_tables(self.config, t, tokens.device)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6N + 12·L·d·s: N counts every weight used in a matmul (the embedding lookup is not one)."""
+        n = self.num_params() - (0 if self.config.tie_embeddings else self.tok_emb.weight.numel())
+        return 6 * n + 12 * self.config.n_layer * self.config.d_model * seq_len
+
+    @torch.no_grad()
+    def generate(self, tokens: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        for _ in range(max_new_tokens):
+            context = tokens[:, -self.config.max_seq_len:]
+            logits = self(context)[:, -1, :].float() / max(temperature, 1e-6)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            tokens = torch.cat((tokens, nxt), dim=1)
+        return tokens

@@ -1,0 +1,138 @@
+"""The reference job behind `zerotron train`: the reference GPT on the embedded corpus."""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+# Dense bf16 peak FLOP/s per GPU, for MFU.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+
+def add_train_arguments(p: argparse.ArgumentParser):
+    p.add_argument("--model", default="small", help="reference GPT size: tiny, small, medium, large, 125m, ... 13b")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--nproc", type=int, default=None, help="processes (default: all GPUs, else 2 CPU processes)")
+    p.add_argument("--config", default=None, help="DeepSpeed JSON config; the flags below override it")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per process per micro-step (default 8)")
+    p.add_argument("--grad-accum", type=int, default=None, help="micro-steps per optimizer step (default 1)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None, help="default: bf16 on GPUs, fp32 on CPUs")
+    p.add_argument("--zero", type=int, default=None, help="ZeRO stage")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-batches", type=int, default=8, help="validation micro-batches per process")
+    p.add_argument("--sample-bytes", type=int, default=200, help="length of the generated sample (0: none)")
+    p.add_argument("--corpus-bytes", type=int, default=None, help="cap on the training corpus size")
+
+
+def build_config(args, gpu: bool) -> dict:
+    """The DeepSpeed config of the job: --config if given, else defaults; explicit flags override."""
+    from .config import read_raw
+    cfg = read_raw(args.config) if args.config else {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": args.steps, "warmup_num_steps": max(1, args.steps // 20), "warmup_type": "linear",
+            "cos_min_ratio": 0.1}},
+        "steps_per_print": 10 ** 9,  # the progress bar reports instead
+    }
+    if args.micro_batch is not None:
+        cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
+        cfg.pop("train_batch_size", None)
+    if args.grad_accum is not None:
+        cfg["gradient_accumulation_steps"] = args.grad_accum
+        cfg.pop("train_batch_size", None)
+    if args.lr is not None:
+        cfg.setdefault("optimizer", {"type": "AdamW", "params": {}}).setdefault("params", {})["lr"] = args.lr
+    precision = args.precision or (None if args.config else ("bf16" if gpu else "fp32"))
+    if precision is not None:
+        cfg["bf16"] = {"enabled": precision == "bf16"}
+        cfg["fp16"] = {**cfg.get("fp16", {}), "enabled": precision == "fp16"}
+    if args.zero is not None:
+        cfg.setdefault("zero_optimization", {})["stage"] = args.zero
+    return cfg
+
+
+def _peak_flops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+@torch.no_grad()
+def _validation_loss(engine, val, batches: int, micro_batch: int) -> float:
+    """Mean loss over the first `batches` micro-batches of each data-parallel rank's share."""
+    dp, rank = engine.topology.dp, engine.coords.dp
+    n = min(len(val), batches * micro_batch * dp)
+    idx = list(range(rank, n, dp))
+    was_training = engine.module.training
+    engine.module.eval()
+    total = torch.zeros(2, device=engine.device)
+    for i in range(0, len(idx), micro_batch):
+        xs, ys = zip(*(val[j] for j in idx[i:i + micro_batch]))
+        loss = engine.forward_batch((torch.stack(xs), torch.stack(ys)))
+        total += torch.stack([loss.float() * len(xs), torch.tensor(float(len(xs)), device=engine.device)])
+    engine.module.train(was_training)
+    dist.all_reduce(total, group=engine.topology.group("dp"))
+    return (total[0] / total[1]).item()
+
+
+def train(args) -> None:
+    from tqdm import tqdm
+
+    import zerotron
+    from .data import corpus_loaders
+    from .models.gpt import GPT, config_for
+
+    zerotron.init_distributed()
+    gpu = torch.cuda.is_available()
+    torch.manual_seed(args.seed)
+    model = GPT(config_for(args.model, max_seq_len=args.seq_len))
+    engine, *_ = zerotron.initialize(model=model, config=build_config(args, gpu))
+    rank0 = engine.global_rank == 0
+    mb, seq = engine.train_micro_batch_size_per_gpu(), args.seq_len
+    loader, val = corpus_loaders(seq, mb, engine.topology.dp, engine.coords.dp, seed=args.seed,
+                                 max_bytes=args.corpus_bytes)
+    data = iter(loader)
+    say = print if rank0 else (lambda *a, **k: None)
+    say(f"zerotron train: {args.model} GPT, {model.num_params() / 1e6:.2f}M parameters, "
+        f"{engine.world_size} x {engine.device.type} ({dist.get_backend()}), {engine.config.model_dtype_name}, "
+        f"batch {engine.train_batch_size()} x {seq} tokens, {args.steps} steps")
+    val_before = _validation_loss(engine, val, args.eval_batches, mb)
+
+    tokens_per_step = engine.train_batch_size() * seq
+    flops_per_token = model.flops_per_token(seq)
+    peak = _peak_flops()
+    bar = tqdm(total=args.steps, disable=not rank0, unit="step", dynamic_ncols=True)
+    start = time.perf_counter()
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        loss = engine.train_batch(data)
+        dt = time.perf_counter() - t0
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(f"loss became {loss.item()} at step {step}; lower --lr")
+        stats = {"loss": f"{loss.item():.3f}", "tok/s": f"{tokens_per_step / dt:,.0f}"}
+        if peak:
+            stats["MFU"] = f"{flops_per_token * tokens_per_step / dt / engine.world_size / peak:.1%}"
+        bar.set_postfix(stats, refresh=False)
+        bar.update(1)
+    bar.close()
+    elapsed = time.perf_counter() - start
+
+    val_after = _validation_loss(engine, val, args.eval_batches, mb)
+    say(f"trained {args.steps} steps in {elapsed:.1f}s ({args.steps * tokens_per_step / elapsed:,.0f} tokens/s); "
+        f"validation loss {val_before:.3f} -> {val_after:.3f} (uniform guess: ln 256 = {math.log(256):.3f})")
+    if rank0 and args.sample_bytes > 0:
+        prompt = torch.tensor([list(b"def ")], device=engine.device)
+        g = torch.Generator(device=engine.device).manual_seed(args.seed)
+        engine.module.eval()
+        out = engine.module.generate(prompt, args.sample_bytes, temperature=0.8, top_k=40, generator=g)
+        say("sample:\n" + bytes(out[0].tolist()).decode("utf-8", errors="replace"))
+    dist.barrier()
+    dist.destroy_process_group()
