@@ -14,7 +14,8 @@ import time
 import traceback
 
 _ctx = mp.get_context("forkserver")
-_ctx.set_forkserver_preload(["torch", "torch.distributed", "zerotron"])
+# torch._dynamo is imported by the first torch optimizer (seconds); pay that once, here.
+_ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zerotron"])
 
 
 def free_port() -> int:

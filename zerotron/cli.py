@@ -15,9 +15,14 @@ def main(argv: list[str] | None = None) -> int:
     add_train_arguments(sub.add_parser("train", help="train the reference GPT on the embedded corpus"))
     _add_run_arguments(sub.add_parser("run", help="launch a script on N processes through torchrun"))
     args = parser.parse_args(argv)
-    if args.command == "train":
-        return _train(args, argv if argv is not None else sys.argv[1:])
-    return _run(args)
+    from .errors import ConfigError
+    try:
+        if args.command == "train":
+            return _train(args, argv if argv is not None else sys.argv[1:])
+        return _run(args)
+    except ConfigError as e:
+        print(f"zerotron: {e}", file=sys.stderr)
+        return 2
 
 
 # ---- zerotron train ---------------------------------------------------------------------------
@@ -32,8 +37,14 @@ def _train(args, argv: list[str]) -> int:
         train(args)
         return 0
     nproc = args.nproc or default_nproc()
-    # Relaunch ourselves under torchrun: one process per GPU (or `nproc` CPU processes).
-    return _torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "zerotron.cli", *argv])
+    from .config import Config
+    from .train import build_config
+    Config.load(build_config(args, torch.cuda.is_available()), world_size=nproc)  # fail fast, before launching
+    # Relaunch ourselves under torchrun: one process per GPU (or `nproc` CPU processes). --nproc is
+    # dropped from the workers' arguments: torchrun would read it as its own --nproc-per-node.
+    worker_argv = [a for i, a in enumerate(argv) if not (a.startswith("--nproc") or
+                                                         (i and argv[i - 1] == "--nproc"))]
+    return _torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "zerotron.cli", *worker_argv])
 
 
 # ---- zerotron run -----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 import typing
 import warnings
@@ -319,6 +320,10 @@ def resolve_auto(raw: dict, **values) -> dict:
     from fall back to their defaults; keys without a sensible default raise ConfigError.
     """
     raw = copy.deepcopy(raw)
+    known = {name for _, name, _ in _AUTO_RULES} | {"hidden_size"}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise TypeError(f"resolve_auto got unknown value names {unknown}; known: {sorted(known)}")
     values = {k: v for k, v in values.items() if v is not None}
     hidden = values.pop("hidden_size", None)
     if hidden is not None:
@@ -406,8 +411,8 @@ def _convert(tp, value, key: str):
             raise ConfigError(key, value, "expected an integer")
         return int(value)
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(key, value, "expected a number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(key, value, "expected a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

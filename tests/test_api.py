@@ -1,0 +1,120 @@
+"""initialize() as DeepSpeed scripts call it, the engine's accessors, and the topology."""
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerotron
+from distributed import RankError, run_ranks
+from parity import ds_config, make_model
+from zerotron.topology import Topology
+
+
+def test_plain_process_without_launcher_is_world_size_one():
+    code = ("import torch, zerotron\n"
+            "from zerotron.models.gpt import GPT, config_for\n"
+            "m = GPT(config_for('tiny', max_seq_len=8))\n"
+            "e, o, d, s = zerotron.initialize(model=m, config={'train_batch_size': 2, "
+            "'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}}})\n"
+            "x = torch.randint(0, 256, (2, 8))\n"
+            "e.backward(e(x, x)); e.step()\n"
+            "print(e.world_size, e.dp_world_size, e.global_steps, type(o).__name__, d, s)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "1", "1", "SGD", "None", "None"]
+
+
+def _accessors():
+    engine, optimizer, loader, scheduler = zerotron.initialize(
+        model=make_model(), config=ds_config(2, 3, scheduler={"type": "WarmupLR", "params": {
+            "warmup_min_lr": 0.0, "warmup_max_lr": "auto", "warmup_num_steps": 10, "warmup_type": "linear"}}),
+        training_data=torch.utils.data.TensorDataset(torch.randint(0, 256, (40, 16)), torch.randint(0, 256, (40, 16))))
+    out = {
+        "mbs": engine.train_micro_batch_size_per_gpu(), "gas": engine.gradient_accumulation_steps(),
+        "tbs": engine.train_batch_size(), "stage": engine.zero_optimization_stage(),
+        "boundary": [], "lr": [], "rank": engine.global_rank, "local_rank": engine.local_rank,
+        "loader_len": len(loader), "module_is_model": engine.module is not None,
+    }
+    for _ in range(2):
+        loss = engine.train_batch()
+        out["lr"].append(engine.get_lr()[0])
+        out["loss_finite"] = bool(torch.isfinite(loss))
+    for _ in range(3):
+        out["boundary"].append(engine.is_gradient_accumulation_boundary())
+        engine.step()  # counting micro-steps only (no backward needed for the boundary logic)
+    out["steps"] = engine.global_steps
+    out["sched_is_engine_sched"] = scheduler is engine.lr_scheduler and optimizer is engine.optimizer
+    return out
+
+
+def test_initialize_returns_deepspeeds_tuple_and_accessors():
+    r0, r1 = run_ranks(_accessors, 2)
+    assert (r0["mbs"], r0["gas"], r0["tbs"], r0["stage"]) == (2, 3, 12, 0)
+    assert (r0["rank"], r1["rank"], r1["local_rank"]) == (0, 1, 1)
+    assert r0["loader_len"] == 10  # 40 samples / 2 ranks / micro-batch 2
+    # DeepSpeed's WarmupLR sets iteration 0's lr at construction, and its first step() is
+    # iteration 0 again: the lr after two optimizer steps is 1/10 of the way up.
+    assert r0["lr"] == pytest.approx([0.0, 3e-3 / 10])
+    assert r0["boundary"] == [False, False, True] and r0["steps"] == 3
+    assert r0["sched_is_engine_sched"] and r0["loss_finite"]
+
+
+def _conflicting_optimizers():
+    model = make_model()
+    zerotron.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=ds_config(2, 1))
+
+
+def test_two_optimizers_is_an_error():
+    with pytest.raises(RankError, match="both the config and initialize"):
+        run_ranks(_conflicting_optimizers, 1)
+
+
+def _client_optimizer_and_args(config_path):
+    parser = zerotron.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", config_path])
+    model = make_model()
+    engine, optimizer, _, _ = zerotron.initialize(
+        args=args, model=model, optimizer=lambda params: torch.optim.SGD(params, lr=0.5))
+    x = torch.randint(0, 256, (2, 16))
+    before = model.lm_head.weight.detach().clone()
+    engine.backward(engine(x, x))
+    engine.step()
+    grad_step = (before - model.lm_head.weight.detach()).abs().max().item()
+    return type(optimizer).__name__, optimizer.param_groups[0]["lr"], grad_step > 0
+
+
+def test_args_deepspeed_config_and_callable_optimizer(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 2}')
+    name, lr, moved = run_ranks(_client_optimizer_and_args, 2, str(path))[0]
+    assert (name, lr, moved) == ("SGD", 0.5, True)
+
+
+def test_topology_places_tensor_parallel_ranks_innermost():
+    topo = Topology(8, tp=2, pp=2)
+    assert topo.shape == (2, 2, 2)
+    assert [tuple(vars(topo.coords(r)).values()) for r in range(8)] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert topo.group_ranks("tp", 5) == [4, 5]
+    assert topo.group_ranks("dp", 5) == [5, 7]
+    assert topo.group_ranks("pp", 5) == [1, 5]
+    with pytest.raises(zerotron.ConfigError, match="must divide the world size"):
+        Topology(6, tp=4)
+
+
+def _groups():
+    topo = Topology(4, tp=2).build_groups()
+    return {dim: dist.get_process_group_ranks(topo.group(dim)) for dim in ("pp", "dp", "tp")}
+
+
+def test_topology_builds_matching_process_groups():
+    results = run_ranks(_groups, 4)
+    topo = Topology(4, tp=2)
+    for rank, groups in enumerate(results):
+        for dim, ranks in groups.items():
+            assert ranks == topo.group_ranks(dim, rank)

@@ -1,0 +1,47 @@
+"""The two commands users run first: `zerotron train` and `zerotron run`."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _zerotron(*args, timeout=240):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return subprocess.run([sys.executable, "-m", "zerotron.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_train_learns_on_two_processes():
+    out = _zerotron("train", "--model", "tiny", "--steps", "40", "--nproc", "2", "--seq-len", "64",
+                    "--eval-batches", "2", "--sample-bytes", "16", "--corpus-bytes", "300000")
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(l for l in out.stdout.splitlines() if "validation loss" in l)
+    before, after = (float(v) for v in line.split("validation loss ")[1].split(" (")[0].split(" -> "))
+    assert before > 5.0 and after < before - 1.0, line
+    assert "2 x cpu (gloo)" in out.stdout and "sample:" in out.stdout
+
+
+def test_run_launches_an_unchanged_deepspeed_script():
+    out = _zerotron("run", "-n", "2", "examples/deepspeed_script.py", "--steps", "12", "--deepspeed",
+                    "--deepspeed_config", "examples/ds_config.json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(l for l in out.stdout.splitlines() if l.startswith("done:"))
+    assert "12 steps" in line
+    first, last = (float(v) for v in line.split("loss ")[1].split(" -> "))
+    assert last < first
+
+
+def test_bad_config_fails_before_training_with_the_key_named(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_micro_batch_size_per_gpu": 4, "gradient_clipping": -1}')
+    out = _zerotron("train", "--model", "tiny", "--steps", "1", "--nproc", "1", "--config", str(bad))
+    assert out.returncode != 0
+    assert "gradient_clipping" in out.stderr
+
+
+def test_run_names_a_missing_script():
+    out = _zerotron("run", "-n", "2", "no_such_script.py")
+    assert out.returncode == 2 and "no such script" in out.stderr
