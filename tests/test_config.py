@@ -212,8 +212,6 @@ BAD = [
     # ZeRO
     ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage", "use 0 (data parallel), 1, 2 or 3"),
     ({"zero_optimization": {"stage": -1}}, "zero_optimization.stage", "use 0 (data parallel), 1, 2 or 3"),
-    ({"zero_optimization": {"stage": 1}}, "zero_optimization.stage", "not available"),
-    ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage", "not available"),
     ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage", "not available"),
     ({"zero_optimization": {"reduce_bucket_size": 0}}, "zero_optimization.reduce_bucket_size", "positive"),
     ({"zero_optimization": {"reduce_bucket_size": -5}}, "zero_optimization.reduce_bucket_size", "positive"),
@@ -230,9 +228,9 @@ BAD = [
     ({"zero_optimization": {"offload_param": {"device": "tape"}}},
      "zero_optimization.offload_param.device", "use 'none', 'cpu' or 'nvme'"),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
-     "zero_optimization.offload_optimizer.device", "needs ZeRO stage 1-3"),
+     "zero_optimization.offload_optimizer.device", "offload is not available"),
     ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/tmp"}}},
-     "zero_optimization.offload_param.device", "needs ZeRO stage 1-3"),
+     "zero_optimization.offload_param.device", "offload is not available"),
     ({"zero_optimization": {"offload_optimizer": {"device": 1}}},
      "zero_optimization.offload_optimizer.device", "expected a string"),
     # clipping and communication
@@ -303,12 +301,12 @@ def test_fp16_and_bf16_message_names_both():
     assert "fp16" in str(info.value) and "bf16" in str(info.value)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [3])
 def test_zero_stages_message_says_not_available_yet(stage):
     with pytest.raises(ConfigError) as info:
         load({"zero_optimization": {"stage": stage}})
     message = str(info.value)
-    assert "not available" in message and "yet" in message and "use stage 0" in message
+    assert "not available" in message and "yet" in message and "use stage 0, 1 or 2" in message
     assert f"= {stage}:" in message
 
 

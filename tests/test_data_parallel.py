@@ -19,7 +19,7 @@ def _train_dp(micro, gas, steps, extra=None, model_overrides=None):
     for batch in global_batches(steps, micro * gas * dp):
         losses.append(engine.train_batch(iter(micro_batches(batch, rank, dp, gas))).item())
     state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-    return losses, state, engine.comm_stats(), [b.launched_in_backward for b in engine.grad_buckets.buckets]
+    return losses, state, engine.comm_stats(), [b.launched_in_backward for b in engine.states.buckets]
 
 
 @pytest.mark.parametrize("world,gas", [(1, 1), (2, 1), (2, 3), (4, 1), (4, 2)])

@@ -100,9 +100,8 @@ class ZeroConfig:
 
     def validate(self, p: str):
         _check(self.stage in (0, 1, 2, 3), p + ".stage", self.stage, "use 0 (data parallel), 1, 2 or 3")
-        _check(self.stage == 0, p + ".stage", self.stage,
-               "ZeRO stages 1-3 are not available in this version of zerotron yet; use stage 0 "
-               "(plain data parallelism) for now")
+        _check(self.stage != 3, p + ".stage", self.stage,
+               "ZeRO stage 3 is not available in this version of zerotron yet; use stage 0, 1 or 2")
         for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size",
                     "stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
             value = getattr(self, key)
@@ -115,7 +114,7 @@ class ZeroConfig:
                 off.validate(f"{p}.{key}")
             if off is not None and off.device != "none":
                 _check(False, f"{p}.{key}.device", off.device,
-                       "offload needs ZeRO stage 1-3, which this version does not have yet; remove the key")
+                       "CPU/NVMe offload is not available in this version of zerotron yet; remove the key")
 
 
 @dataclass

@@ -129,3 +129,45 @@ class GradBuckets:
     def remove_hooks(self):
         for h in self._hooks:
             h.remove()
+
+
+class ReplicatedStates:
+    """Stage 0 behind the interface the engine drives (shared with `zero.sharded.ShardedStates`):
+    full gradients all-reduced in buckets, full fp32 masters (separate only in bf16/fp16)."""
+
+    norm_group = None  # gradients are identical on every rank after the all-reduce
+
+    def __init__(self, params: list[torch.nn.Parameter], comm: Comm, bucket_numel: int,
+                 reduce_dtype: torch.dtype | None = None):
+        from .precision import MasterWeights
+        self.grad_buckets = GradBuckets(params, comm, bucket_numel, reduce_dtype)
+        self.buckets = self.grad_buckets.buckets
+        self.master = MasterWeights(params)
+
+    def adopt(self, optimizer):
+        self.master.adopt(optimizer)
+
+    def begin_backward(self, sync: bool):
+        self.grad_buckets.sync = sync
+
+    def end_backward(self):
+        self.grad_buckets.finish()
+
+    def unscale_and_check(self, inv_scale):
+        return self.master.take_grads(inv_scale)
+
+    def master_grads(self):
+        return self.master.grads()
+
+    def publish(self):
+        self.master.copy_to_model()
+
+    def zero_grads(self):
+        self.grad_buckets.zero()
+
+    def memory(self) -> dict[str, int]:
+        grads = sum(g.numel() * g.element_size() for g in self.grad_buckets.flat_grads())
+        if self.master.separate:
+            grads += sum(m.numel() * 4 for m in self.master.masters)
+        return {"grads": grads, "master_weights": sum(m.numel() * 4 for m in self.master.masters)
+                if self.master.separate else 0}

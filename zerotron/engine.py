@@ -9,13 +9,13 @@ import torch.nn as nn
 
 from .comm import Comm, local_device
 from .config import Config
-from .data_parallel import GradBuckets
 from .errors import ConfigError
 from .log import logger
 from .monitor import Monitor
 from .optim import build_optimizer
-from .precision import DTYPES, LossScaler, MasterWeights, clip_by_global_norm, model_dtype
+from .precision import LossScaler, clip_by_global_norm, model_dtype
 from .topology import Topology
+from .zero import make_model_states
 
 
 class Engine(nn.Module):
@@ -45,12 +45,9 @@ class Engine(nn.Module):
         params = [p for p in self.module.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no parameters that require gradients; nothing to train")
-        reduce_dtype = DTYPES[config.communication_data_type] if config.communication_data_type else None
-        self.grad_buckets = GradBuckets(params, self.dp_comm, config.zero_optimization.reduce_bucket_size,
-                                        reduce_dtype)
-        self.master = MasterWeights(params)
         self.optimizer = self._make_optimizer(optimizer, model_parameters, params)
-        self.master.adopt(self.optimizer)
+        # Gradient reduction, master weights and parameter updates, for the configured ZeRO stage.
+        self.states = make_model_states(self.module, self.optimizer, config, self.dp_comm)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.loss_scaler = LossScaler(config.fp16)
         self.monitor = Monitor(config, self.global_rank)
@@ -122,10 +119,9 @@ class Engine(nn.Module):
             scaled = scaled / self.gradient_accumulation_steps()
         if self.loss_scaler.enabled:
             scaled = scaled * self.loss_scaler.scale
-        self.grad_buckets.sync = boundary
+        self.states.begin_backward(boundary)
         scaled.backward(retain_graph=retain_graph)
-        if boundary:
-            self.grad_buckets.finish()
+        self.states.end_backward()
         return loss
 
     def step(self, lr_kwargs: dict | None = None):
@@ -137,7 +133,7 @@ class Engine(nn.Module):
 
     def _take_model_step(self, lr_kwargs):
         scaled = self.loss_scaler.enabled
-        overflow = self.master.take_grads(1.0 / self.loss_scaler.scale if scaled else None)
+        overflow = self.states.unscale_and_check(1.0 / self.loss_scaler.scale if scaled else None)
         if scaled:  # every rank must agree to skip
             flag = torch.tensor([float(overflow)], device=self.device)
             self.world_comm.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -149,12 +145,13 @@ class Engine(nn.Module):
             logger.warning(f"step {self.global_steps}: fp16 gradients overflowed, step skipped; "
                            f"loss scale {previous_scale:g} -> {self.loss_scaler.scale:g}")
         else:
-            self._global_grad_norm = clip_by_global_norm(self.master.grads(), self.config.gradient_clipping)
+            self._global_grad_norm = clip_by_global_norm(self.states.master_grads(), self.config.gradient_clipping,
+                                                         self.states.norm_group)
             self.optimizer.step()
-            self.master.copy_to_model()
+            self.states.publish()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
-        self.grad_buckets.zero()
+        self.states.zero_grads()
         self.global_steps += 1
         self._report()
 
@@ -236,7 +233,7 @@ class Engine(nn.Module):
         return value
 
     def zero_grad(self, set_to_none: bool = True):
-        self.grad_buckets.zero()
+        self.states.zero_grads()
 
     # ---- accessors DeepSpeed scripts use ----------------------------------------------------
     def train_micro_batch_size_per_gpu(self) -> int:
@@ -283,12 +280,8 @@ class Engine(nn.Module):
                     seen.add(t.untyped_storage().data_ptr())
                     total += t.untyped_storage().nbytes()
             return total
-        report = {
-            "params": nbytes(self.module.parameters()),
-            "grads": nbytes(self.grad_buckets.flat_grads()) + (nbytes(self.master.grads()) if self.master.separate else 0),
-            "master_weights": nbytes(self.master.masters) if self.master.separate else 0,
-            "optimizer": nbytes(v for s in self.optimizer.state.values() for v in s.values()),
-        }
+        report = {"params": nbytes(self.module.parameters()), **self.states.memory(),
+                  "optimizer": nbytes(v for s in self.optimizer.state.values() for v in s.values())}
         report["total"] = sum(report.values())
         return report
 

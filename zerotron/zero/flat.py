@@ -1,0 +1,74 @@
+"""Flat buckets: a list of parameters laid end to end in one buffer, split into equal shards.
+
+The bucket's length is padded to a multiple of the data-parallel size so every rank owns one
+contiguous shard of `shard_numel` elements: rank r owns [r * shard_numel, (r + 1) * shard_numel).
+Parameters become views into the full buffer while it exists. One bucket is one collective.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def split_into_buckets(params: list[torch.nn.Parameter], max_numel: int) -> list[list[torch.nn.Parameter]]:
+    """Consecutive runs of parameters of one dtype/device, each run at most `max_numel` elements
+    (a single larger parameter gets a bucket of its own)."""
+    buckets, current, size = [], [], 0
+    for p in params:
+        if current and (size + p.numel() > max_numel or p.dtype != current[0].dtype or p.device != current[0].device):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p.numel()
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class FlatBucket:
+    def __init__(self, params: list[torch.nn.Parameter], world: int, rank: int):
+        self.params = params
+        self.world, self.rank = world, rank
+        self.offsets, offset = [], 0
+        for p in params:
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.numel = offset
+        self.shard_numel = -(-offset // world)  # ceil
+        self.padded_numel = self.shard_numel * world
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.shapes = [p.shape for p in params]
+        self.full: torch.Tensor | None = None     # the whole bucket, when materialised
+        self.shard: torch.Tensor | None = None    # this rank's part of the parameters
+        self.master: torch.Tensor | None = None   # fp32 view into the group's master shard
+        self.master_grad: torch.Tensor | None = None
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        return self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
+
+    def flatten_params(self) -> torch.Tensor:
+        """Copy the parameters' current values into a new padded flat buffer."""
+        full = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        for p, off in zip(self.params, self.offsets):
+            full[off:off + p.numel()].copy_(p.detach().reshape(-1))
+        return full
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[off:off + p.numel()].view(shape) for p, off, shape in zip(self.params, self.offsets, self.shapes)]
+
+    def point_params_at(self, flat: torch.Tensor) -> None:
+        """Make every parameter a view into `flat` (same storage, no copy)."""
+        for p, view in zip(self.params, self.views(flat)):
+            p.data = view
+
+    def own_slice(self, flat: torch.Tensor) -> torch.Tensor:
+        start, end = self.shard_range
+        return flat[start:end]
+
+    def param_slices_in_shard(self):
+        """(param index, start in param, start in shard, length) for each parameter piece this rank owns."""
+        start, end = self.shard_range
+        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
+            lo, hi = max(off, start), min(off + p.numel(), end)
+            if lo < hi:
+                yield i, lo - off, lo - start, hi - lo

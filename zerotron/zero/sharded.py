@@ -1,0 +1,223 @@
+"""ZeRO stages 1-3, the optimizer side: fp32 master weights, their gradients and optimizer states
+exist only for this rank's shard of each flat bucket.
+
+- Stage 1: gradients accumulate in full buckets (as in data parallelism); at the accumulation
+  boundary each bucket is reduce-scattered while backward runs, so each rank receives only the
+  summed gradient of its own shard.
+- Stages 2 and 3: every micro-batch's gradients are copied into a short-lived bucket buffer as
+  they arrive and reduce-scattered at once; the reduced shard is added into the fp32 gradient
+  shard, so no rank ever holds a full gradient for longer than a bucket is in flight.
+
+After the optimizer updates the master shard, each rank writes it (in the model dtype) into its
+parameter shard; buckets whose parameters are replicated (stages 1, 2, and small parameters in
+stage 3) are then all-gathered, while stage 3's partitioned units are gathered on their next use.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ..comm import Comm
+from .flat import FlatBucket
+
+# torch optimizers whose update is elementwise, so running them on a flat shard is exact.
+ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "ASGD")
+_MAX_REDUCTIONS_IN_FLIGHT = 2
+
+
+class ShardedStates:
+    """Owns gradient reduction, master shards and parameter publishing for `buckets`."""
+
+    def __init__(self, buckets: list[FlatBucket], partitioned: set[int], group_of: dict[int, int], comm: Comm,
+                 stage: int, allgather_numel: int, reduce_dtype: torch.dtype | None = None, on_grads_done=None):
+        self.buckets = buckets
+        self.partitioned = partitioned      # indices of buckets whose full parameters are not kept
+        self.comm, self.stage = comm, stage
+        self.allgather_numel = allgather_numel
+        self.reduce_dtype = reduce_dtype
+        self.on_grads_done = on_grads_done  # stage 3: release a unit once its gradients are in
+        self.sync = True
+        self._next_launch = 0
+        self._in_flight: deque = deque()
+        self._where: dict[int, tuple[FlatBucket, int]] = {}
+        self._build_masters(group_of)
+        for b in buckets:
+            for i, p in enumerate(b.params):
+                self._where[id(p)] = (b, i)
+            b.ready = set()
+            b.staging = None
+            b.grad_full = None
+            if stage == 1:
+                b.grad_full = torch.zeros(b.padded_numel, dtype=b.dtype, device=b.device)
+                b.grad_views = b.views(b.grad_full)
+                for p, view in zip(b.params, b.grad_views):
+                    p.grad = view
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for b in buckets for p in b.params if p.requires_grad]
+
+    # ---- masters --------------------------------------------------------------------------
+    def _build_masters(self, group_of: dict[int, int]):
+        """One fp32 buffer holds every bucket's master shard. Each shard is cut where the optimizer
+        group changes, and each run is one tensor the optimizer updates (runs of parameters that no
+        optimizer group holds, e.g. frozen ones, are never updated)."""
+        total = sum(b.shard_numel for b in self.buckets)
+        device = self.buckets[0].device
+        self.master_flat = torch.zeros(total, dtype=torch.float32, device=device)
+        self.master_grad_flat = torch.zeros(total, dtype=torch.float32, device=device)
+        self.runs: list[tuple[int | None, torch.nn.Parameter]] = []  # (optimizer group, master tensor)
+        offset = 0
+        for index, b in enumerate(self.buckets):
+            b.index = index
+            b.master = self.master_flat[offset:offset + b.shard_numel]
+            b.master_grad = self.master_grad_flat[offset:offset + b.shard_numel]
+            b.master.copy_(b.shard.float())
+            runs: list[list] = []  # [group, start in shard]; padding joins the last run
+            for i, _, start, _ in b.param_slices_in_shard():
+                group = group_of.get(id(b.params[i]))
+                if not runs or runs[-1][0] != group:
+                    runs.append([group, start])
+            runs = runs or [[group_of.get(id(b.params[-1])), 0]]
+            ends = [start for _, start in runs[1:]] + [b.shard_numel]
+            for (group, lo), hi in zip(runs, ends):
+                m = torch.nn.Parameter(b.master[lo:hi])
+                m.grad = b.master_grad[lo:hi]
+                self.runs.append((group, m))
+            offset += b.shard_numel
+
+    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
+        name = type(optimizer).__name__
+        if name not in ELEMENTWISE_OPTIMIZERS:
+            raise ValueError(f"ZeRO shards the optimizer over flat buffers, which is exact only for elementwise "
+                             f"optimizers ({', '.join(ELEMENTWISE_OPTIMIZERS)}); {name} is not one of them. "
+                             "Use one of those, or zero_optimization.stage 0")
+        if optimizer.state:
+            raise ValueError("the optimizer already has state; pass a fresh optimizer to zerotron.initialize")
+        for gi, group in enumerate(optimizer.param_groups):
+            group["params"] = [m for g, m in self.runs if g == gi]
+
+    @property
+    def master_params(self) -> list[torch.Tensor]:
+        return [m for _, m in self.runs]
+
+    def master_grads(self) -> list[torch.Tensor]:
+        return [self.master_grad_flat]
+
+    @property
+    def norm_group(self):
+        return self.comm.group if self.comm.size > 1 else None
+
+    # ---- backward -------------------------------------------------------------------------
+    def begin_backward(self, sync: bool) -> None:
+        self.sync = sync
+
+    def _on_grad_ready(self, param: torch.nn.Parameter):
+        bucket, i = self._where[id(param)]
+        if self.stage == 1:
+            view = bucket.grad_views[i]
+            if param.grad is not view:
+                if param.grad is not None:
+                    view.add_(param.grad)
+                param.grad = view
+            if not self.sync:
+                return
+        else:
+            if bucket.staging is None:
+                bucket.staging = torch.zeros(bucket.padded_numel, dtype=bucket.dtype, device=bucket.device)
+            off = bucket.offsets[i]
+            bucket.staging[off:off + param.numel()].add_(param.grad.reshape(-1))
+            param.grad = None
+        if bucket.index < self._next_launch:
+            raise RuntimeError(f"gradient of a parameter of shape {tuple(param.shape)} arrived after its bucket "
+                               "was reduced (a second use after backward reached it); use "
+                               "torch.utils.checkpoint(use_reentrant=False)")
+        bucket.ready.add(i)
+        self._launch_ready(in_backward=True)
+
+    def _launch_ready(self, in_backward: bool):
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            n_trainable = sum(p.requires_grad for p in bucket.params)
+            if in_backward and len(bucket.ready) < n_trainable:
+                return
+            self._launch(bucket, in_backward)
+            self._next_launch += 1
+
+    def _launch(self, bucket: FlatBucket, in_backward: bool):
+        full = bucket.grad_full if self.stage == 1 else bucket.staging
+        if full is None:  # no parameter of this bucket got a gradient in this backward
+            full = torch.zeros(bucket.padded_numel, dtype=bucket.dtype, device=bucket.device)
+        if self.reduce_dtype is not None and self.reduce_dtype != full.dtype:
+            full = full.to(self.reduce_dtype)
+        elif self.stage == 1:
+            full = full.clone()  # keep the accumulated buffer intact while it is reduced in place
+        full.div_(self.comm.size)  # average; dividing first keeps fp16 sums in range
+        received = torch.empty(bucket.shard_numel, dtype=full.dtype, device=full.device)
+        work = self.comm.reduce_scatter_flat(received, full, async_op=True)
+        bucket.staging = None
+        bucket.launched_in_backward = in_backward
+        self._in_flight.append((bucket, work, received, full))
+        if self.on_grads_done is not None:
+            self.on_grads_done(bucket)
+        while len(self._in_flight) > _MAX_REDUCTIONS_IN_FLIGHT:
+            self._complete_oldest()
+
+    def _complete_oldest(self):
+        bucket, work, received, _ = self._in_flight.popleft()
+        work.wait()
+        if self.stage == 1:
+            bucket.master_grad.copy_(received)
+        else:
+            bucket.master_grad.add_(received.float())
+
+    def end_backward(self) -> None:
+        """Reduce what is left (buckets without gradients too), and wait for every reduction."""
+        if self.stage == 1 and not self.sync:
+            return
+        self._launch_ready(in_backward=False)
+        while self._in_flight:
+            self._complete_oldest()
+        for b in self.buckets:
+            b.ready.clear()
+        self._next_launch = 0
+
+    # ---- after the optimizer step ---------------------------------------------------------
+    def unscale_and_check(self, inv_scale: float | None) -> bool:
+        if inv_scale is None:
+            return False
+        found_inf = torch.zeros(1, device=self.master_grad_flat.device)
+        inv = torch.full((1,), inv_scale, device=self.master_grad_flat.device)
+        torch._amp_foreach_non_finite_check_and_unscale_([self.master_grad_flat], found_inf, inv)
+        return bool(found_inf.item())
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Write the updated master shards into the parameters; all-gather replicated buckets."""
+        pending, in_flight = [], 0
+        for i, b in enumerate(self.buckets):
+            if i in self.partitioned:
+                b.shard.copy_(b.master)
+                continue
+            own = b.own_slice(b.full)
+            own.copy_(b.master)
+            pending.append(self.comm.all_gather_flat(b.full, own.clone(), async_op=True))
+            in_flight += b.padded_numel
+            if in_flight >= self.allgather_numel:  # allgather_bucket_size bounds what is in flight
+                for w in pending:
+                    w.wait()
+                pending, in_flight = [], 0
+        for w in pending:
+            w.wait()
+
+    def zero_grads(self) -> None:
+        self.master_grad_flat.zero_()
+        for b in self.buckets:
+            if b.grad_full is not None:
+                b.grad_full.zero_()
+                for p, view in zip(b.params, b.grad_views):
+                    p.grad = view
+
+    def memory(self) -> dict[str, int]:
+        grads = self.master_grad_flat.numel() * 4
+        grads += sum(b.grad_full.numel() * b.grad_full.element_size() for b in self.buckets if b.grad_full is not None)
+        return {"grads": grads, "master_weights": self.master_flat.numel() * 4}
