@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import zerotron
 from distributed import RankError, run_ranks
-from parity import ds_config, make_model
+from parity import LR, ds_config, make_model
 from zerotron.topology import Topology
 
 
@@ -59,7 +59,7 @@ def test_initialize_returns_deepspeeds_tuple_and_accessors():
     assert r0["loader_len"] == 10  # 40 samples / 2 ranks / micro-batch 2
     # DeepSpeed's WarmupLR sets iteration 0's lr at construction, and its first step() is
     # iteration 0 again: the lr after two optimizer steps is 1/10 of the way up.
-    assert r0["lr"] == pytest.approx([0.0, 3e-3 / 10])
+    assert r0["lr"] == pytest.approx([0.0, LR / 10])
     assert r0["boundary"] == [False, False, True] and r0["steps"] == 3
     assert r0["sched_is_engine_sched"] and r0["loss_finite"]
 

@@ -212,7 +212,6 @@ BAD = [
     # ZeRO
     ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage", "use 0 (data parallel), 1, 2 or 3"),
     ({"zero_optimization": {"stage": -1}}, "zero_optimization.stage", "use 0 (data parallel), 1, 2 or 3"),
-    ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage", "not available"),
     ({"zero_optimization": {"reduce_bucket_size": 0}}, "zero_optimization.reduce_bucket_size", "positive"),
     ({"zero_optimization": {"reduce_bucket_size": -5}}, "zero_optimization.reduce_bucket_size", "positive"),
     ({"zero_optimization": {"allgather_bucket_size": 0}}, "zero_optimization.allgather_bucket_size", "positive"),
@@ -299,15 +298,6 @@ def test_fp16_and_bf16_message_names_both():
     with pytest.raises(ConfigError) as info:
         load({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
     assert "fp16" in str(info.value) and "bf16" in str(info.value)
-
-
-@pytest.mark.parametrize("stage", [3])
-def test_zero_stages_message_says_not_available_yet(stage):
-    with pytest.raises(ConfigError) as info:
-        load({"zero_optimization": {"stage": stage}})
-    message = str(info.value)
-    assert "not available" in message and "yet" in message and "use stage 0, 1 or 2" in message
-    assert f"= {stage}:" in message
 
 
 def test_integer_valued_floats_are_accepted_for_int_keys():

@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 import zerotron
 from distributed import run_ranks
-from parity import (assert_losses_close, ds_config, global_batches, make_model, max_weight_diff,
+from parity import (LR, assert_losses_close, ds_config, global_batches, make_model, max_weight_diff,
                     micro_batches, reference_training)
 
 STEPS = 5
@@ -18,7 +18,7 @@ def _train_dp(micro, gas, steps, extra=None, model_overrides=None):
     losses = []
     for batch in global_batches(steps, micro * gas * dp):
         losses.append(engine.train_batch(iter(micro_batches(batch, rank, dp, gas))).item())
-    state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    state = zerotron.zero.consolidated_state_dict(engine.module)
     return losses, state, engine.comm_stats(), [b.launched_in_backward for b in engine.states.buckets]
 
 
@@ -85,7 +85,7 @@ def test_parameter_never_used_in_forward():
     results = run_ranks(_train_with_extra_param, 2, 2)
     for unused, _ in results:
         # AdamW's decoupled weight decay is the only change: (1 - lr * wd) per step.
-        expected = torch.ones(7) * (1 - 3e-3 * 0.1) ** 2
+        expected = torch.ones(7) * (1 - LR * 0.1) ** 2
         torch.testing.assert_close(unused, expected)
 
 

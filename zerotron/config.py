@@ -100,8 +100,6 @@ class ZeroConfig:
 
     def validate(self, p: str):
         _check(self.stage in (0, 1, 2, 3), p + ".stage", self.stage, "use 0 (data parallel), 1, 2 or 3")
-        _check(self.stage != 3, p + ".stage", self.stage,
-               "ZeRO stage 3 is not available in this version of zerotron yet; use stage 0, 1 or 2")
         for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size",
                     "stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
             value = getattr(self, key)

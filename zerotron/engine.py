@@ -37,7 +37,7 @@ class Engine(nn.Module):
         self.local_rank = int(__import__("os").environ.get("LOCAL_RANK", 0))
         self.coords = topology.coords(self.global_rank)
         self.dtype = model_dtype(config)
-        self.module = module.to(device=self.device, dtype=self.dtype)
+        self.module = self._place(module)
 
         self.dp_comm = Comm(topology.group("dp"))
         self.world_comm = Comm(None)
@@ -61,15 +61,27 @@ class Engine(nn.Module):
         self._global_grad_norm = None
         self._micro_losses: list[torch.Tensor] = []
         self._step_start = time.perf_counter()
+        self.reset_comm_stats()  # count training traffic only
 
     # ---- construction helpers ---------------------------------------------------------------
+    def _place(self, module: nn.Module) -> nn.Module:
+        """Move the model to this rank's device and dtype; parameters built under zero.Init stay
+        on the meta device until ZeRO-3 materializes them one unit at a time."""
+        meta = any(p.is_meta for p in module.parameters())
+        if meta and self.config.zero_optimization.stage != 3:
+            raise ValueError("the model was built under zerotron.zero.Init (meta parameters), which needs "
+                             "zero_optimization.stage 3")
+        dtype = self.dtype
+        return module._apply(lambda t: t.to(dtype=dtype if t.is_floating_point() else t.dtype) if t.is_meta
+                             else t.to(self.device, dtype=dtype if t.is_floating_point() else t.dtype))
+
     @torch.no_grad()
     def _broadcast_module(self):
         """Start every data-parallel replica from dp-rank 0's weights, seeded or not."""
         if self.topology.dp > 1:
             for t in list(self.module.parameters()) + list(self.module.buffers()):
-                self.dp_comm.broadcast(t.data, src_group_rank=0)
-            self.dp_comm.reset_stats()
+                if not t.is_meta:
+                    self.dp_comm.broadcast(t.data, src_group_rank=0)
 
     def _make_optimizer(self, client, model_parameters, params):
         if client is not None and self.config.optimizer is not None:

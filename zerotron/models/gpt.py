@@ -90,6 +90,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+        self.wo.residual_projection = True
 
     def forward(self, x, cos, sin):
         b, t, _ = x.shape
@@ -113,6 +114,7 @@ class MLP(nn.Module):
         self.w1 = nn.Linear(cfg.d_model, cfg.ffn, bias=False)  # gate
         self.w3 = nn.Linear(cfg.d_model, cfg.ffn, bias=False)  # up
         self.w2 = nn.Linear(cfg.ffn, cfg.d_model, bias=False)  # down
+        self.w2.residual_projection = True
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -143,14 +145,13 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith(("attn.wo.weight", "mlp.w2.weight")):  # GPT-2's scaled residual init
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
-    @staticmethod
-    def _init_weights(m):
+    def _init_weights(self, m: nn.Module):
+        """Per-module init (also what zero.Init runs when it materializes a partitioned model)."""
         if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
+            # GPT-2's scaled init for projections that write into the residual stream.
+            scale = math.sqrt(2 * self.config.n_layer) if getattr(m, "residual_projection", False) else 1.0
+            nn.init.normal_(m.weight, std=0.02 / scale)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits (batch, seq, vocab); or, given targets, the mean cross-entropy loss."""

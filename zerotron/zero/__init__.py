@@ -1,6 +1,8 @@
 """ZeRO: model states sharded over the data-parallel ranks (stages 1-3)."""
 from __future__ import annotations
 
+from .partition_api import GatheredParameters, Init, consolidated_state_dict
+
 import torch
 
 from ..comm import Comm
@@ -19,6 +21,9 @@ def make_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if zero.stage == 0:
         from ..data_parallel import ReplicatedStates
         states = ReplicatedStates(params, comm, zero.reduce_bucket_size, reduce_dtype)
+    elif zero.stage == 3:
+        from .stage3 import Stage3States
+        states = Stage3States(module, params, group_of, comm, zero, reduce_dtype)
     else:
         from .flat import FlatBucket, split_into_buckets
         from .sharded import ShardedStates

@@ -37,10 +37,10 @@ class FlatBucket:
         self.padded_numel = self.shard_numel * world
         self.dtype, self.device = params[0].dtype, params[0].device
         self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]  # kept: a released stage-3 parameter has no elements
         self.full: torch.Tensor | None = None     # the whole bucket, when materialised
         self.shard: torch.Tensor | None = None    # this rank's part of the parameters
         self.master: torch.Tensor | None = None   # fp32 view into the group's master shard
-        self.master_grad: torch.Tensor | None = None
 
     @property
     def shard_range(self) -> tuple[int, int]:
@@ -54,7 +54,7 @@ class FlatBucket:
         return full
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[off:off + p.numel()].view(shape) for p, off, shape in zip(self.params, self.offsets, self.shapes)]
+        return [flat[off:off + n].view(shape) for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
 
     def point_params_at(self, flat: torch.Tensor) -> None:
         """Make every parameter a view into `flat` (same storage, no copy)."""
@@ -68,7 +68,7 @@ class FlatBucket:
     def param_slices_in_shard(self):
         """(param index, start in param, start in shard, length) for each parameter piece this rank owns."""
         start, end = self.shard_range
-        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
-            lo, hi = max(off, start), min(off + p.numel(), end)
+        for i, (n, off) in enumerate(zip(self.numels, self.offsets)):
+            lo, hi = max(off, start), min(off + n, end)
             if lo < hi:
                 yield i, lo - off, lo - start, hi - lo

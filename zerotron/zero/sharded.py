@@ -5,8 +5,12 @@ exist only for this rank's shard of each flat bucket.
   boundary each bucket is reduce-scattered while backward runs, so each rank receives only the
   summed gradient of its own shard.
 - Stages 2 and 3: every micro-batch's gradients are copied into a short-lived bucket buffer as
-  they arrive and reduce-scattered at once; the reduced shard is added into the fp32 gradient
-  shard, so no rank ever holds a full gradient for longer than a bucket is in flight.
+  they arrive and reduce-scattered at once; the reduced shard is added into the gradient shard,
+  so no rank ever holds a full gradient for longer than a bucket is in flight.
+
+Gradient shards stay in the model dtype between steps (the ZeRO paper's 2 bytes per element);
+the fp32 copy the optimizer reads exists only during the step (and not at all in fp32 training
+with stages 2-3, where it is the gradient shard itself).
 
 After the optimizer updates the master shard, each rank writes it (in the model dtype) into its
 parameter shard; buckets whose parameters are replicated (stages 1, 2, and small parameters in
@@ -62,15 +66,20 @@ class ShardedStates:
         group changes, and each run is one tensor the optimizer updates (runs of parameters that no
         optimizer group holds, e.g. frozen ones, are never updated)."""
         total = sum(b.shard_numel for b in self.buckets)
-        device = self.buckets[0].device
+        device, dtype = self.buckets[0].device, self.buckets[0].dtype
         self.master_flat = torch.zeros(total, dtype=torch.float32, device=device)
-        self.master_grad_flat = torch.zeros(total, dtype=torch.float32, device=device)
+        # Stage 1 keeps the reduced shard inside its full gradient bucket; stages 2-3 keep one buffer.
+        self.grad_shard_flat = None if self.stage == 1 else torch.zeros(total, dtype=dtype, device=device)
+        self.master_grad_flat = None  # fp32 gradients, during the step only
         self.runs: list[tuple[int | None, torch.nn.Parameter]] = []  # (optimizer group, master tensor)
+        self._run_bounds: list[tuple[int, int]] = []
         offset = 0
         for index, b in enumerate(self.buckets):
             b.index = index
+            b.offset = offset
             b.master = self.master_flat[offset:offset + b.shard_numel]
-            b.master_grad = self.master_grad_flat[offset:offset + b.shard_numel]
+            if self.grad_shard_flat is not None:
+                b.grad_shard = self.grad_shard_flat[offset:offset + b.shard_numel]
             b.master.copy_(b.shard.float())
             runs: list[list] = []  # [group, start in shard]; padding joins the last run
             for i, _, start, _ in b.param_slices_in_shard():
@@ -80,9 +89,8 @@ class ShardedStates:
             runs = runs or [[group_of.get(id(b.params[-1])), 0]]
             ends = [start for _, start in runs[1:]] + [b.shard_numel]
             for (group, lo), hi in zip(runs, ends):
-                m = torch.nn.Parameter(b.master[lo:hi])
-                m.grad = b.master_grad[lo:hi]
-                self.runs.append((group, m))
+                self.runs.append((group, torch.nn.Parameter(b.master[lo:hi])))
+                self._run_bounds.append((offset + lo, offset + hi))
             offset += b.shard_numel
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
@@ -102,6 +110,18 @@ class ShardedStates:
 
     def master_grads(self) -> list[torch.Tensor]:
         return [self.master_grad_flat]
+
+    def _make_master_grads(self):
+        """The fp32 gradients of the master shard, pointed at by every master run's .grad."""
+        if self.grad_shard_flat is not None and self.grad_shard_flat.dtype == torch.float32:
+            self.master_grad_flat = self.grad_shard_flat
+        else:
+            self.master_grad_flat = torch.empty_like(self.master_flat)
+            for b in self.buckets:
+                shard = b.grad_shard if self.stage != 1 else b.own_slice(b.grad_full)
+                self.master_grad_flat[b.offset:b.offset + b.shard_numel].copy_(shard)
+        for (_, m), (lo, hi) in zip(self.runs, self._run_bounds):
+            m.grad = self.master_grad_flat[lo:hi]
 
     @property
     def norm_group(self):
@@ -125,7 +145,7 @@ class ShardedStates:
             if bucket.staging is None:
                 bucket.staging = torch.zeros(bucket.padded_numel, dtype=bucket.dtype, device=bucket.device)
             off = bucket.offsets[i]
-            bucket.staging[off:off + param.numel()].add_(param.grad.reshape(-1))
+            bucket.staging[off:off + bucket.numels[i]].add_(param.grad.reshape(-1))
             param.grad = None
         if bucket.index < self._next_launch:
             raise RuntimeError(f"gradient of a parameter of shape {tuple(param.shape)} arrived after its bucket "
@@ -149,8 +169,6 @@ class ShardedStates:
             full = torch.zeros(bucket.padded_numel, dtype=bucket.dtype, device=bucket.device)
         if self.reduce_dtype is not None and self.reduce_dtype != full.dtype:
             full = full.to(self.reduce_dtype)
-        elif self.stage == 1:
-            full = full.clone()  # keep the accumulated buffer intact while it is reduced in place
         full.div_(self.comm.size)  # average; dividing first keeps fp16 sums in range
         received = torch.empty(bucket.shard_numel, dtype=full.dtype, device=full.device)
         work = self.comm.reduce_scatter_flat(received, full, async_op=True)
@@ -165,10 +183,10 @@ class ShardedStates:
     def _complete_oldest(self):
         bucket, work, received, _ = self._in_flight.popleft()
         work.wait()
-        if self.stage == 1:
-            bucket.master_grad.copy_(received)
+        if self.stage == 1:  # the bucket's own slice becomes the reduced gradient shard
+            bucket.own_slice(bucket.grad_full).copy_(received)
         else:
-            bucket.master_grad.add_(received.float())
+            bucket.grad_shard.add_(received)
 
     def end_backward(self) -> None:
         """Reduce what is left (buckets without gradients too), and wait for every reduction."""
@@ -183,6 +201,7 @@ class ShardedStates:
 
     # ---- after the optimizer step ---------------------------------------------------------
     def unscale_and_check(self, inv_scale: float | None) -> bool:
+        self._make_master_grads()
         if inv_scale is None:
             return False
         found_inf = torch.zeros(1, device=self.master_grad_flat.device)
@@ -210,7 +229,11 @@ class ShardedStates:
             w.wait()
 
     def zero_grads(self) -> None:
-        self.master_grad_flat.zero_()
+        self.master_grad_flat = None
+        for _, m in self.runs:
+            m.grad = None
+        if self.grad_shard_flat is not None:
+            self.grad_shard_flat.zero_()
         for b in self.buckets:
             if b.grad_full is not None:
                 b.grad_full.zero_()
@@ -218,6 +241,6 @@ class ShardedStates:
                     p.grad = view
 
     def memory(self) -> dict[str, int]:
-        grads = self.master_grad_flat.numel() * 4
+        grads = 0 if self.grad_shard_flat is None else self.grad_shard_flat.numel() * self.grad_shard_flat.element_size()
         grads += sum(b.grad_full.numel() * b.grad_full.element_size() for b in self.buckets if b.grad_full is not None)
         return {"grads": grads, "master_weights": self.master_flat.numel() * 4}

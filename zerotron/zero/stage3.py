@@ -1,0 +1,242 @@
+"""ZeRO stage 3: parameters are partitioned too. This file holds all of the gather/release logic.
+
+The model is cut into units: by default every repeated block (each child of a ModuleList or
+Sequential whose children share one class, e.g. a transformer layer), plus the root unit holding
+everything else (embeddings, final norm, head). Each unit's parameters live in one flat bucket,
+of which a rank keeps only its shard. A unit is
+
+- gathered (one all-gather) right before its forward, and released right after it;
+- gathered again right before its backward (a hook on its outputs' gradients), and released as
+  soon as all of its gradients are in and reduce-scattered;
+- prefetched: while one unit computes, the next one in execution order (recorded in the first
+  forward; reversed for backward) is already being gathered.
+
+The root unit wraps the whole forward, so it stays gathered from the start of forward to the end
+of backward; that is also what makes parameters read outside their own module's forward (a head
+tied to the embedding, say) work. Parameters smaller than `stage3_param_persistence_threshold`
+stay whole on every rank, like stage 2's. Buffers are never partitioned.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..comm import Comm
+from .flat import FlatBucket
+from .partition_api import materialize
+from .sharded import ShardedStates
+
+_RELEASED, _GATHERING, _GATHERED = "released", "gathering", "gathered"
+
+
+def find_units(module: nn.Module, unit_classes: list[str] | None = None) -> list[tuple[str, nn.Module]]:
+    """(name, module) of each unit below the root: modules of the named classes, or by default the
+    children of containers whose children are all of one class (repeated blocks)."""
+    found = []
+    for name, m in module.named_modules():
+        if any(name == n or name.startswith(n + ".") for n, _ in found):
+            continue
+        if unit_classes is not None:
+            if type(m).__name__ in unit_classes and m is not module:
+                found.append((name, m))
+        elif isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1 and \
+                len({type(c) for c in m}) == 1 and any(True for _ in m[0].parameters()):
+            found.extend((f"{name}.{i}" if name else str(i), c) for i, c in enumerate(m))
+    return found
+
+
+class Unit:
+    """One gather/release unit: its partitioned bucket and where it is in the gather cycle."""
+
+    def __init__(self, name: str, module: nn.Module, bucket: FlatBucket | None, comm: Comm):
+        self.name, self.module, self.bucket, self.comm = name, module, bucket, comm
+        self.state = _RELEASED if bucket is not None else _GATHERED
+        self.work = None
+
+    @property
+    def numel(self) -> int:
+        return self.bucket.padded_numel if self.bucket is not None else 0
+
+    def start_gather(self):
+        if self.state != _RELEASED:
+            return
+        b = self.bucket
+        b.full = torch.empty(b.padded_numel, dtype=b.dtype, device=b.device)
+        self.work = self.comm.all_gather_flat(b.full, b.shard, async_op=True)
+        self.state = _GATHERING
+
+    def wait(self):
+        if self.state == _GATHERING:
+            self.work.wait()
+            self.work = None
+            self.bucket.point_params_at(self.bucket.full)
+            self.state = _GATHERED
+
+    def gather(self):
+        self.start_gather()
+        self.wait()
+
+    def release(self):
+        if self.bucket is None or self.state == _RELEASED:
+            return
+        self.wait()
+        for p in self.bucket.params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.bucket.full = None
+        self.state = _RELEASED
+
+
+class Stage3States(ShardedStates):
+    """Stage 3: ShardedStates over partitioned unit buckets plus the hooks that gather them."""
+
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], group_of: dict[int, int], comm: Comm,
+                 zero, reduce_dtype=None, unit_classes: list[str] | None = None):
+        self.root = module
+        self.prefetch_numel = zero.stage3_prefetch_bucket_size
+        threshold = zero.stage3_param_persistence_threshold
+        trainable = {id(p) for p in params}
+        named_units = find_units(module, unit_classes) + [("", module)]
+        claimed: set[int] = set()
+        units, buckets = [], []
+        seed = _agreed_seed(comm)
+        for index, (name, m) in enumerate(named_units):  # blocks claim their parameters first; the root the rest
+            own = [p for p in m.parameters() if id(p) not in claimed]
+            claimed.update(id(p) for p in own)
+            if any(p.is_meta for p in own):  # built under zero.Init: materialize this unit only
+                materialize(m, module, own, comm_device(comm), seed + index)
+            big = [p for p in own if p.numel() >= threshold]
+            small = [p for p in own if p.numel() < threshold and id(p) in trainable]
+            unit = Unit(name, m, self._partition(big, comm) if big else None, comm)
+            unit.index = index
+            units.append(unit)
+            if unit.bucket is not None:
+                unit.bucket.unit = unit.bucket.owner = unit
+                for p in big:
+                    p.zt_unit = unit
+                buckets.append(unit.bucket)
+            if small:
+                persistent = FlatBucket(small, comm.size, comm.rank)
+                persistent.full = persistent.flatten_params()
+                persistent.point_params_at(persistent.full)
+                persistent.shard = persistent.own_slice(persistent.full)
+                persistent.unit, persistent.owner = None, unit
+                buckets.append(persistent)
+        self.root_unit = units[-1]
+        self.units = units
+        # Gradients complete in reverse forward order: blocks last-to-first, the root at the end.
+        rank_of = {id(u): i for i, u in enumerate(list(reversed(units[:-1])) + [self.root_unit])}
+        buckets.sort(key=lambda b: rank_of[id(b.owner)])
+        partitioned = {i for i, b in enumerate(buckets) if b.unit is not None}
+        for u in self.units:
+            u.release()
+        super().__init__(buckets, partitioned, group_of, comm, zero.stage, zero.allgather_bucket_size, reduce_dtype,
+                         on_grads_done=self._grads_done)
+        self.trace: list[Unit] = []
+        self.tracing = True
+        for u in self.units:
+            u.module.register_forward_pre_hook(self._make_pre_forward(u))
+            u.module.register_forward_hook(self._make_post_forward(u))
+
+    @staticmethod
+    def _partition(params, comm) -> FlatBucket:
+        b = FlatBucket(params, comm.size, comm.rank)
+        b.full = b.flatten_params()
+        b.point_params_at(b.full)
+        b.shard = b.own_slice(b.full).clone()  # the only copy this rank keeps
+        return b
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def _make_pre_forward(self, unit: Unit):
+        def hook(module, args):
+            if self.tracing and unit is not self.root_unit and unit not in self.trace:
+                self.trace.append(unit)
+            if unit is self.root_unit and self.trace:
+                self.tracing = False  # one full forward recorded the execution order
+            unit.gather()
+            self._prefetch(unit, step=+1)
+        return hook
+
+    def _make_post_forward(self, unit: Unit):
+        def hook(module, args, output):
+            training = torch.is_grad_enabled()
+            if training:
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(lambda grad, u=unit: self._pre_backward(u))
+            if unit is not self.root_unit or not training:
+                unit.release()
+            if unit is self.root_unit and not training:
+                self.release_all()
+            return output
+        return hook
+
+    def _pre_backward(self, unit: Unit):
+        unit.gather()
+        self._prefetch(unit, step=-1)
+
+    def _prefetch(self, unit: Unit, step: int):
+        """Start gathering the units that run next, up to stage3_prefetch_bucket_size elements."""
+        if self.tracing or not self.trace:
+            return
+        if unit is self.root_unit:  # forward starts at the first block, backward at the last
+            i = 0 if step > 0 else len(self.trace) - 1
+        elif unit in self.trace:
+            i = self.trace.index(unit) + step
+        else:
+            return
+        budget = self.prefetch_numel
+        while 0 <= i < len(self.trace) and self.trace[i].numel <= budget:
+            budget -= self.trace[i].numel
+            self.trace[i].start_gather()
+            i += step
+
+    def _grads_done(self, bucket: FlatBucket):
+        unit = getattr(bucket, "unit", None)
+        if unit is not None and unit is not self.root_unit:
+            unit.release()
+
+    def end_backward(self):
+        super().end_backward()
+        self.release_all()
+
+    def release_all(self):
+        for u in self.units:
+            u.release()
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        out = super().memory()
+        out["params"] = sum(b.shard.numel() * b.shard.element_size() if i in self.partitioned else
+                            b.full.numel() * b.full.element_size() for i, b in enumerate(self.buckets))
+        return out
+
+    def gathered(self, params):
+        """Context manager body for GatheredParameters: units owning `params`."""
+        ids = {id(p) for p in params}
+        return [u for u in self.units if u.bucket is not None and any(id(p) in ids for p in u.bucket.params)]
+
+
+def _tensors(output):
+    if torch.is_tensor(output):
+        yield output
+    elif isinstance(output, (list, tuple)):
+        for o in output:
+            yield from _tensors(o)
+    elif isinstance(output, dict):
+        for o in output.values():
+            yield from _tensors(o)
+    elif hasattr(output, "to_tuple"):  # Hugging Face ModelOutput
+        yield from _tensors(output.to_tuple())
+
+
+def comm_device(comm: Comm) -> torch.device:
+    from ..comm import local_device
+    return local_device()
+
+
+def _agreed_seed(comm: Comm) -> int:
+    """A seed every rank agrees on (rank 0's), for initializing units built under zero.Init."""
+    seed = torch.tensor([torch.initial_seed() % (2 ** 31)], dtype=torch.int64, device=comm_device(comm))
+    if comm.size > 1:
+        comm.broadcast(seed, src_group_rank=0)
+    return int(seed.item())
