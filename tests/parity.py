@@ -20,12 +20,12 @@ def make_model(seed: int = 0, **overrides) -> GPT:
     return GPT(config_for("tiny", max_seq_len=SEQ, **overrides))
 
 
-def global_batches(steps: int, batch: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def global_batches(steps: int, batch: int, seed: int = 1, vocab: int = 256) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Deterministic token batches; targets are the inputs shifted by one."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
-        tokens = torch.randint(0, 256, (batch, SEQ + 1), generator=g)
+        tokens = torch.randint(0, vocab, (batch, SEQ + 1), generator=g)
         out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
     return out
 

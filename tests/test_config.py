@@ -339,7 +339,7 @@ def test_valid_values_are_accepted():
 
 def test_defaults_are_deepspeeds():
     cfg = load()
-    assert cfg.gradient_clipping == 0.0 and cfg.steps_per_print == 10
+    assert cfg.gradient_clipping == 1.0 and cfg.steps_per_print == 10
     assert cfg.fp16.enabled is False and cfg.bf16.enabled is False and cfg.model_dtype_name == "fp32"
     assert (cfg.fp16.loss_scale, cfg.fp16.initial_scale_power, cfg.fp16.loss_scale_window,
             cfg.fp16.hysteresis, cfg.fp16.consecutive_hysteresis, cfg.fp16.min_loss_scale) == \
@@ -540,7 +540,7 @@ def test_auto_batch_with_nothing_to_resolve_from():
 def test_auto_with_nothing_falls_back_to_defaults():
     cfg = Config.load(ALL_AUTO, world_size=2, micro_batch_size=1)
     assert cfg.optimizer.params == {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
-    assert cfg.gradient_clipping == 0.0
+    assert cfg.gradient_clipping == 1.0
     assert cfg.fp16.enabled is False and cfg.bf16.enabled is False
     assert cfg.scheduler.params == {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3}  # warmup_num_steps: default
     z = cfg.zero_optimization
@@ -621,7 +621,7 @@ def test_bf16_and_fp16_auto():
 def test_gradient_clipping_auto():
     assert Config.load({"train_batch_size": 8, "gradient_clipping": "auto"}, max_grad_norm=0.5).gradient_clipping \
         == 0.5
-    assert Config.load({"train_batch_size": 8, "gradient_clipping": "auto"}).gradient_clipping == 0.0
+    assert Config.load({"train_batch_size": 8, "gradient_clipping": "auto"}).gradient_clipping == 1.0
 
 
 def test_auto_values_are_validated_after_resolution():

@@ -150,7 +150,7 @@ class Config:
     train_batch_size: Optional[int] = None
     train_micro_batch_size_per_gpu: Optional[int] = None
     gradient_accumulation_steps: Optional[int] = None
-    gradient_clipping: float = 0.0
+    gradient_clipping: float = 1.0  # DeepSpeed's default
     steps_per_print: int = 10
     communication_data_type: Optional[str] = None
     optimizer: Optional[OptimizerConfig] = None

@@ -49,8 +49,9 @@ def materialize(unit_module: nn.Module, root: nn.Module, params: list[nn.Paramet
     """Give the meta parameters in `params` (all within `unit_module`) real storage and initial values."""
     ids = {id(p) for p in params}
     for p in params:
-        if p.is_meta:
-            p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
+        if p.is_meta:  # swap, not .data=: a meta tensor cannot take real storage in place
+            torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                     requires_grad=p.requires_grad))
     fork_devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork_devices):
         torch.manual_seed(seed)

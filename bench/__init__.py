@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks of zerotron against its peers; see bench/README.md."""
