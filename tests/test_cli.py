@@ -24,6 +24,18 @@ def test_train_learns_on_two_processes():
     assert "2 x cpu (gloo)" in out.stdout and "sample:" in out.stdout
 
 
+def test_train_with_zero3_partitioned_parameters(tmp_path):
+    config = tmp_path / "z3.json"
+    config.write_text('{"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},'
+                      ' "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}')
+    out = _zerotron("train", "--model", "tiny", "--steps", "20", "--nproc", "2", "--seq-len", "64",
+                    "--config", str(config), "--eval-batches", "2", "--sample-bytes", "16", "--corpus-bytes", "300000")
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(l for l in out.stdout.splitlines() if "validation loss" in l)
+    before, after = (float(v) for v in line.split("validation loss ")[1].split(" (")[0].split(" -> "))
+    assert after < before - 0.5, line
+
+
 def test_run_launches_an_unchanged_deepspeed_script():
     out = _zerotron("run", "-n", "2", "examples/deepspeed_script.py", "--steps", "12", "--deepspeed",
                     "--deepspeed_config", "examples/ds_config.json")

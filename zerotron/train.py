@@ -128,7 +128,9 @@ def train(args) -> None:
     val_after = _validation_loss(engine, val, args.eval_batches, mb)
     say(f"trained {args.steps} steps in {elapsed:.1f}s ({args.steps * tokens_per_step / elapsed:,.0f} tokens/s); "
         f"validation loss {val_before:.3f} -> {val_after:.3f} (uniform guess: ln 256 = {math.log(256):.3f})")
-    if rank0 and args.sample_bytes > 0:
+    if args.sample_bytes > 0:
+        # Every rank generates (the same text, same seed): under ZeRO-3 each forward gathers
+        # parameters with collectives that all ranks must join.
         prompt = torch.tensor([list(b"def ")], device=engine.device)
         g = torch.Generator(device=engine.device).manual_seed(args.seed)
         engine.module.eval()
