@@ -269,3 +269,49 @@ def test_bytes_per_step_match_theory(stage, factor):
     # all-reduce counts as reduce-scatter + all-gather: 2 x the bytes it is handed
     for per_step in run_ranks(_traffic, 2, stage, vocab):
         assert per_step == pytest.approx(factor * psi_bytes, rel=0.05)
+
+
+def _clipped(stage, clip):
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(
+        2, 1, clip=clip, zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0}))
+    losses, norms = [], []
+    for b in global_batches(STEPS, 2 * dp):
+        losses.append(engine.train_batch(iter(micro_batches(b, rank, dp, 1))).item())
+        norms.append(engine.get_global_grad_norm())
+    return losses, zerotron.zero.consolidated_state_dict(engine.module), norms
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_global_norm_clipping_across_shards(stage):
+    clip = 0.05  # well below this model's gradient norm (~0.3), so every step is clipped
+    ref_losses, ref_state = reference_training(global_batches(STEPS, 4), clip=clip)
+    for losses, state, norms in run_ranks(_clipped, 2, stage, clip):
+        assert min(norms) > 2 * clip
+        assert_losses_close(losses, ref_losses, rtol=1e-5)
+        assert max_weight_diff(state, ref_state) < 1e-5
+
+
+def _fp16_overflow(stage):
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    fp16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}
+    engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(
+        2, 1, fp16=fp16, zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0}))
+    scales = []
+    for step, b in enumerate(global_batches(5, 2 * dp)):
+        x, y = micro_batches(b, rank, dp, 1)[0]
+        loss = engine(x, y)
+        if step == 1 and rank == 1:
+            loss = loss * float("inf")  # only this rank's shard sees the overflow after reduction
+        engine.backward(loss)
+        engine.step()
+        scales.append(engine.loss_scale)
+    return scales, engine.skipped_steps, zerotron.zero.consolidated_state_dict(engine.module)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp16_overflow_skips_on_every_rank(stage):
+    results = run_ranks(_fp16_overflow, 2, stage)
+    for scales, skipped, _ in results:
+        assert scales == [256, 128, 128, 128, 256] and skipped == 1
+    assert max_weight_diff(results[0][2], results[1][2]) == 0.0

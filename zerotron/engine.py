@@ -141,7 +141,6 @@ class Engine(nn.Module):
         if self.is_gradient_accumulation_boundary():
             self._take_model_step(lr_kwargs)
         self.micro_steps += 1
-        self.global_samples += self.train_micro_batch_size_per_gpu() * self.topology.dp
 
     def _take_model_step(self, lr_kwargs):
         scaled = self.loss_scaler.enabled
@@ -165,6 +164,7 @@ class Engine(nn.Module):
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         self.states.zero_grads()
         self.global_steps += 1
+        self.global_samples += self.train_batch_size()
         self._report()
 
     def _report(self):
