@@ -141,21 +141,18 @@ def test_tensor_parallel_one_is_plain_data_parallel():
     assert triple(cfg) == (16, 4, 1)
 
 
-@pytest.mark.parametrize("world_size,tp", [
-    (2, 2),  # divides the world
-    (4, 2),  # divides the world
-    (4, 4),  # divides the world
-    (4, 3),  # does not divide the world
-    (2, 4),  # larger than the world
-    (1, 2),
-])
-def test_tensor_parallel_above_one_is_not_available_yet(world_size, tp):
+@pytest.mark.parametrize("world_size,tp,dp", [(2, 2, 1), (4, 2, 2), (4, 4, 1), (8, 2, 4)])
+def test_tensor_parallel_divides_the_world(world_size, tp, dp):
+    cfg = Config.load({TBS: 16, "tensor_parallel": {"autotp_size": tp}}, world_size=world_size)
+    assert cfg.dp_size == dp and cfg.train_micro_batch_size_per_gpu == 16 // dp
+
+
+@pytest.mark.parametrize("world_size,tp", [(4, 3), (2, 4), (1, 2)])
+def test_tensor_parallel_that_does_not_divide_the_world(world_size, tp):
     with pytest.raises(ConfigError) as info:
         Config.load({TBS: 16, "tensor_parallel": {"autotp_size": tp}}, world_size=world_size)
-    message = str(info.value)
     assert info.value.key == "tensor_parallel.autotp_size"
-    assert "tensor_parallel.autotp_size" in message and repr(tp) in message
-    assert "not available" in message and "yet" in message and "use 1" in message
+    assert "must divide the number of processes" in str(info.value)
 
 
 @pytest.mark.parametrize("tp", [0, -2])

@@ -140,8 +140,12 @@ class TensorParallelConfig:
 
     def validate(self, p: str):
         _check(self.autotp_size >= 1, p + ".autotp_size", self.autotp_size, "use a positive integer")
-        _check(self.autotp_size == 1, p + ".autotp_size", self.autotp_size,
-               "tensor parallelism is not available in this version of zerotron yet; use 1")
+
+
+@dataclass
+class ZerotronConfig:
+    """Settings zerotron adds to DeepSpeed's schema, in their own "zerotron" section."""
+    sequence_parallel: bool = False
 
 
 @dataclass
@@ -159,6 +163,7 @@ class Config:
     bf16: BF16Config = field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    zerotron: ZerotronConfig = field(default_factory=ZerotronConfig)
     tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
     csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
     wandb: MonitorConfig = field(default_factory=MonitorConfig)

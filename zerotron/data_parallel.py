@@ -159,6 +159,11 @@ class ReplicatedStates:
     def master_grads(self):
         return self.master.grads()
 
+    def norm_weights(self, tp: int) -> list[float] | None:
+        if tp == 1:
+            return None
+        return [1.0 / tp if getattr(p, "tp_replicated", False) else 1.0 for p in self.master.model_params]
+
     def publish(self):
         self.master.copy_to_model()
 

@@ -40,7 +40,10 @@ class Engine(nn.Module):
         self.module = self._place(module)
 
         self.dp_comm = Comm(topology.group("dp"))
+        self.tp_comm = Comm(topology.group("tp"))
         self.world_comm = Comm(None)
+        if topology.tp > 1:
+            self._apply_tensor_parallel()
         self._broadcast_module()
         params = [p for p in self.module.parameters() if p.requires_grad]
         if not params:
@@ -74,6 +77,15 @@ class Engine(nn.Module):
         dtype = self.dtype
         return module._apply(lambda t: t.to(dtype=dtype if t.is_floating_point() else t.dtype) if t.is_meta
                              else t.to(self.device, dtype=dtype if t.is_floating_point() else t.dtype))
+
+    def _apply_tensor_parallel(self):
+        from .parallel.tensor import apply_tensor_parallel
+        plan_of = getattr(self.module, "tensor_parallel_plan", None)
+        if plan_of is None:
+            raise ValueError(f"{type(self.module).__name__} has no tensor_parallel_plan(tp); tensor parallelism "
+                             "needs a plan (module-name patterns -> column/row/vocab/head/norm)")
+        apply_tensor_parallel(self.module, plan_of(self.topology.tp), self.tp_comm,
+                              self.config.zerotron.sequence_parallel)
 
     @torch.no_grad()
     def _broadcast_module(self):
@@ -156,8 +168,10 @@ class Engine(nn.Module):
             logger.warning(f"step {self.global_steps}: fp16 gradients overflowed, step skipped; "
                            f"loss scale {previous_scale:g} -> {self.loss_scaler.scale:g}")
         else:
-            self._global_grad_norm = clip_by_global_norm(self.states.master_grads(), self.config.gradient_clipping,
-                                                         self.states.norm_group)
+            self._global_grad_norm = clip_by_global_norm(
+                self.states.master_grads(), self.config.gradient_clipping,
+                [self.states.norm_group, self.tp_comm.group if self.topology.tp > 1 else None],
+                self.states.norm_weights(self.topology.tp))
             self.optimizer.step()
             self.states.publish()
             if self.lr_scheduler is not None:
@@ -299,12 +313,12 @@ class Engine(nn.Module):
 
     def comm_stats(self) -> dict[str, int]:
         """Bytes of the full tensors each kind of collective moved since start or the last reset."""
-        a, b = self.dp_comm.stats(), self.world_comm.stats()
-        return {k: a[k] + b[k] for k in a}
+        comms = (self.dp_comm, self.tp_comm, self.world_comm)
+        return {k: sum(c.stats()[k] for c in comms) for k in Comm.KINDS}
 
     def reset_comm_stats(self):
-        self.dp_comm.reset_stats()
-        self.world_comm.reset_stats()
+        for c in (self.dp_comm, self.tp_comm, self.world_comm):
+            c.reset_stats()
 
 
 class _RepeatingIterator:

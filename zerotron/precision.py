@@ -122,17 +122,23 @@ class MasterWeights:
                 torch._foreach_copy_([p.data for p in self.model_params], self.masters)
 
 
-def clip_by_global_norm(grads: list[torch.Tensor], max_norm: float, group=None) -> torch.Tensor:
+def clip_by_global_norm(grads: list[torch.Tensor], max_norm: float, groups=None,
+                        weights: list[float] | None = None) -> torch.Tensor:
     """Scale `grads` so their joint L2 norm is at most `max_norm`; returns the norm before clipping.
 
-    `grads` may be shards: the squared norms are summed over `group` (None: nothing to sum over).
+    `grads` may be shards: the squared norms are summed over each process group in `groups` (a
+    group, a list of groups, or None). `weights` scale each tensor's squared norm, e.g. 1/tp for
+    a tensor every tensor-parallel rank holds a copy of, so it is counted once.
     """
     if not grads:
         return torch.zeros(())
-    norms = torch._foreach_norm(grads)
-    total_sq = torch.stack([n.float() for n in norms]).square().sum()
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(total_sq, group=group)
+    norms = torch.stack([n.float() for n in torch._foreach_norm(grads)]).square()
+    if weights is not None:
+        norms = norms * torch.tensor(weights, dtype=norms.dtype, device=norms.device)
+    total_sq = norms.sum()
+    for group in groups if isinstance(groups, (list, tuple)) else [groups]:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total_sq, group=group)
     total = total_sq.sqrt()
     if max_norm > 0:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)

@@ -81,6 +81,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out.type_as(x)
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -93,12 +97,13 @@ class Attention(nn.Module):
         self.wo.residual_projection = True
 
     def forward(self, x, cos, sin):
-        b, t, _ = x.shape
-        # view(..., -1, head_dim): the head count comes from the weights, so a tensor-parallel
-        # split of wq/wk/wv (fewer local heads) needs no change here.
-        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        # Shapes come from the projections, not from x: with tensor parallelism a rank holds fewer
+        # heads, and with sequence parallelism x holds part of the sequence while q/k/v hold all of it.
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        b, t = q.shape[:2]
+        q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if k.shape[1] != q.shape[1]:  # grouped-query attention: share each k/v head
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
@@ -144,6 +149,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        self.loss_fn = cross_entropy  # tensor parallelism swaps in a vocabulary-parallel loss
         self.apply(self._init_weights)
 
     def _init_weights(self, m: nn.Module):
@@ -165,7 +171,22 @@ class GPT(nn.Module):
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        return self.loss_fn(logits, targets)
+
+    def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
+        """Megatron's split: q/k/v and gate/up by output (whole heads per rank), o and down by
+        input, the vocabulary across ranks for the embedding, head and loss."""
+        cfg = self.config
+        for what, n in (("attention heads", cfg.n_head), ("key/value heads", cfg.n_kv_head),
+                        ("vocabulary", cfg.vocab_size), ("MLP hidden size", cfg.ffn)):
+            if n % tp:
+                from ..errors import ConfigError
+                raise ConfigError("tensor_parallel.autotp_size", tp,
+                                  f"the model's {what} ({n}) must be divisible by it; choose a size that divides it")
+        return {"tok_emb": "vocab", "layers.*.attn.wq": "column", "layers.*.attn.wk": "column",
+                "layers.*.attn.wv": "column", "layers.*.attn.wo": "row", "layers.*.mlp.w1": "column",
+                "layers.*.mlp.w3": "column", "layers.*.mlp.w2": "row", "lm_head": "head",
+                "layers.*.attn_norm": "norm", "layers.*.mlp_norm": "norm", "norm": "norm"}
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -108,6 +108,19 @@ class GatheredParameters:
 
 
 def consolidated_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The full state dict of a (possibly ZeRO-3 partitioned) module, on every rank."""
+    """The full state dict of a module partitioned by ZeRO-3 and/or tensor parallelism, on every
+    rank (every rank of the model must call it)."""
+    split = {name: p for name, p in module.named_parameters(remove_duplicate=False) if hasattr(p, "tp_split_dim")}
     with GatheredParameters(list(module.parameters())):
-        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    for name, p in split.items():
+        if name in state:
+            state[name] = _gather_tensor_parallel(state[name], p.tp_split_dim, p.tp_comm)
+    return state
+
+
+def _gather_tensor_parallel(shard: torch.Tensor, dim: int, comm) -> torch.Tensor:
+    import torch.distributed as dist
+    pieces = [torch.empty_like(shard) for _ in range(comm.size)]
+    dist.all_gather(pieces, shard.contiguous(), group=comm.group)
+    return torch.cat(pieces, dim=dim)

@@ -73,6 +73,7 @@ class ShardedStates:
         self.master_grad_flat = None  # fp32 gradients, during the step only
         self.runs: list[tuple[int | None, torch.nn.Parameter]] = []  # (optimizer group, master tensor)
         self._run_bounds: list[tuple[int, int]] = []
+        self.run_replicated: list[bool] = []
         offset = 0
         for index, b in enumerate(self.buckets):
             b.index = index
@@ -81,15 +82,19 @@ class ShardedStates:
             if self.grad_shard_flat is not None:
                 b.grad_shard = self.grad_shard_flat[offset:offset + b.shard_numel]
             b.master.copy_(b.shard.float())
-            runs: list[list] = []  # [group, start in shard]; padding joins the last run
+            # [(optimizer group, replicated over tensor-parallel ranks), start in shard]; padding
+            # joins the last run
+            runs: list[list] = []
             for i, _, start, _ in b.param_slices_in_shard():
-                group = group_of.get(id(b.params[i]))
-                if not runs or runs[-1][0] != group:
-                    runs.append([group, start])
-            runs = runs or [[group_of.get(id(b.params[-1])), 0]]
+                key = (group_of.get(id(b.params[i])), getattr(b.params[i], "tp_replicated", False))
+                if not runs or runs[-1][0] != key:
+                    runs.append([key, start])
+            last = b.params[-1]
+            runs = runs or [[(group_of.get(id(last)), getattr(last, "tp_replicated", False)), 0]]
             ends = [start for _, start in runs[1:]] + [b.shard_numel]
-            for (group, lo), hi in zip(runs, ends):
+            for ((group, replicated), lo), hi in zip(runs, ends):
                 self.runs.append((group, torch.nn.Parameter(b.master[lo:hi])))
+                self.run_replicated.append(replicated)
                 self._run_bounds.append((offset + lo, offset + hi))
             offset += b.shard_numel
 
@@ -109,7 +114,10 @@ class ShardedStates:
         return [m for _, m in self.runs]
 
     def master_grads(self) -> list[torch.Tensor]:
-        return [self.master_grad_flat]
+        return [m.grad for _, m in self.runs]
+
+    def norm_weights(self, tp: int) -> list[float] | None:
+        return [1.0 / tp if r else 1.0 for r in self.run_replicated] if tp > 1 else None
 
     def _make_master_grads(self):
         """The fp32 gradients of the master shard, pointed at by every master run's .grad."""

@@ -1,0 +1,73 @@
+"""Tensor parallelism (and sequence parallelism) trains the same model as one process."""
+import pytest
+import torch.distributed as dist
+
+import zerotron
+from distributed import RankError, run_ranks
+from parity import (SEQ, assert_losses_close, ds_config, global_batches, make_model, max_weight_diff,
+                    micro_batches, reference_training)
+
+STEPS = 4
+
+
+def _train_tp(tp, micro, gas, steps, sequence_parallel=False, stage=0, model_overrides=None):
+    world = dist.get_world_size()
+    config = ds_config(micro, gas, tensor_parallel={"autotp_size": tp},
+                       zerotron={"sequence_parallel": sequence_parallel},
+                       zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0})
+    engine, *_ = zerotron.initialize(model=make_model(**(model_overrides or {})), config=config)
+    dp, dp_rank = world // tp, engine.coords.dp
+    losses = []
+    for b in global_batches(steps, micro * gas * dp):
+        engine.reset_comm_stats()
+        losses.append(engine.train_batch(iter(micro_batches(b, dp_rank, dp, gas))).item())
+    return losses, zerotron.zero.consolidated_state_dict(engine.module), engine.tp_comm.stats()
+
+
+@pytest.mark.parametrize("world,tp,gas,sp", [
+    (2, 2, 1, False), (2, 2, 2, True), (4, 4, 1, False), (4, 4, 1, True), (4, 2, 2, False), (4, 2, 1, True)])
+def test_parity_with_single_process(world, tp, gas, sp):
+    overrides = {"n_kv_head": 4}  # 4 key/value heads split over up to 4 ranks
+    ref_losses, ref_state = reference_training(global_batches(STEPS, 2 * gas * (world // tp)), **overrides)
+    for losses, state, _ in run_ranks(_train_tp, world, tp, 2, gas, STEPS, sp, 0, overrides):
+        assert_losses_close(losses, ref_losses, rtol=1e-5)
+        assert max_weight_diff(state, ref_state) < 1e-5
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_tensor_parallel_with_zero_over_data_parallel(stage):
+    ref_losses, ref_state = reference_training(global_batches(STEPS, 4), tie_embeddings=True)
+    for losses, state, _ in run_ranks(_train_tp, 4, 2, 2, 1, STEPS, False, stage, {"tie_embeddings": True}):
+        assert_losses_close(losses, ref_losses, rtol=1e-5)
+        assert max_weight_diff(state, ref_state) < 1e-5
+
+
+def test_one_all_reduce_per_block_in_forward_and_in_backward():
+    layers, micro, d = 2, 2, 64
+    stats = run_ranks(_train_tp, 2, 2, micro, 1, 1)[0][2]
+    activation = micro * SEQ * d * 4
+    # forward: embedding + (attention, MLP) per layer; backward: the same two per layer + the head's
+    # input. The loss adds three (tokens,)-sized sums (max, sum of exponentials, target logit).
+    expected = (1 + 2 * layers) * activation + (2 * layers + 1) * activation + 3 * micro * SEQ * 4
+    assert stats["all_reduce"] == expected
+    assert stats["all_gather"] == 0 and stats["reduce_scatter"] == 0
+
+
+def test_sequence_parallel_trades_all_reduces_for_gather_and_scatter():
+    layers, micro, d = 2, 2, 64
+    stats = run_ranks(_train_tp, 2, 2, micro, 1, 1, True)[0][2]
+    activation = micro * SEQ * d * 4
+    assert stats["all_gather"] == (4 * layers + 2) * activation
+    assert stats["reduce_scatter"] == (4 * layers + 2) * activation
+    # what is left: the loss's statistics and the norm weights' gradient sums (2 per layer + final)
+    assert stats["all_reduce"] == 3 * micro * SEQ * 4 + (2 * layers + 1) * d * 4
+
+
+def _bad_heads():
+    config = ds_config(2, 1, tensor_parallel={"autotp_size": 4})
+    zerotron.initialize(model=make_model(), config=config)  # 2 key/value heads over 4 ranks
+
+
+def test_heads_not_divisible_is_a_clear_error():
+    with pytest.raises(RankError, match=r"key/value heads \(2\) must be divisible"):
+        run_ranks(_bad_heads, 4)

@@ -1,0 +1,1 @@
+"""Model parallelism: tensor parallelism (Megatron-style, applied by a plan)."""

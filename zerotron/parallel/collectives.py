@@ -1,0 +1,140 @@
+"""Tensor-parallel communication as autograd functions: each forward collective has its
+conjugate in backward (Megatron's f / g operators and their sequence-parallel versions).
+
+    copy_to_region        forward: identity        backward: all-reduce
+    reduce_from_region    forward: all-reduce      backward: identity
+    gather_last_dim       forward: all-gather      backward: take own slice
+    gather_sequence       forward: all-gather(seq) backward: reduce-scatter(seq)
+    scatter_sequence      forward: reduce-scatter  backward: all-gather(seq)
+    split_sequence        forward: take own slice  backward: all-gather(seq)
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm import Comm
+
+
+def _all_gather(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+    x = x.movedim(dim, 0).contiguous()
+    out = torch.empty((comm.size * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
+    comm.all_gather_flat(out, x)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+    x = x.movedim(dim, 0).contiguous()
+    if x.shape[0] % comm.size:
+        raise ValueError(f"dimension of size {x.shape[0]} does not split over {comm.size} tensor-parallel ranks")
+    out = torch.empty((x.shape[0] // comm.size,) + x.shape[1:], dtype=x.dtype, device=x.device)
+    comm.reduce_scatter_flat(out, x)
+    return out.movedim(0, dim)
+
+
+def _own_slice(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+    if x.shape[dim] % comm.size:
+        raise ValueError(f"dimension of size {x.shape[dim]} does not split over {comm.size} tensor-parallel ranks")
+    return x.chunk(comm.size, dim=dim)[comm.rank].contiguous()
+
+
+def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    x = x.contiguous()
+    comm.all_reduce(x)
+    return x
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(), ctx.comm), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        return _all_reduce(x.clone(), comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _all_gather(x, comm, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_slice(grad, ctx.comm, -1), None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return _all_gather(x, comm, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.comm, ctx.dim), None, None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return _reduce_scatter(x, comm, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.comm, ctx.dim), None, None
+
+
+class _SplitSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return _own_slice(x, comm, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.comm, ctx.dim), None, None
+
+
+def copy_to_region(x, comm: Comm):
+    return _CopyToRegion.apply(x, comm) if comm.size > 1 else x
+
+
+def reduce_from_region(x, comm: Comm):
+    return _ReduceFromRegion.apply(x, comm) if comm.size > 1 else x
+
+
+def gather_last_dim(x, comm: Comm):
+    return _GatherLastDim.apply(x, comm) if comm.size > 1 else x
+
+
+def gather_sequence(x, comm: Comm, dim: int = 1):
+    return _GatherSequence.apply(x, comm, dim) if comm.size > 1 else x
+
+
+def scatter_sequence(x, comm: Comm, dim: int = 1):
+    return _ScatterSequence.apply(x, comm, dim) if comm.size > 1 else x
+
+
+def split_sequence(x, comm: Comm, dim: int = 1):
+    return _SplitSequence.apply(x, comm, dim) if comm.size > 1 else x
+
+
+def all_reduce_max(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """In-place max over the group, outside autograd (for the parallel softmax's stability shift)."""
+    if comm.size > 1:
+        comm.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
