@@ -36,6 +36,15 @@ def test_train_with_zero3_partitioned_parameters(tmp_path):
     assert after < before - 0.5, line
 
 
+def test_train_with_tensor_and_sequence_parallelism():
+    out = _zerotron("train", "--model", "tiny", "--steps", "20", "--nproc", "2", "--tp", "2", "--sequence-parallel",
+                    "--seq-len", "64", "--eval-batches", "2", "--sample-bytes", "16", "--corpus-bytes", "300000")
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(l for l in out.stdout.splitlines() if "validation loss" in l)
+    before, after = (float(v) for v in line.split("validation loss ")[1].split(" (")[0].split(" -> "))
+    assert after < before - 0.5, line
+
+
 def test_run_launches_an_unchanged_deepspeed_script():
     out = _zerotron("run", "-n", "2", "examples/deepspeed_script.py", "--steps", "12", "--deepspeed",
                     "--deepspeed_config", "examples/ds_config.json")

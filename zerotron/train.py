@@ -23,6 +23,8 @@ def add_train_arguments(p: argparse.ArgumentParser):
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3)")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None, help="default: bf16 on GPUs, fp32 on CPUs")
     p.add_argument("--zero", type=int, default=None, help="ZeRO stage")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
+    p.add_argument("--sequence-parallel", action="store_true", default=None, help="split norms/residuals along the sequence (with --tp)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-batches", type=int, default=8, help="validation micro-batches per process")
     p.add_argument("--sample-bytes", type=int, default=200, help="length of the generated sample (0: none)")
@@ -55,6 +57,10 @@ def build_config(args, gpu: bool) -> dict:
         cfg["fp16"] = {**cfg.get("fp16", {}), "enabled": precision == "fp16"}
     if args.zero is not None:
         cfg.setdefault("zero_optimization", {})["stage"] = args.zero
+    if args.tp is not None:
+        cfg.setdefault("tensor_parallel", {})["autotp_size"] = args.tp
+    if args.sequence_parallel:
+        cfg.setdefault("zerotron", {})["sequence_parallel"] = True
     return cfg
 
 

@@ -44,53 +44,66 @@ def _shard(param: nn.Parameter, dim: int, comm: Comm) -> nn.Parameter:
     return _SHARDS[key]
 
 
-class _SharedEntry:
-    """The entry into a column-parallel region, shared by the column layers reading one input
+class _Region:
+    """State the tensor-parallel modules of one model share.
+
+    `split`: whether this forward runs sequence-parallel. The embedding decides it per forward:
+    sequence parallelism needs the length to divide the tensor-parallel size, so other lengths
+    (generation, say) take the plain tensor-parallel path with the same weights.
+
+    The entry into a column-parallel region is shared by the column layers reading one input
     (q, k and v; gate and up): the input is copied in (or sequence-gathered) once, so backward sums
-    their gradients first and pays one all-reduce (or reduce-scatter), as a fused QKV would."""
+    their gradients first and pays one all-reduce (or reduce-scatter), as a fused QKV would.
+    """
 
     def __init__(self, comm: Comm, sequence_parallel: bool):
         self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.split = False
         self.last_in, self.last_out = None, None
 
-    def __call__(self, x):
+    def start(self, seq_len: int):
+        self.split = self.sequence_parallel and seq_len % self.comm.size == 0
+
+    def enter(self, x):
         if x is not self.last_in:
-            enter = gather_sequence if self.sequence_parallel else copy_to_region
+            enter = gather_sequence if self.split else copy_to_region
             self.last_in, self.last_out = x, enter(x, self.comm)
         return self.last_out
 
+    def exit(self, y):
+        return scatter_sequence(y, self.comm) if self.split else reduce_from_region(y, self.comm)
+
 
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, comm: Comm, entry: _SharedEntry):
+    def __init__(self, linear: nn.Linear, comm: Comm, region: _Region):
         super().__init__()
         _check_divisible(linear.out_features, comm.size, "output features")
-        self.comm, self.entry = comm, entry
+        self.region = region
         self.weight = _shard(linear.weight, 0, comm)
         self.bias = _shard(linear.bias, 0, comm) if linear.bias is not None else None
 
     def forward(self, x):
-        return F.linear(self.entry(x), self.weight, self.bias)
+        return F.linear(self.region.enter(x), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, comm: Comm, sequence_parallel: bool = False):
+    def __init__(self, linear: nn.Linear, comm: Comm, region: _Region):
         super().__init__()
         _check_divisible(linear.in_features, comm.size, "input features")
-        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.region = region
         self.weight = _shard(linear.weight, 1, comm)
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
-        y = scatter_sequence(y, self.comm) if self.sequence_parallel else reduce_from_region(y, self.comm)
+        y = self.region.exit(F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, emb: nn.Embedding, comm: Comm, sequence_parallel: bool = False):
+    def __init__(self, emb: nn.Embedding, comm: Comm, region: _Region):
         super().__init__()
         _check_divisible(emb.num_embeddings, comm.size, "vocabulary size")
-        self.comm, self.sequence_parallel = comm, sequence_parallel
+        self.region = region
         self.per_rank = emb.num_embeddings // comm.size
         self.start = comm.rank * self.per_rank
         self.weight = _shard(emb.weight, 0, comm)
@@ -99,7 +112,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.start) | (ids >= self.start + self.per_rank)
         local = (ids - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return scatter_sequence(out, self.comm) if self.sequence_parallel else reduce_from_region(out, self.comm)
+        self.region.start(ids.shape[1])
+        return self.region.exit(out)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -158,7 +172,7 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], comm: Comm, se
     for style in plan.values():
         if style not in STYLES:
             raise ConfigError("tensor-parallel plan", style, f"use one of {', '.join(STYLES)}")
-    entry = _SharedEntry(comm, sequence_parallel)
+    region = _Region(comm, sequence_parallel)
     matched = set()
     _SHARDS.clear()
     for name, module in list(model.named_modules()):
@@ -169,16 +183,16 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], comm: Comm, se
         if style == "norm":
             if sequence_parallel:
                 for p in module.parameters(recurse=False):
-                    p.register_hook(lambda g, c=comm: _sum_over(g, c))
+                    p.register_hook(lambda g, r=region: _sum_over(g, r.comm) if r.split else g)
             continue
         if style in ("column", "head"):
-            new = ColumnParallelLinear(_expect(module, nn.Linear, name, style), comm, entry)
+            new = ColumnParallelLinear(_expect(module, nn.Linear, name, style), comm, region)
             if style == "head":
                 model.loss_fn = VocabParallelLoss(comm, new.weight.shape[0])
         elif style == "row":
-            new = RowParallelLinear(_expect(module, nn.Linear, name, style), comm, sequence_parallel)
+            new = RowParallelLinear(_expect(module, nn.Linear, name, style), comm, region)
         else:
-            new = VocabParallelEmbedding(_expect(module, nn.Embedding, name, style), comm, sequence_parallel)
+            new = VocabParallelEmbedding(_expect(module, nn.Embedding, name, style), comm, region)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
     _SHARDS.clear()
