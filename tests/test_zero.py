@@ -315,3 +315,25 @@ def test_fp16_overflow_skips_on_every_rank(stage):
     for scales, skipped, _ in results:
         assert scales == [256, 128, 128, 128, 256] and skipped == 1
     assert max_weight_diff(results[0][2], results[1][2]) == 0.0
+
+
+def _persistent(threshold):
+    losses, state = _train(3, 2, 2, STEPS, "fp32", {"stage3_param_persistence_threshold": threshold})
+    return losses, state
+
+
+def _whole_params(threshold):
+    engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(2, 1, zero_optimization={
+        "stage": 3, "stage3_param_persistence_threshold": threshold}))
+    return {n: p.numel() for n, p in engine.module.named_parameters()}
+
+
+def test_small_parameters_persist_whole_in_stage3():
+    # 100 elements: the norm weights (64) stay whole on every rank, the matrices are partitioned
+    ref_losses, ref_state = reference_training(global_batches(STEPS, 8))
+    for losses, state in run_ranks(_persistent, 2, 100):
+        assert_losses_close(losses, ref_losses, rtol=1e-5)
+        assert max_weight_diff(state, ref_state) < 1e-5
+    sizes = run_ranks(_whole_params, 2, 100)[0]
+    assert sizes["layers.0.attn_norm.weight"] == 64 and sizes["norm.weight"] == 64
+    assert sizes["layers.0.attn.wq.weight"] == 0 and sizes["tok_emb.weight"] == 0
