@@ -50,7 +50,7 @@ class Unit:
 
     def __init__(self, name: str, module: nn.Module, bucket: FlatBucket | None, comm: Comm):
         self.name, self.module, self.bucket, self.comm = name, module, bucket, comm
-        self.state = _RELEASED if bucket is not None else _GATHERED
+        self.state = _GATHERED  # a new bucket's parameters still point at its full buffer
         self.work = None
 
     @property
