@@ -118,3 +118,24 @@ def test_topology_builds_matching_process_groups():
     for rank, groups in enumerate(results):
         for dim, ranks in groups.items():
             assert ranks == topo.group_ranks(dim, rank)
+
+
+def _manual_boundary():
+    engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(2, 3))
+    x = torch.randint(0, 256, (2, 16))
+    engine.set_gradient_accumulation_boundary(False)
+    returned = []
+    for _ in range(2):
+        loss = engine(x, x)
+        returned.append((engine.backward(loss).item(), loss.item()))
+    quiet = engine.comm_stats()["all_reduce"]
+    engine.set_gradient_accumulation_boundary(True)
+    engine.backward(engine(x, x))
+    engine.step()
+    return returned, quiet, engine.comm_stats()["all_reduce"] > 0, engine.global_steps
+
+
+def test_manual_accumulation_boundary_and_backward_return():
+    returned, quiet, reduced, steps = run_ranks(_manual_boundary, 2)[0]
+    assert all(r == pytest.approx(loss / 3) for r, loss in returned)  # DeepSpeed returns loss / gas
+    assert quiet == 0 and reduced and steps == 1

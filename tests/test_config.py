@@ -681,3 +681,12 @@ def test_loading_copies_the_source():
     r[TBS] = 1
     assert cfg.raw[TBS] == 8
     assert cfg.optimizer.params["lr"] == 1e-3
+
+
+def test_config_built_directly_and_old_bf16_name():
+    from zerotron.config import BF16Config
+    cfg = Config.load(Config(train_batch_size=8, bf16=BF16Config(enabled=True)), world_size=2)
+    assert cfg.train_micro_batch_size_per_gpu == 4 and cfg.bf16.enabled
+    assert Config.load({"train_batch_size": 4, "bfloat16": {"enabled": True}}).bf16.enabled
+    with pytest.raises(ConfigError, match="bfloat16"):
+        Config.load({"train_batch_size": 4, "bfloat16": {"enabled": True}, "bf16": {"enabled": False}})

@@ -1,5 +1,6 @@
 """Tensor parallelism (and sequence parallelism) trains the same model as one process."""
 import pytest
+import torch
 import torch.distributed as dist
 
 import zerotron
@@ -71,3 +72,25 @@ def _bad_heads():
 def test_heads_not_divisible_is_a_clear_error():
     with pytest.raises(RankError, match=r"key/value heads \(2\) must be divisible"):
         run_ranks(_bad_heads, 4)
+
+
+def _logits_and_padded_loss():
+    config = ds_config(2, 1, tensor_parallel={"autotp_size": 2})
+    engine, *_ = zerotron.initialize(model=make_model(n_kv_head=4), config=config)
+    x, y = global_batches(1, 2)[0]
+    y[:, :5] = -100  # padding labels, as Hugging Face collators write them
+    loss = engine(x, y).item()
+    with torch.no_grad():
+        logits = engine(x)
+    return loss, logits
+
+
+def test_returned_logits_are_whole_and_ignored_labels_are_ignored():
+    ref = make_model(n_kv_head=4)
+    x, y = global_batches(1, 2)[0]
+    y[:, :5] = -100
+    ref_loss, ref_logits = ref(x, y).item(), ref(x).detach()
+    for loss, logits in run_ranks(_logits_and_padded_loss, 2):
+        assert loss == pytest.approx(ref_loss, rel=1e-5)
+        assert logits.shape == ref_logits.shape
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)

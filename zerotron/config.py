@@ -176,6 +176,10 @@ class Config:
         """Parse a path, dict or Config for `world_size` processes; resolve "auto" from
         `auto_values` (see `resolve_auto`); validate everything."""
         raw = resolve_auto(read_raw(source), **auto_values)
+        if "bfloat16" in raw:  # DeepSpeed's older name for the bf16 section
+            if "bf16" in raw:
+                raise ConfigError("bfloat16", raw["bfloat16"], "both 'bf16' and its old name 'bfloat16' are set; keep 'bf16'")
+            raw["bf16"] = raw.pop("bfloat16")
         cfg = _parse(cls, raw, "")
         cfg.raw = raw
         cfg.world_size = world_size
@@ -260,7 +264,9 @@ def _check(ok: bool, key: str, value, fix: str):
 def read_raw(source) -> dict:
     """A deep copy of the raw dict behind a path, a JSON string, a dict or a Config."""
     if isinstance(source, Config):
-        return copy.deepcopy(source.raw)
+        if source.raw:
+            return copy.deepcopy(source.raw)
+        return _to_raw(source)  # built directly, Config(train_batch_size=8, ...)
     if isinstance(source, dict):
         return copy.deepcopy(source)
     if isinstance(source, (str, os.PathLike)):
@@ -272,6 +278,16 @@ def read_raw(source) -> dict:
         with open(path) as f:
             return _parse_json(f.read(), path)
     raise ConfigError("config", type(source).__name__, "pass a path to a JSON file, a dict or a zerotron.Config")
+
+
+def _to_raw(cfg) -> dict:
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in ("raw", "world_size") or value is None:
+            continue
+        out[f.name] = _to_raw(value) if dataclasses.is_dataclass(value) else copy.deepcopy(value)
+    return out
 
 
 def _parse_json(text: str, where: str) -> dict:

@@ -40,6 +40,7 @@ class Engine(nn.Module):
         self.module = self._place(module)
 
         self.dp_comm = Comm(topology.group("dp"))
+        self.grad_comm = Comm(topology.group("dp_grad"))  # gradient reductions (see zero/sharded.py)
         self.tp_comm = Comm(topology.group("tp"))
         self.world_comm = Comm(None)
         if topology.tp > 1:
@@ -50,7 +51,7 @@ class Engine(nn.Module):
             raise ValueError("the model has no parameters that require gradients; nothing to train")
         self.optimizer = self._make_optimizer(optimizer, model_parameters, params)
         # Gradient reduction, master weights and parameter updates, for the configured ZeRO stage.
-        self.states = make_model_states(self.module, self.optimizer, config, self.dp_comm)
+        self.states = make_model_states(self.module, self.optimizer, config, self.grad_comm, self.dp_comm)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.loss_scaler = LossScaler(config.fp16)
         self.monitor = Monitor(config, self.global_rank)
@@ -63,6 +64,7 @@ class Engine(nn.Module):
         self.skipped_steps = 0
         self._global_grad_norm = None
         self._micro_losses: list[torch.Tensor] = []
+        self._boundary_override: bool | None = None
         self._step_start = time.perf_counter()
         self.reset_comm_stats()  # count training traffic only
 
@@ -74,6 +76,9 @@ class Engine(nn.Module):
         if meta and self.config.zero_optimization.stage != 3:
             raise ValueError("the model was built under zerotron.zero.Init (meta parameters), which needs "
                              "zero_optimization.stage 3")
+        if meta and self.topology.tp > 1:
+            raise ValueError("zerotron.zero.Init with tensor parallelism is not supported yet: build the model "
+                             "normally (tensor parallelism already splits it) or use tensor_parallel.autotp_size 1")
         dtype = self.dtype
         return module._apply(lambda t: t.to(dtype=dtype if t.is_floating_point() else t.dtype) if t.is_meta
                              else t.to(self.device, dtype=dtype if t.is_floating_point() else t.dtype))
@@ -133,20 +138,18 @@ class Engine(nn.Module):
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
-        """Backpropagate one micro-batch's loss; at the accumulation boundary, reduce gradients."""
+        """Backpropagate one micro-batch's loss; at the accumulation boundary, reduce gradients.
+        Returns the loss divided by the accumulation steps (as DeepSpeed)."""
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("engine.backward expects the scalar loss tensor of one micro-batch")
         boundary = self.is_gradient_accumulation_boundary()
         self._micro_losses.append(loss.detach())
-        scaled = loss.float()
-        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            scaled = scaled / self.gradient_accumulation_steps()
-        if self.loss_scaler.enabled:
-            scaled = scaled * self.loss_scaler.scale
+        gas_scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+        scaled = gas_scaled.float() * self.loss_scaler.scale if self.loss_scaler.enabled else gas_scaled.float()
         self.states.begin_backward(boundary)
         scaled.backward(retain_graph=retain_graph)
         self.states.end_backward()
-        return loss
+        return gas_scaled.detach()
 
     def step(self, lr_kwargs: dict | None = None):
         """Count a micro-batch; at the accumulation boundary, update the weights."""
@@ -272,7 +275,14 @@ class Engine(nn.Module):
         return self.config.train_batch_size
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool):
+        """Override the boundary (as DeepSpeed): False for the accumulating backwards, True for the
+        last one; then one engine.step() updates the weights."""
+        self._boundary_override = bool(is_boundary)
 
     def zero_optimization_stage(self) -> int:
         return self.config.zero_optimization.stage
@@ -313,11 +323,11 @@ class Engine(nn.Module):
 
     def comm_stats(self) -> dict[str, int]:
         """Bytes of the full tensors each kind of collective moved since start or the last reset."""
-        comms = (self.dp_comm, self.tp_comm, self.world_comm)
+        comms = (self.dp_comm, self.grad_comm, self.tp_comm, self.world_comm)
         return {k: sum(c.stats()[k] for c in comms) for k in Comm.KINDS}
 
     def reset_comm_stats(self):
-        for c in (self.dp_comm, self.tp_comm, self.world_comm):
+        for c in (self.dp_comm, self.grad_comm, self.tp_comm, self.world_comm):
             c.reset_stats()
 
 

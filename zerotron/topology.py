@@ -64,6 +64,15 @@ class Topology:
                                f"{dist.get_world_size()}")
         self.mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=DIMS)
         self._groups = {dim: self.mesh.get_group(dim) for dim in DIMS}
+        # A second data-parallel group with the same ranks, for gradient reductions (see
+        # zero/sharded.py). Every rank creates every group, in the same order.
+        me = dist.get_rank()
+        for pp in range(self.pp):
+            for tp in range(self.tp):
+                ranks = [self.rank_of(pp, d, tp) for d in range(self.dp)]
+                group = dist.new_group(ranks)
+                if me in ranks:
+                    self._groups["dp_grad"] = group
         return self
 
     def group(self, dim: str) -> dist.ProcessGroup:

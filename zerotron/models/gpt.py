@@ -149,7 +149,10 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        self.loss_fn = cross_entropy  # tensor parallelism swaps in a vocabulary-parallel loss
+        # Tensor parallelism swaps in a vocabulary-parallel loss, and an output_fn that gathers
+        # the vocabulary-split logits when they are returned instead of consumed by the loss.
+        self.loss_fn = cross_entropy
+        self.output_fn = None
         self.apply(self._init_weights)
 
     def _init_weights(self, m: nn.Module):
@@ -170,7 +173,7 @@ class GPT(nn.Module):
             x = layer(x, cos, sin)
         logits = self.lm_head(self.norm(x))
         if targets is None:
-            return logits
+            return logits if self.output_fn is None else self.output_fn(logits)
         return self.loss_fn(logits, targets)
 
     def tensor_parallel_plan(self, tp: int) -> dict[str, str]:

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 from ..comm import Comm
 from ..errors import ConfigError
-from .collectives import (all_reduce_max, copy_to_region, gather_sequence, reduce_from_region,
-                          scatter_sequence)
+from .collectives import (all_reduce_max, copy_to_region, gather_last_dim, gather_sequence,
+                          reduce_from_region, scatter_sequence)
 
 STYLES = ("column", "row", "vocab", "head", "norm")
 
@@ -93,6 +93,8 @@ class RowParallelLinear(nn.Module):
         self.region = region
         self.weight = _shard(linear.weight, 1, comm)
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+        if self.bias is not None:  # added in the sequence-split region: sum its gradient there
+            _sum_grad_when_split(self.bias, region)
 
     def forward(self, x):
         y = self.region.exit(F.linear(x, self.weight))
@@ -121,7 +123,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     (max, sum of exponentials, target logit) cross ranks, never the logits."""
 
     @staticmethod
-    def forward(ctx, logits, target, comm, start):
+    def forward(ctx, logits, target, comm, start, ignore_index):
         logits = logits.float()
         peak = all_reduce_max(logits.max(dim=-1).values, comm)
         shifted = logits - peak.unsqueeze(-1)
@@ -134,27 +136,30 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if comm.size > 1:
             comm.all_reduce(sums)
         softmax = exp / sums[0].unsqueeze(-1)
-        ctx.save_for_backward(softmax, local_target, inside)
-        return sums[0].log() - sums[1]
+        valid = target != ignore_index
+        ctx.save_for_backward(softmax, local_target, inside, valid)
+        return (sums[0].log() - sums[1]).masked_fill(~valid, 0.0)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, inside = ctx.saved_tensors
+        softmax, local_target, inside, valid = ctx.saved_tensors
         grad = softmax.clone()
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, local_target] -= inside.to(grad.dtype)
-        return grad * grad_loss.unsqueeze(-1), None, None, None
+        return grad * (grad_loss * valid).unsqueeze(-1), None, None, None, None
 
 
 class VocabParallelLoss:
-    """Drop-in for the model's `loss_fn(logits, targets)`: mean cross-entropy of split logits."""
+    """Drop-in for the model's `loss_fn(logits, targets)`: mean cross-entropy of split logits over
+    the targets that are not `ignore_index` (-100, as F.cross_entropy)."""
 
-    def __init__(self, comm: Comm, vocab_per_rank: int):
-        self.comm, self.start = comm, comm.rank * vocab_per_rank
+    def __init__(self, comm: Comm, vocab_per_rank: int, ignore_index: int = -100):
+        self.comm, self.start, self.ignore_index = comm, comm.rank * vocab_per_rank, ignore_index
 
     def __call__(self, logits, targets):
-        flat = logits.reshape(-1, logits.shape[-1])
-        return _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), self.comm, self.start).mean()
+        flat, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        losses = _VocabParallelCrossEntropy.apply(flat, targets, self.comm, self.start, self.ignore_index)
+        return losses.sum() / (targets != self.ignore_index).sum().clamp(min=1)
 
 
 def _check_divisible(n: int, tp: int, what: str):
@@ -181,14 +186,14 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], comm: Comm, se
             continue
         matched.add(name)
         if style == "norm":
-            if sequence_parallel:
-                for p in module.parameters(recurse=False):
-                    p.register_hook(lambda g, r=region: _sum_over(g, r.comm) if r.split else g)
+            for p in module.parameters(recurse=False):
+                _sum_grad_when_split(p, region)
             continue
         if style in ("column", "head"):
             new = ColumnParallelLinear(_expect(module, nn.Linear, name, style), comm, region)
-            if style == "head":
+            if style == "head":  # training reads split logits; anything else gets them whole
                 model.loss_fn = VocabParallelLoss(comm, new.weight.shape[0])
+                model.output_fn = lambda logits, c=comm: gather_last_dim(logits, c)
         elif style == "row":
             new = RowParallelLinear(_expect(module, nn.Linear, name, style), comm, region)
         else:
@@ -202,6 +207,13 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], comm: Comm, se
         if not hasattr(p, "tp_split_dim"):
             p.tp_replicated = True  # counted once, not tp times, in the global gradient norm
     return model
+
+
+def _sum_grad_when_split(param: nn.Parameter, region: _Region):
+    """A replicated parameter used where the sequence is split sees part of it on each rank:
+    sum its gradient over the tensor-parallel group (only in forwards that ran split)."""
+    if region.sequence_parallel:
+        param.register_hook(lambda g: _sum_over(g, region.comm) if region.split else g)
 
 
 def _sum_over(grad, comm: Comm):

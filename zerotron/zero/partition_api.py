@@ -82,6 +82,10 @@ class GatheredParameters:
         if not self.enabled:
             return self
         seen = set()
+        if any(p.is_meta for p in self.params):
+            raise RuntimeError("these parameters were built under zerotron.zero.Init and have no values until "
+                               "zerotron.initialize materializes them; load weights after initialize")
+        self.persistent = [p for p in self.params if getattr(p, "zt_bucket", None) is not None]
         for p in self.params:
             unit = getattr(p, "zt_unit", None)
             if unit is not None and id(unit) not in seen:
@@ -95,6 +99,10 @@ class GatheredParameters:
 
     @torch.no_grad()
     def __exit__(self, *exc):
+        if self.modifier_rank is not None:  # small ZeRO-3 parameters kept whole on every rank
+            for b in {id(p.zt_bucket): p.zt_bucket for p in self.persistent}.values():
+                b.comm.broadcast(b.full, src_group_rank=self.modifier_rank)
+                b.master.copy_(b.own_slice(b.full).float())
         for unit, was in zip(self.units, self.was_gathered):
             b = unit.bucket
             if self.modifier_rank is not None:

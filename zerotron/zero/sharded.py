@@ -34,14 +34,19 @@ class ShardedStates:
     """Owns gradient reduction, master shards and parameter publishing for `buckets`."""
 
     def __init__(self, buckets: list[FlatBucket], partitioned: set[int], group_of: dict[int, int], comm: Comm,
-                 stage: int, allgather_numel: int, reduce_dtype: torch.dtype | None = None, on_grads_done=None):
+                 gather_comm: Comm, stage: int, allgather_numel: int, reduce_dtype: torch.dtype | None = None,
+                 on_grads_done=None):
         self.buckets = buckets
         self.partitioned = partitioned      # indices of buckets whose full parameters are not kept
-        self.comm, self.stage = comm, stage
+        # Gradient reductions start from backward hooks, whose timing can differ between ranks
+        # (a parameter unused on one rank); parameter gathers start from forward/backward order.
+        # Each kind gets its own process group, so only the order within a kind must agree.
+        self.comm, self.gather_comm, self.stage = comm, gather_comm, stage
         self.allgather_numel = allgather_numel
         self.reduce_dtype = reduce_dtype
         self.on_grads_done = on_grads_done  # stage 3: release a unit once its gradients are in
         self.sync = True
+        self._reduced = False
         self._next_launch = 0
         self._in_flight: deque = deque()
         self._where: dict[int, tuple[FlatBucket, int]] = {}
@@ -133,7 +138,7 @@ class ShardedStates:
 
     @property
     def norm_group(self):
-        return self.comm.group if self.comm.size > 1 else None
+        return self.gather_comm.group if self.comm.size > 1 else None
 
     # ---- backward -------------------------------------------------------------------------
     def begin_backward(self, sync: bool) -> None:
@@ -200,6 +205,11 @@ class ShardedStates:
         """Reduce what is left (buckets without gradients too), and wait for every reduction."""
         if self.stage == 1 and not self.sync:
             return
+        if self.stage == 1:
+            if self._reduced:  # the full buckets now hold reduced and unreduced parts side by side
+                raise RuntimeError("ZeRO stage 1 reduces the accumulated gradients once, at the boundary "
+                                   "backward; call engine.step() after it before another backward")
+            self._reduced = True
         self._launch_ready(in_backward=False)
         while self._in_flight:
             self._complete_oldest()
@@ -227,7 +237,7 @@ class ShardedStates:
                 continue
             own = b.own_slice(b.full)
             own.copy_(b.master)
-            pending.append(self.comm.all_gather_flat(b.full, own.clone(), async_op=True))
+            pending.append(self.gather_comm.all_gather_flat(b.full, own.clone(), async_op=True))
             in_flight += b.padded_numel
             if in_flight >= self.allgather_numel:  # allgather_bucket_size bounds what is in flight
                 for w in pending:
@@ -237,6 +247,7 @@ class ShardedStates:
             w.wait()
 
     def zero_grads(self) -> None:
+        self._reduced = False
         self.master_grad_flat = None
         for _, m in self.runs:
             m.grad = None

@@ -61,7 +61,7 @@ class Unit:
         if self.state != _RELEASED:
             return
         b = self.bucket
-        b.full = torch.empty(b.padded_numel, dtype=b.dtype, device=b.device)
+        b.full.untyped_storage().resize_(b.padded_numel * b.full.element_size())
         self.work = self.comm.all_gather_flat(b.full, b.shard, async_op=True)
         self.state = _GATHERING
 
@@ -69,7 +69,6 @@ class Unit:
         if self.state == _GATHERING:
             self.work.wait()
             self.work = None
-            self.bucket.point_params_at(self.bucket.full)
             self.state = _GATHERED
 
     def gather(self):
@@ -77,12 +76,13 @@ class Unit:
         self.wait()
 
     def release(self):
+        """Free the full buffer's memory. The parameters stay views into it (and autograd's saved
+        views of them too), so freeing the storage itself is what actually returns the memory;
+        the next gather regrows it in place."""
         if self.bucket is None or self.state == _RELEASED:
             return
         self.wait()
-        for p in self.bucket.params:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self.bucket.full = None
+        self.bucket.full.untyped_storage().resize_(0)
         self.state = _RELEASED
 
 
@@ -90,7 +90,7 @@ class Stage3States(ShardedStates):
     """Stage 3: ShardedStates over partitioned unit buckets plus the hooks that gather them."""
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], group_of: dict[int, int], comm: Comm,
-                 zero, reduce_dtype=None, unit_classes: list[str] | None = None):
+                 gather_comm: Comm, zero, reduce_dtype=None, unit_classes: list[str] | None = None):
         self.root = module
         self.prefetch_numel = zero.stage3_prefetch_bucket_size
         threshold = zero.stage3_param_persistence_threshold
@@ -106,7 +106,7 @@ class Stage3States(ShardedStates):
                 materialize(m, module, own, comm_device(comm), seed + index)
             big = [p for p in own if p.numel() >= threshold]
             small = [p for p in own if p.numel() < threshold and id(p) in trainable]
-            unit = Unit(name, m, self._partition(big, comm) if big else None, comm)
+            unit = Unit(name, m, self._partition(big, comm) if big else None, gather_comm)
             unit.index = index
             units.append(unit)
             if unit.bucket is not None:
@@ -119,7 +119,9 @@ class Stage3States(ShardedStates):
                 persistent.full = persistent.flatten_params()
                 persistent.point_params_at(persistent.full)
                 persistent.shard = persistent.own_slice(persistent.full)
-                persistent.unit, persistent.owner = None, unit
+                persistent.unit, persistent.owner, persistent.comm = None, unit, gather_comm
+                for p in small:
+                    p.zt_bucket = persistent
                 buckets.append(persistent)
         self.root_unit = units[-1]
         self.units = units
@@ -129,8 +131,8 @@ class Stage3States(ShardedStates):
         partitioned = {i for i, b in enumerate(buckets) if b.unit is not None}
         for u in self.units:
             u.release()
-        super().__init__(buckets, partitioned, group_of, comm, zero.stage, zero.allgather_bucket_size, reduce_dtype,
-                         on_grads_done=self._grads_done)
+        super().__init__(buckets, partitioned, group_of, comm, gather_comm, zero.stage, zero.allgather_bucket_size,
+                         reduce_dtype, on_grads_done=self._grads_done)
         self.trace: list[Unit] = []
         self.tracing = True
         for u in self.units:
@@ -191,8 +193,10 @@ class Stage3States(ShardedStates):
             i += step
 
     def _grads_done(self, bucket: FlatBucket):
+        """All of a unit's gradients are in: its backward is over, unless some of its parameters
+        are frozen (their backward may still be running), in which case end_backward releases it."""
         unit = getattr(bucket, "unit", None)
-        if unit is not None and unit is not self.root_unit:
+        if unit is not None and unit is not self.root_unit and all(p.requires_grad for p in bucket.params):
             unit.release()
 
     def end_backward(self):
