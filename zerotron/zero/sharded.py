@@ -72,7 +72,11 @@ class ShardedStates:
         optimizer group holds, e.g. frozen ones, are never updated)."""
         total = sum(b.shard_numel for b in self.buckets)
         device, dtype = self.buckets[0].device, self.buckets[0].dtype
-        self.master_flat = torch.zeros(total, dtype=torch.float32, device=device)
+        self.total_numel = total
+        # In fp32 training the parameter shard already is an fp32 master: the optimizer updates it
+        # in place (no second copy). Otherwise one fp32 buffer holds every bucket's master shard.
+        self.masters_are_params = dtype == torch.float32
+        self.master_flat = None if self.masters_are_params else torch.zeros(total, dtype=torch.float32, device=device)
         # Stage 1 keeps the reduced shard inside its full gradient bucket; stages 2-3 keep one buffer.
         self.grad_shard_flat = None if self.stage == 1 else torch.zeros(total, dtype=dtype, device=device)
         self.master_grad_flat = None  # fp32 gradients, during the step only
@@ -83,10 +87,13 @@ class ShardedStates:
         for index, b in enumerate(self.buckets):
             b.index = index
             b.offset = offset
-            b.master = self.master_flat[offset:offset + b.shard_numel]
+            if self.masters_are_params:
+                b.master = b.shard
+            else:
+                b.master = self.master_flat[offset:offset + b.shard_numel]
+                b.master.copy_(b.shard.float())
             if self.grad_shard_flat is not None:
                 b.grad_shard = self.grad_shard_flat[offset:offset + b.shard_numel]
-            b.master.copy_(b.shard.float())
             # [(optimizer group, replicated over tensor-parallel ranks), start in shard]; padding
             # joins the last run
             runs: list[list] = []
@@ -129,7 +136,8 @@ class ShardedStates:
         if self.grad_shard_flat is not None and self.grad_shard_flat.dtype == torch.float32:
             self.master_grad_flat = self.grad_shard_flat
         else:
-            self.master_grad_flat = torch.empty_like(self.master_flat)
+            self.master_grad_flat = torch.empty(self.total_numel, dtype=torch.float32,
+                                                device=self.buckets[0].device)
             for b in self.buckets:
                 shard = b.grad_shard if self.stage != 1 else b.own_slice(b.grad_full)
                 self.master_grad_flat[b.offset:b.offset + b.shard_numel].copy_(shard)
@@ -233,10 +241,12 @@ class ShardedStates:
         pending, in_flight = [], 0
         for i, b in enumerate(self.buckets):
             if i in self.partitioned:
-                b.shard.copy_(b.master)
+                if not self.masters_are_params:
+                    b.shard.copy_(b.master)
                 continue
             own = b.own_slice(b.full)
-            own.copy_(b.master)
+            if not self.masters_are_params:
+                own.copy_(b.master)
             pending.append(self.gather_comm.all_gather_flat(b.full, own.clone(), async_op=True))
             in_flight += b.padded_numel
             if in_flight >= self.allgather_numel:  # allgather_bucket_size bounds what is in flight
@@ -262,4 +272,4 @@ class ShardedStates:
     def memory(self) -> dict[str, int]:
         grads = 0 if self.grad_shard_flat is None else self.grad_shard_flat.numel() * self.grad_shard_flat.element_size()
         grads += sum(b.grad_full.numel() * b.grad_full.element_size() for b in self.buckets if b.grad_full is not None)
-        return {"grads": grads, "master_weights": self.master_flat.numel() * 4}
+        return {"grads": grads, "master_weights": 0 if self.master_flat is None else self.master_flat.numel() * 4}
