@@ -214,6 +214,9 @@ class Config:
                self.communication_data_type, "use 'fp32', 'fp16' or 'bf16' (or leave it out to reduce in the gradient dtype)")
         self.fp16.validate("fp16")
         self.zero_optimization.validate("zero_optimization")
+        if self.zerotron.sequence_parallel and self.tensor_parallel.autotp_size == 1:
+            warnings.warn("zerotron.sequence_parallel has no effect without tensor parallelism "
+                          "(tensor_parallel.autotp_size > 1)", stacklevel=3)
         _check(not self.wandb.enabled, "wandb.enabled", True,
                "zerotron does not log to Weights & Biases; use 'tensorboard' or 'csv_monitor'")
         if self.optimizer is not None:
