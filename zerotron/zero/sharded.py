@@ -83,6 +83,7 @@ class ShardedStates:
         self.runs: list[tuple[int | None, torch.nn.Parameter]] = []  # (optimizer group, master tensor)
         self._run_bounds: list[tuple[int, int]] = []
         self.run_replicated: list[bool] = []
+        self._run_in_bucket: list[tuple[FlatBucket, int, int]] = []
         offset = 0
         for index, b in enumerate(self.buckets):
             b.index = index
@@ -108,6 +109,7 @@ class ShardedStates:
                 self.runs.append((group, torch.nn.Parameter(b.master[lo:hi])))
                 self.run_replicated.append(replicated)
                 self._run_bounds.append((offset + lo, offset + hi))
+                self._run_in_bucket.append((b, lo, hi))
             offset += b.shard_numel
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
@@ -132,7 +134,13 @@ class ShardedStates:
         return [1.0 / tp if r else 1.0 for r in self.run_replicated] if tp > 1 else None
 
     def _make_master_grads(self):
-        """The fp32 gradients of the master shard, pointed at by every master run's .grad."""
+        """The fp32 gradients of the master shard, pointed at by every master run's .grad. In fp32
+        they are the reduced gradient shards themselves; otherwise an fp32 copy for the step."""
+        if self.stage == 1 and self.masters_are_params:
+            self.master_grad_flat = None
+            for (_, m), (b, lo, hi) in zip(self.runs, self._run_in_bucket):
+                m.grad = b.own_slice(b.grad_full)[lo:hi]
+            return
         if self.grad_shard_flat is not None and self.grad_shard_flat.dtype == torch.float32:
             self.master_grad_flat = self.grad_shard_flat
         else:
@@ -230,9 +238,10 @@ class ShardedStates:
         self._make_master_grads()
         if inv_scale is None:
             return False
-        found_inf = torch.zeros(1, device=self.master_grad_flat.device)
-        inv = torch.full((1,), inv_scale, device=self.master_grad_flat.device)
-        torch._amp_foreach_non_finite_check_and_unscale_([self.master_grad_flat], found_inf, inv)
+        grads = self.master_grads()
+        found_inf = torch.zeros(1, device=grads[0].device)
+        inv = torch.full((1,), inv_scale, device=grads[0].device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
         return bool(found_inf.item())
 
     @torch.no_grad()
