@@ -26,6 +26,7 @@ class Bucket:
             self.views.append(self.grads[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
         self.ready: set[int] = set()
+        self.expected = len(params)  # gradients to wait for before reducing
         self.work = None
         self.comm_buffer = None  # only when reducing in another dtype
         self.launched_in_backward = False
@@ -35,7 +36,30 @@ class Bucket:
             p.grad = view
 
 
-class GradBuckets:
+class InOrderReduction:
+    """Launches bucket reductions in index order on every rank, each as soon as it and every
+    bucket before it has all its gradients (`bucket.expected` of them). Subclasses keep
+    `buckets`, `_next_launch` and define `_launch(bucket, in_backward)`."""
+
+    def _mark_ready(self, bucket, i: int, param):
+        if bucket.index < self._next_launch:
+            raise RuntimeError(
+                f"gradient of a parameter of shape {tuple(param.shape)} arrived after its bucket was reduced: "
+                "the parameter was used again after backward reached it (reentrant checkpointing or a "
+                "second backward before engine.step()); use torch.utils.checkpoint(use_reentrant=False)")
+        bucket.ready.add(i)
+        self._launch_ready(in_backward=True)
+
+    def _launch_ready(self, in_backward: bool):
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if in_backward and len(bucket.ready) < bucket.expected:
+                return
+            self._launch(bucket, in_backward)
+            self._next_launch += 1
+
+
+class GradBuckets(InOrderReduction):
     """Owns the gradient buffers of `params` and reduces them over `comm` at accumulation boundaries."""
 
     def __init__(self, params: list[torch.nn.Parameter], comm: Comm, bucket_numel: int,
@@ -73,23 +97,8 @@ class GradBuckets:
             if param.grad is not None:
                 view.add_(param.grad)
             param.grad = view
-        if not self.sync:
-            return
-        if bucket.index < self._next_launch:
-            raise RuntimeError(
-                f"gradient of a parameter of shape {tuple(param.shape)} arrived after its bucket was reduced: "
-                "the parameter was used again after backward reached it (reentrant checkpointing or a "
-                "second backward before engine.step()); use torch.utils.checkpoint(use_reentrant=False)")
-        bucket.ready.add(i)
-        self._launch_ready(in_backward=True)
-
-    def _launch_ready(self, in_backward: bool):
-        while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
-            if in_backward and len(bucket.ready) < len(bucket.params):
-                return
-            self._launch(bucket, in_backward)
-            self._next_launch += 1
+        if self.sync:
+            self._mark_ready(bucket, i, param)
 
     def _launch(self, bucket: Bucket, in_backward: bool):
         bucket.launched_in_backward = in_backward

@@ -23,6 +23,7 @@ from collections import deque
 import torch
 
 from ..comm import Comm
+from ..data_parallel import InOrderReduction
 from .flat import FlatBucket
 
 # torch optimizers whose update is elementwise, so running them on a flat shard is exact.
@@ -30,7 +31,7 @@ ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", 
 _MAX_REDUCTIONS_IN_FLIGHT = 2
 
 
-class ShardedStates:
+class ShardedStates(InOrderReduction):
     """Owns gradient reduction, master shards and parameter publishing for `buckets`."""
 
     def __init__(self, buckets: list[FlatBucket], partitioned: set[int], group_of: dict[int, int], comm: Comm,
@@ -55,6 +56,7 @@ class ShardedStates:
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
             b.ready = set()
+            b.expected = sum(p.requires_grad for p in b.params)
             b.staging = None
             b.grad_full = None
             if stage == 1:
@@ -176,21 +178,7 @@ class ShardedStates:
             off = bucket.offsets[i]
             bucket.staging[off:off + bucket.numels[i]].add_(param.grad.reshape(-1))
             param.grad = None
-        if bucket.index < self._next_launch:
-            raise RuntimeError(f"gradient of a parameter of shape {tuple(param.shape)} arrived after its bucket "
-                               "was reduced (a second use after backward reached it); use "
-                               "torch.utils.checkpoint(use_reentrant=False)")
-        bucket.ready.add(i)
-        self._launch_ready(in_backward=True)
-
-    def _launch_ready(self, in_backward: bool):
-        while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
-            n_trainable = sum(p.requires_grad for p in bucket.params)
-            if in_backward and len(bucket.ready) < n_trainable:
-                return
-            self._launch(bucket, in_backward)
-            self._next_launch += 1
+        self._mark_ready(bucket, i, param)
 
     def _launch(self, bucket: FlatBucket, in_backward: bool):
         full = bucket.grad_full if self.stage == 1 else bucket.staging
