@@ -67,6 +67,34 @@ def base_parser(description: str, steps: int = 2, rounds: int = 15) -> argparse.
 
 
 # ---- model and data -------------------------------------------------------------------------------
+ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}  # every system, every benchmark
+
+
+def start(args):
+    """Relaunch under torchrun if needed, join gloo; returns (rank, world, log, GPT config)."""
+    relaunch_under_torchrun(args.nproc)
+    rank, world = init_gloo()
+    log = print if rank == 0 else (lambda *a, **k: None)
+    return rank, world, log, gpt_config(args)
+
+
+def zerotron_step(model, per_rank: int, clip: float, **config):
+    """A zerotron engine on `model` (AdamW as every system) and its one-step function; `config`
+    adds or overrides sections of the DeepSpeed config."""
+    import zerotron
+    engine, *_ = zerotron.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": per_rank, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 0}, "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}}, **config})
+
+    def step(tokens, targets):
+        loss = engine(tokens, targets)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+    return engine, step
+
+
 def gpt_config(args):
     from zerotron.models.gpt import GPTConfig
     return GPTConfig(n_layer=args.layers, n_head=args.heads, n_kv_head=args.heads, d_model=args.d_model,

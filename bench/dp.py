@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from bench import common  # noqa: E402
 
-ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+ADAMW = common.ADAMW
 
 
 def parse_args():
@@ -29,17 +29,7 @@ def parse_args():
 
 
 def zerotron_system(cfg, per_rank, clip):
-    import zerotron
-    engine, *_ = zerotron.initialize(model=common.build_gpt(cfg), config={
-        "train_micro_batch_size_per_gpu": per_rank, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-        "zero_optimization": {"stage": 0}, "gradient_clipping": clip,
-        "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}}})
-
-    def step(tokens, targets):
-        loss = engine(tokens, targets)
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
+    engine, step = common.zerotron_step(common.build_gpt(cfg), per_rank, clip)
     return step, common.measure_after_first_step(engine.optimizer, engine.module.parameters)
 
 
@@ -85,10 +75,7 @@ def deepspeed_system(cfg, per_rank, clip):
 
 def main():
     args = parse_args()
-    common.relaunch_under_torchrun(args.nproc)
-    rank, world = common.init_gloo()
-    log = print if rank == 0 else (lambda *a, **k: None)
-    cfg = common.gpt_config(args)
+    rank, world, log, cfg = common.start(args)
     per_rank = args.batch // world
 
     systems, memory, optimizers, notes = {}, {}, {}, []

@@ -40,7 +40,7 @@ from bench import common  # noqa: E402
 # DeepSpeed and FSDP2 call collectives that torch 2.13 renamed; one warning per call buries the tables.
 warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
-ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+ADAMW = common.ADAMW
 # zerotron system -> the peers it is compared with
 PAIRS = {"zt1": ["torch_zero1", "ds1"], "zt2": ["fsdp2_noreshard", "ds2"],
          "zt3": ["fsdp2_reshard", "ds3"], "zt3_fsdp": ["fsdp2_reshard", "ds3"]}
@@ -534,10 +534,7 @@ def zerotron_source() -> dict:
 
 def main():
     args = parse_args()
-    common.relaunch_under_torchrun(args.nproc)
-    rank, world = common.init_gloo()
-    log = print if rank == 0 else (lambda *a, **k: None)
-    cfg = common.gpt_config(args)
+    rank, world, log, cfg = common.start(args)
     per_rank = args.batch // world
     wanted = {s.strip() for s in args.systems.split(",") if s.strip()}
     if args.warmup < 2:

@@ -38,13 +38,19 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                          "set tensor/pipeline sizes in the config instead")
     config = _config_source(args, config, config_params)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-    cfg = Config.load(config, world_size=world_size, **_auto_values(model, optimizer))
-    topology = Topology(world_size, tp=cfg.tensor_parallel.autotp_size, pp=1)
+    from .pipe import PipelineModule
+    pipelined = isinstance(model, PipelineModule)
+    cfg = Config.load(config, world_size=world_size, pipeline_stages=model.num_stages if pipelined else None,
+                      **_auto_values(model, optimizer))
+    topology = Topology(world_size, tp=cfg.tensor_parallel.autotp_size, pp=cfg.pipeline.stages)
 
     init_distributed()
     topology.build_groups(local_device().type)
-    engine = Engine(model, cfg, topology, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                    model_parameters=model_parameters, training_data=training_data, collate_fn=collate_fn)
+    engine_class = Engine
+    if pipelined:
+        from .pipe.engine import PipelineEngine as engine_class
+    engine = engine_class(model, cfg, topology, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                          model_parameters=model_parameters, training_data=training_data, collate_fn=collate_fn)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

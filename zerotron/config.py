@@ -143,6 +143,24 @@ class TensorParallelConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """DeepSpeed's "pipeline" section. The PipelineModule decides the stages ("auto" takes its
+    num_stages) and the partition; zerotron adds the schedule."""
+    stages: int = 1
+    schedule: str = "1f1b"   # "gpipe", "1f1b", or "interleaved" (1F1B over the module's virtual stages)
+    partition: str = "best"  # accepted for DeepSpeed configs; PipelineModule(partition_method=...) decides
+    seed_layers: bool = False
+    activation_checkpoint_interval: int = 0
+    pipe_partitioned: bool = True
+    grad_partitioned: bool = True
+
+    def validate(self, p: str):
+        from .pipe.schedule import SCHEDULES
+        _check(self.stages >= 1, p + ".stages", self.stages, "use a positive integer (or \"auto\")")
+        _check(self.schedule in SCHEDULES, p + ".schedule", self.schedule, f"use one of {', '.join(SCHEDULES)}")
+
+
+@dataclass
 class ZerotronConfig:
     """Settings zerotron adds to DeepSpeed's schema, in their own "zerotron" section."""
     sequence_parallel: bool = False
@@ -163,6 +181,7 @@ class Config:
     bf16: BF16Config = field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     zerotron: ZerotronConfig = field(default_factory=ZerotronConfig)
     tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
     csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
@@ -172,10 +191,20 @@ class Config:
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
-    def load(cls, source, *, world_size: int = 1, **auto_values) -> "Config":
+    def load(cls, source, *, world_size: int = 1, pipeline_stages: int | None = None, **auto_values) -> "Config":
         """Parse a path, dict or Config for `world_size` processes; resolve "auto" from
-        `auto_values` (see `resolve_auto`); validate everything."""
-        raw = resolve_auto(read_raw(source), **auto_values)
+        `auto_values` (see `resolve_auto`); validate everything. `pipeline_stages`: the stages of
+        the PipelineModule being trained, which the config's pipeline.stages must agree with."""
+        raw = read_raw(source)
+        if pipeline_stages is not None:
+            raw = copy.deepcopy(raw)
+            section = raw.setdefault("pipeline", {})
+            given = section.get("stages", AUTO)
+            if not _is_auto(given) and given != pipeline_stages:
+                raise ConfigError("pipeline.stages", given, f"the PipelineModule has {pipeline_stages} stages; "
+                                  "make them agree (or use \"auto\")")
+            section["stages"] = pipeline_stages
+        raw = resolve_auto(raw, **auto_values)
         if "bfloat16" in raw:  # DeepSpeed's older name for the bf16 section
             if "bf16" in raw:
                 raise ConfigError("bfloat16", raw["bfloat16"], "both 'bf16' and its old name 'bfloat16' are set; keep 'bf16'")
@@ -189,7 +218,7 @@ class Config:
     @property
     def dp_size(self) -> int:
         """Data-parallel size: the world divided by the model-parallel sizes."""
-        return self.world_size // self.tensor_parallel.autotp_size
+        return self.world_size // (self.tensor_parallel.autotp_size * self.pipeline.stages)
 
     # ---- convenience -----------------------------------------------------------------------
     @property
@@ -203,8 +232,11 @@ class Config:
     def _validate(self):
         _check(self.world_size >= 1, "world_size", self.world_size, "the number of processes must be >= 1")
         self.tensor_parallel.validate("tensor_parallel")
-        _check(self.world_size % self.tensor_parallel.autotp_size == 0, "tensor_parallel.autotp_size",
-               self.tensor_parallel.autotp_size, f"it must divide the number of processes ({self.world_size})")
+        self.pipeline.validate("pipeline")
+        model_parallel = self.tensor_parallel.autotp_size * self.pipeline.stages
+        _check(self.world_size % model_parallel == 0, "tensor_parallel.autotp_size", self.tensor_parallel.autotp_size,
+               f"tensor ({self.tensor_parallel.autotp_size}) x pipeline ({self.pipeline.stages}) parallel size must "
+               f"divide the number of processes ({self.world_size})")
         _check(not (self.fp16.enabled and self.bf16.enabled), "fp16.enabled", True,
                "fp16 and bf16 are both enabled; enable at most one of them")
         _check(self.gradient_clipping >= 0, "gradient_clipping", self.gradient_clipping,
@@ -324,6 +356,7 @@ _AUTO_RULES = [
     ("scheduler.params.warmup_max_lr", "lr", "optimizer.params.lr"),
     ("scheduler.params.warmup_num_steps", "warmup_steps", _DROP),
     ("scheduler.params.total_num_steps", "total_steps", _REQUIRED),
+    ("pipeline.stages", "pipeline_stages", 1),
     ("zero_optimization.reduce_bucket_size", "reduce_bucket_size", _DROP),
     ("zero_optimization.stage3_prefetch_bucket_size", "stage3_prefetch_bucket_size", _DROP),
     ("zero_optimization.stage3_param_persistence_threshold", "stage3_param_persistence_threshold", _DROP),

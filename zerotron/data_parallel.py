@@ -62,24 +62,16 @@ class InOrderReduction:
 class GradBuckets(InOrderReduction):
     """Owns the gradient buffers of `params` and reduces them over `comm` at accumulation boundaries."""
 
-    def __init__(self, params: list[torch.nn.Parameter], comm: Comm, bucket_numel: int,
-                 reduce_dtype: torch.dtype | None = None):
+    def __init__(self, buckets: list[list[torch.nn.Parameter]], comm: Comm, reduce_dtype: torch.dtype | None = None):
         self.comm = comm
         self.reduce_dtype = reduce_dtype
         self.buckets: list[Bucket] = []
         self.sync = True            # reduce in this backward? (False inside gradient accumulation)
         self._next_launch = 0
         self._bucket_of: dict[int, tuple[Bucket, int]] = {}
-        current: list[torch.nn.Parameter] = []
-        for p in reversed(params):
-            if current and (sum(q.numel() for q in current) + p.numel() > bucket_numel
-                            or p.dtype != current[0].dtype or p.device != current[0].device):
-                self._add_bucket(current)
-                current = []
-            current.append(p)
-        if current:
-            self._add_bucket(current)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        for params in buckets:
+            self._add_bucket(params)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for ps in buckets for p in ps]
 
     def _add_bucket(self, params):
         bucket = Bucket(len(self.buckets), params, params[0].dtype, params[0].device)
@@ -146,10 +138,10 @@ class ReplicatedStates:
 
     norm_group = None  # gradients are identical on every rank after the all-reduce
 
-    def __init__(self, params: list[torch.nn.Parameter], comm: Comm, bucket_numel: int,
-                 reduce_dtype: torch.dtype | None = None):
+    def __init__(self, buckets: list[list[torch.nn.Parameter]], comm: Comm, reduce_dtype: torch.dtype | None = None):
         from .precision import MasterWeights
-        self.grad_buckets = GradBuckets(params, comm, bucket_numel, reduce_dtype)
+        params = [p for ps in buckets for p in ps]
+        self.grad_buckets = GradBuckets(buckets, comm, reduce_dtype)
         self.buckets = self.grad_buckets.buckets
         self.master = MasterWeights(params)
 
@@ -169,9 +161,18 @@ class ReplicatedStates:
         return self.master.grads()
 
     def norm_weights(self, tp: int) -> list[float] | None:
-        if tp == 1:
-            return None
-        return [1.0 / tp if getattr(p, "tp_replicated", False) else 1.0 for p in self.master.model_params]
+        from .precision import norm_share
+        weights = [norm_share(p, tp) for p in self.master.model_params]
+        return None if all(w == 1.0 for w in weights) else weights
+
+    def reduce_accumulated(self):
+        """Reduce gradients accumulated without reduction (pipeline schedules: after the last backward)."""
+        self.grad_buckets.sync = True
+        self.grad_buckets.finish()
+
+    def reduced_grads(self, params) -> list[torch.Tensor]:
+        """After the reduction: the tensors holding `params`' gradients on this rank."""
+        return [p.grad for p in params]
 
     def publish(self):
         self.master.copy_to_model()

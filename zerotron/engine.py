@@ -51,7 +51,8 @@ class Engine(nn.Module):
             raise ValueError("the model has no parameters that require gradients; nothing to train")
         self.optimizer = self._make_optimizer(optimizer, model_parameters, params)
         # Gradient reduction, master weights and parameter updates, for the configured ZeRO stage.
-        self.states = make_model_states(self.module, self.optimizer, config, self.grad_comm, self.dp_comm)
+        self.states = make_model_states(self.module, self.optimizer, config, self.grad_comm, self.dp_comm,
+                                        isolate=self._isolated_params())
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.loss_scaler = LossScaler(config.fp16)
         self.monitor = Monitor(config, self.global_rank)
@@ -82,6 +83,10 @@ class Engine(nn.Module):
         dtype = self.dtype
         return module._apply(lambda t: t.to(dtype=dtype if t.is_floating_point() else t.dtype) if t.is_meta
                              else t.to(self.device, dtype=dtype if t.is_floating_point() else t.dtype))
+
+    def _isolated_params(self) -> list[list[nn.Parameter]]:
+        """Parameter lists that need gradient buckets of their own (see pipe.engine)."""
+        return []
 
     def _apply_tensor_parallel(self):
         from .parallel.tensor import apply_tensor_parallel
@@ -173,7 +178,7 @@ class Engine(nn.Module):
         else:
             self._global_grad_norm = clip_by_global_norm(
                 self.states.master_grads(), self.config.gradient_clipping,
-                [self.states.norm_group, self.tp_comm.group if self.topology.tp > 1 else None],
+                self._norm_groups(),
                 self.states.norm_weights(self.topology.tp))
             self.optimizer.step()
             self.states.publish()
@@ -183,6 +188,12 @@ class Engine(nn.Module):
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self._report()
+
+    def _norm_groups(self) -> list:
+        """The groups over which squared gradient norms are summed: the ZeRO shards (if any), and
+        the model-parallel dimensions, whose ranks hold different parameters."""
+        return [self.states.norm_group] + [self.topology.group(d) for d in ("tp", "pp")
+                                           if getattr(self.topology, d) > 1]
 
     def _report(self):
         losses, self._micro_losses = self._micro_losses, []
@@ -323,12 +334,14 @@ class Engine(nn.Module):
 
     def comm_stats(self) -> dict[str, int]:
         """Bytes of the full tensors each kind of collective moved since start or the last reset."""
-        comms = (self.dp_comm, self.grad_comm, self.tp_comm, self.world_comm)
-        return {k: sum(c.stats()[k] for c in comms) for k in Comm.KINDS}
+        return {k: sum(c.stats()[k] for c in self._comms()) for k in Comm.KINDS}
 
     def reset_comm_stats(self):
-        for c in (self.dp_comm, self.grad_comm, self.tp_comm, self.world_comm):
+        for c in self._comms():
             c.reset_stats()
+
+    def _comms(self) -> list[Comm]:
+        return [self.dp_comm, self.grad_comm, self.tp_comm, self.world_comm]
 
 
 class _RepeatingIterator:

@@ -122,6 +122,14 @@ class MasterWeights:
                 torch._foreach_copy_([p.data for p in self.model_params], self.masters)
 
 
+def norm_share(param, tp: int) -> float:
+    """The weight of a parameter's squared gradient norm on this rank: a tensor held by several
+    ranks of the norm's groups (tensor-parallel replicas, a weight tied across pipeline stages)
+    must count once in total."""
+    share = 1.0 / getattr(param, "tied_copies", 1)
+    return share / tp if tp > 1 and getattr(param, "tp_replicated", False) else share
+
+
 def clip_by_global_norm(grads: list[torch.Tensor], max_norm: float, groups=None,
                         weights: list[float] | None = None) -> torch.Tensor:
     """Scale `grads` so their joint L2 norm is at most `max_norm`; returns the norm before clipping.

@@ -11,10 +11,12 @@ from ..precision import DTYPES
 
 
 def make_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Config, comm: Comm,
-                      gather_comm: Comm):
+                      gather_comm: Comm, isolate: list[list[torch.nn.Parameter]] = ()):
     """The object that reduces gradients (over `comm`), owns master weights and publishes updated
     parameters (gathering over `gather_comm`, the same ranks in a second process group), for the
-    configured ZeRO stage; it takes over the optimizer's param groups."""
+    configured ZeRO stage; it takes over the optimizer's param groups. Each list in `isolate` gets
+    buckets of its own, laid out alike on every rank holding it (weights tied across pipeline
+    stages, whose reduced gradients are then summed between those stages)."""
     zero = config.zero_optimization
     reduce_dtype = DTYPES[config.communication_data_type] if config.communication_data_type else None
     group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"] if p.requires_grad}
@@ -22,15 +24,15 @@ def make_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     params = [p for p in module.parameters() if id(p) in group_of]
     if zero.stage == 0:
         from ..data_parallel import ReplicatedStates
-        states = ReplicatedStates(params, comm, zero.reduce_bucket_size, reduce_dtype)
+        states = ReplicatedStates(_bucketed(params, zero.reduce_bucket_size, isolate), comm, reduce_dtype)
     elif zero.stage == 3:
         from .stage3 import Stage3States
         states = Stage3States(module, params, group_of, comm, gather_comm, zero, reduce_dtype)
     else:
-        from .flat import FlatBucket, split_into_buckets
+        from .flat import FlatBucket
         from .sharded import ShardedStates
         buckets = []
-        for ps in split_into_buckets(list(reversed(params)), zero.reduce_bucket_size):
+        for ps in _bucketed(params, zero.reduce_bucket_size, isolate):
             b = FlatBucket(ps, comm.size, comm.rank)
             b.full = b.flatten_params()
             b.point_params_at(b.full)
@@ -40,3 +42,16 @@ def make_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                                reduce_dtype)
     states.adopt(optimizer)
     return states
+
+
+def _bucketed(params, max_numel, isolate=()):
+    """Parameters in reverse module order (roughly when backward produces their gradients) cut
+    into buckets; each isolated list forms buckets of its own, after the others."""
+    from .flat import split_into_buckets
+    present = {id(p) for p in params}
+    isolated = [[p for p in group if id(p) in present] for group in isolate]
+    apart = {id(p) for group in isolated for p in group}
+    buckets = split_into_buckets([p for p in reversed(params) if id(p) not in apart], max_numel)
+    for group in isolated:
+        buckets += split_into_buckets(group, max_numel) if group else []
+    return buckets

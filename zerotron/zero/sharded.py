@@ -84,7 +84,7 @@ class ShardedStates(InOrderReduction):
         self.master_grad_flat = None  # fp32 gradients, during the step only
         self.runs: list[tuple[int | None, torch.nn.Parameter]] = []  # (optimizer group, master tensor)
         self._run_bounds: list[tuple[int, int]] = []
-        self.run_replicated: list[bool] = []
+        self.run_norm_param: list[torch.nn.Parameter] = []  # a parameter standing for each run's norm share
         self._run_in_bucket: list[tuple[FlatBucket, int, int]] = []
         offset = 0
         for index, b in enumerate(self.buckets):
@@ -97,22 +97,26 @@ class ShardedStates(InOrderReduction):
                 b.master.copy_(b.shard.float())
             if self.grad_shard_flat is not None:
                 b.grad_shard = self.grad_shard_flat[offset:offset + b.shard_numel]
-            # [(optimizer group, replicated over tensor-parallel ranks), start in shard]; padding
+            # [(optimizer group, norm share), start in shard, a parameter of the run]; padding
             # joins the last run
             runs: list[list] = []
             for i, _, start, _ in b.param_slices_in_shard():
-                key = (group_of.get(id(b.params[i])), getattr(b.params[i], "tp_replicated", False))
+                key = self._run_key(b.params[i], group_of)
                 if not runs or runs[-1][0] != key:
-                    runs.append([key, start])
+                    runs.append([key, start, b.params[i]])
             last = b.params[-1]
-            runs = runs or [[(group_of.get(id(last)), getattr(last, "tp_replicated", False)), 0]]
-            ends = [start for _, start in runs[1:]] + [b.shard_numel]
-            for ((group, replicated), lo), hi in zip(runs, ends):
+            runs = runs or [[self._run_key(last, group_of), 0, last]]
+            ends = [start for _, start, _ in runs[1:]] + [b.shard_numel]
+            for ((group, _), lo, param), hi in zip(runs, ends):
                 self.runs.append((group, torch.nn.Parameter(b.master[lo:hi])))
-                self.run_replicated.append(replicated)
+                self.run_norm_param.append(param)
                 self._run_bounds.append((offset + lo, offset + hi))
                 self._run_in_bucket.append((b, lo, hi))
             offset += b.shard_numel
+
+    @staticmethod
+    def _run_key(param, group_of):
+        return group_of.get(id(param)), (getattr(param, "tp_replicated", False), getattr(param, "tied_copies", 1))
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
         name = type(optimizer).__name__
@@ -133,7 +137,9 @@ class ShardedStates(InOrderReduction):
         return [m.grad for _, m in self.runs]
 
     def norm_weights(self, tp: int) -> list[float] | None:
-        return [1.0 / tp if r else 1.0 for r in self.run_replicated] if tp > 1 else None
+        from ..precision import norm_share
+        weights = [norm_share(p, tp) for p in self.run_norm_param]
+        return None if all(w == 1.0 for w in weights) else weights
 
     def _make_master_grads(self):
         """The fp32 gradients of the master shard, pointed at by every master run's .grad. In fp32
@@ -220,6 +226,26 @@ class ShardedStates(InOrderReduction):
         for b in self.buckets:
             b.ready.clear()
         self._next_launch = 0
+
+    def reduce_accumulated(self) -> None:
+        """Pipeline schedules accumulate every micro-batch without reducing (stage 1) and reduce
+        once after the last backward; stage 2 already reduced each backward's gradients."""
+        if self.stage == 1:
+            self.sync = True
+            self.end_backward()
+
+    def reduced_grads(self, params) -> list[torch.Tensor]:
+        """After the reduction: this rank's reduced gradient shards of the buckets holding `params`,
+        which must hold nothing else (see `isolate` in zero.make_model_states)."""
+        wanted = {id(p) for p in params}
+        buckets = []
+        for p in params:
+            b, _ = self._where[id(p)]
+            if any(id(q) not in wanted for q in b.params):
+                raise RuntimeError("reduced_grads needs the parameters in buckets of their own")
+            if b not in buckets:
+                buckets.append(b)
+        return [b.own_slice(b.grad_full) if self.stage == 1 else b.grad_shard for b in buckets]
 
     # ---- after the optimizer step ---------------------------------------------------------
     def unscale_and_check(self, inv_scale: float | None) -> bool:

@@ -1,0 +1,175 @@
+"""Pipeline parallelism (and 3D: data x tensor x pipeline) trains the same model as one process."""
+import statistics
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zerotron
+from distributed import RankError, run_ranks
+from parity import assert_losses_close, ds_config, global_batches, make_model, micro_batches, reference_training
+from zerotron.errors import ConfigError
+from zerotron.pipe import LayerSpec, PipelineModule
+
+STEPS = 3
+
+
+def _model(layers, tie):
+    return make_model(n_layer=layers, n_kv_head=4, tie_embeddings=tie)
+
+
+def _train_pipeline(pp, gas, schedule="1f1b", chunks=1, stage=0, tp=1, tie=False, layers=4):
+    module = _model(layers, tie).to_pipeline(pp, partition_method="type:_PipeBlock", num_virtual_stages=chunks)
+    config = ds_config(1, gas, zero_optimization={"stage": stage}, pipeline={"schedule": schedule},
+                       tensor_parallel={"autotp_size": tp})
+    engine, *_ = zerotron.initialize(model=module, config=config)
+    dp = engine.topology.dp
+    losses = [engine.train_batch(iter(micro_batches(b, engine.coords.dp, dp, gas))).item()
+              for b in global_batches(STEPS, gas * dp)]
+    return losses, zerotron.zero.consolidated_state_dict(engine.module), engine.comm_stats()
+
+
+def _reference(batch, tie=False, layers=4):
+    """Plain single-process training of the same GPT; weights named as in its pipeline form."""
+    losses, state = reference_training(global_batches(STEPS, batch), n_layer=layers, n_kv_head=4, tie_embeddings=tie)
+    model = _model(layers, tie)
+    model.load_state_dict(state)
+    return losses, model.to_pipeline(1).state_dict()
+
+
+def _check(results, ref_losses, ref_state):
+    merged = {}
+    for losses, state, _ in results:
+        assert_losses_close(losses, ref_losses, rtol=1e-5)
+        merged.update(state)
+    assert merged.keys() == ref_state.keys()  # together the stages hold the whole model
+    worst = max((merged[k] - ref_state[k]).abs().max().item() for k in ref_state)
+    assert worst < 1e-5, worst
+
+
+@pytest.mark.parametrize("pp,gas,schedule,chunks", [
+    (2, 4, "gpipe", 1), (2, 4, "1f1b", 1), (2, 4, "interleaved", 2),
+    (4, 4, "gpipe", 1), (4, 8, "1f1b", 1), (4, 8, "interleaved", 2)])
+def test_parity_with_single_process(pp, gas, schedule, chunks):
+    layers = max(4, pp * chunks)
+    ref_losses, ref_state = _reference(gas, layers=layers)
+    _check(run_ranks(_train_pipeline, pp, pp, gas, schedule, chunks, 0, 1, False, layers, timeout=120),
+           ref_losses, ref_state)
+
+
+@pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("interleaved", 2)])
+def test_embedding_tied_across_first_and_last_stage(schedule, chunks):
+    ref_losses, ref_state = _reference(4, tie=True)
+    results = run_ranks(_train_pipeline, 2, 2, 4, schedule, chunks, 0, 1, True)
+    _check(results, ref_losses, ref_state)
+    assert results[0][2]["all_reduce"] > 0  # the tied gradient was summed between the stages
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_over_data_parallel_replicas_of_each_stage(stage):
+    ref_losses, ref_state = _reference(2 * 2, tie=True)
+    _check(run_ranks(_train_pipeline, 4, 2, 2, "1f1b", 1, stage, 1, True), ref_losses, ref_state)
+
+
+def test_3d_data_tensor_pipeline_with_zero_1():
+    """The full 2 x 2 x 2 mesh on 8 processes, tied embeddings across the pipeline."""
+    ref_losses, ref_state = _reference(2 * 2, tie=True)
+    _check(run_ranks(_train_pipeline, 8, 2, 2, "1f1b", 1, 1, 2, True, timeout=180), ref_losses, ref_state)
+
+
+# ---- DeepSpeed-style modules built from LayerSpecs ------------------------------------------------
+class Dense(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def _specs(n, d):
+    return [LayerSpec(Dense, d) for _ in range(n)]
+
+
+def _train_specs(pp, steps, gas, d=32, n=4, stage=0):
+    module = PipelineModule(_specs(n, d), num_stages=pp, loss_fn=nn.functional.mse_loss, seed_layers=True,
+                            partition_method="uniform")
+    engine, *_ = zerotron.initialize(model=module, config=ds_config(2, gas, zero_optimization={"stage": stage}))
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(2, d, generator=g), torch.randn(2, d, generator=g)) for _ in range(steps * gas)]
+    losses = [engine.train_batch(iter(batches[i * gas:(i + 1) * gas])).item() for i in range(steps)]
+    evals = engine.eval_batch(iter(batches[:gas])).item()
+    return losses, evals, {k: v.clone() for k, v in engine.module.state_dict().items()}
+
+
+def test_layer_specs_build_only_local_layers_and_match_one_stage():
+    ref_losses, ref_eval, ref_state = _train_specs(1, 3, 2)  # single process, seeded layers
+    results = run_ranks(_train_specs, 2, 2, 3, 2)
+    merged = {}
+    for losses, evals, state in results:
+        assert_losses_close(losses, ref_losses, rtol=1e-5)
+        assert evals == pytest.approx(ref_eval, rel=1e-5)
+        merged.update(state)
+    assert set(results[0][2]) == {"layers.0.lin.weight", "layers.0.lin.bias", "layers.1.lin.weight", "layers.1.lin.bias"}
+    assert merged.keys() == ref_state.keys()
+    assert max((merged[k] - ref_state[k]).abs().max().item() for k in ref_state) < 1e-5
+
+
+# ---- bubble -----------------------------------------------------------------------------------------
+def _measure_bubble(schedule, chunks, micro_batches, rounds=4):
+    d, rows = 2048, 128  # each layer ~20 ms: transfers (1 MiB) are small next to compute
+    module = PipelineModule(_specs(4 * chunks, d), num_stages=2, loss_fn=nn.functional.mse_loss, seed_layers=True,
+                            partition_method="uniform", num_virtual_stages=chunks)
+    config = ds_config(rows, micro_batches, pipeline={"schedule": schedule})
+    engine, *_ = zerotron.initialize(model=module, config=config)
+    # Inputs that require grad make the first stage compute its input gradient too, as every
+    # other stage does: the stages are then equal, as the theory assumes.
+    batch = (torch.randn(rows, d, requires_grad=True), torch.randn(rows, d))
+    measured = []
+    for i in range(rounds + 1):
+        engine.train_batch(iter([batch] * micro_batches))
+        if i:  # the first batch warms up
+            measured.append(engine.pipeline_bubble())
+    return [statistics.median(m["measured"][s] for m in measured) for s in range(2)], measured[0]["theory"]
+
+
+@pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
+def test_measured_bubble_is_close_to_theory(schedule, chunks):
+    (bubbles, theory), *_ = run_ranks(_measure_bubble, 2, schedule, chunks, 4, timeout=150)
+    assert theory == pytest.approx(1 / 5 if chunks == 1 else 1 / 9)
+    for bubble in bubbles:  # measured over the common window of both stages, median of 4 batches
+        assert abs(bubble - theory) <= 0.10, (bubbles, theory)
+
+
+# ---- errors ------------------------------------------------------------------------------------------
+def _initialize(config_extra, chunks=1):
+    module = _model(4, False).to_pipeline(2, num_virtual_stages=chunks)
+    zerotron.initialize(model=module, config=ds_config(1, 2, **config_extra))
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"zero_optimization": {"stage": 3}}, "stages 0-2"),
+    ({"tensor_parallel": {"autotp_size": 2}, "zerotron": {"sequence_parallel": True}}, "sequence parallelism"),
+    ({"pipeline": {"schedule": "interleaved"}}, "num_virtual_stages"),
+    ({"pipeline": {"stages": 4}}, "PipelineModule has 2 stages")])
+def test_unsupported_combinations_get_clear_errors(extra, message):
+    world = 4 if "tensor_parallel" in extra else 2
+    with pytest.raises(RankError, match=message):
+        run_ranks(_initialize, world, extra)
+
+
+def _forward_on_pipeline_engine():
+    module = _model(4, False).to_pipeline(2)
+    engine, *_ = zerotron.initialize(model=module, config=ds_config(1, 2))
+    engine(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_forward_on_a_pipeline_engine_points_to_train_batch():
+    with pytest.raises(RankError, match="train_batch"):
+        run_ranks(_forward_on_pipeline_engine, 2)
+
+
+def test_config_error_when_pipeline_does_not_divide_the_world():
+    from zerotron.config import Config
+    with pytest.raises(ConfigError, match="pipeline"):
+        Config.load(ds_config(1, 1), world_size=6, pipeline_stages=4)

@@ -1,0 +1,119 @@
+"""Pipeline schedules and partitions, checked without processes: order of operations, deadlock
+freedom, in-flight activations, message order and the ideal bubble."""
+import itertools
+
+import pytest
+import torch.nn as nn
+
+from zerotron.pipe import LayerSpec, PipelineModule, TiedLayerSpec, build_schedule, simulate, theoretical_bubble
+from zerotron.pipe.partition import by_type, partition, uniform
+
+CASES = [(name, p, m, v) for name, v in (("gpipe", 1), ("1f1b", 1), ("gpipe", 2), ("interleaved", 2), ("interleaved", 3))
+         for p, m in itertools.product((1, 2, 3, 4, 8), (1, 2, 4, 8, 16))
+         if name != "interleaved" or m % p == 0]
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES)
+def test_every_micro_batch_runs_forward_then_backward_once_per_chunk(name, p, m, v):
+    schedule = build_schedule(name, p, m, v)
+    for actions in schedule:
+        assert sorted((a.kind, a.chunk, a.micro) for a in actions) == sorted(
+            (k, c, i) for k in "FB" for c in range(v) for i in range(m))
+        seen = set()
+        for a in actions:  # on one stage, each chunk's backward comes after its forward
+            if a.kind == "B":
+                assert ("F", a.chunk, a.micro) in seen
+            seen.add((a.kind, a.chunk, a.micro))
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES)
+def test_no_stage_waits_forever_and_messages_arrive_in_send_order(name, p, m, v):
+    sim = simulate(build_schedule(name, p, m, v), chunks=v)  # raises if some stage waits forever
+    # Without tags (NCCL) messages between two ranks match by order: both sides must agree on it.
+    assert sim.messages == sim.received
+
+
+@pytest.mark.parametrize("name,p,m,v", [c for c in CASES if c[0] != "gpipe" or c[3] == 1])
+def test_ideal_bubble_matches_theory(name, p, m, v):
+    sim = simulate(build_schedule(name, p, m, v), chunks=v, t_forward=1.0, t_backward=2.0)
+    expected = theoretical_bubble(p, m, v)
+    for bubble in sim.bubble:
+        assert bubble == pytest.approx(expected, abs=1e-9)
+
+
+@pytest.mark.parametrize("p,m", itertools.product((1, 2, 4, 8), (1, 3, 8, 16)))
+def test_one_f_one_b_bounds_activations_in_flight(p, m):
+    sim = simulate(build_schedule("1f1b", p, m))
+    for s, peak in enumerate(sim.max_in_flight):
+        assert peak == min(p - s, m)
+    assert simulate(build_schedule("gpipe", p, m)).max_in_flight == [m] * p
+
+
+def test_interleaved_bounds_activations_in_flight():
+    p, m, v = 4, 16, 2
+    sim = simulate(build_schedule("interleaved", p, m, v), chunks=v)
+    for s, peak in enumerate(sim.max_in_flight):
+        assert peak <= (p - s - 1) * 2 + (v - 1) * p + 1 < m * v
+
+
+def test_interleaved_needs_whole_rounds_of_micro_batches():
+    with pytest.raises(ValueError, match="multiple of the pipeline stages"):
+        build_schedule("interleaved", 4, 6, 2)
+    with pytest.raises(ValueError, match="unknown pipeline schedule"):
+        build_schedule("zigzag", 2, 2)
+
+
+def test_a_broken_schedule_is_reported_as_a_deadlock():
+    schedule = build_schedule("1f1b", 2, 2)
+    schedule[1] = list(reversed(schedule[1]))  # the last stage runs a backward before any forward
+    with pytest.raises(RuntimeError, match="before its forward|deadlocks"):
+        simulate(schedule)
+
+
+# ---- partitions ---------------------------------------------------------------------------------
+def test_partition_minimises_the_heaviest_part():
+    assert partition([10, 1, 1, 1, 1, 10], 2) == [0, 3, 6]
+    assert partition([5, 4, 4, 4, 4, 9], 3) == [0, 2, 5, 6]
+    assert partition([1] * 8, 4) == [0, 2, 4, 6, 8]
+    assert uniform(6, 4) == [0, 2, 4, 5, 6]
+    with pytest.raises(ValueError, match="cannot split 3 layers into 4"):
+        partition([1, 1, 1], 4)
+
+
+def test_partition_by_type_starts_parts_at_matching_layers():
+    names = ["Embedding", "Block", "Block", "Block", "Block", "Norm", "Head"]
+    assert by_type(names, "block", 2) == [0, 3, 7]
+    assert by_type(names, "^Block$", 4) == [0, 2, 3, 4, 7]
+    with pytest.raises(ValueError, match="matches 4 layers"):
+        by_type(names, "block", 5)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _layers():
+    return [TiedLayerSpec("emb", nn.Embedding, 100, 16), *[LayerSpec(Block, 16) for _ in range(6)],
+            TiedLayerSpec("emb", nn.Embedding, 100, 16, forward_fn=lambda m, x: x @ m.weight.t())]
+
+
+@pytest.mark.parametrize("method,bounds", [("uniform", [0, 2, 4, 6, 8]), ("type:block", [0, 3, 5, 6, 8]),
+                                           ("parameters", [0, 1, 4, 7, 8])])
+def test_partition_methods_of_pipeline_module(method, bounds):
+    m = PipelineModule(_layers(), num_stages=4, partition_method=method, stage_id=0)
+    assert m.parts == bounds
+    assert m.tie_stages == {"emb": [0, 3]}
+
+
+def test_each_stage_builds_only_its_layers_and_virtual_stages_interleave():
+    m = PipelineModule(_layers(), num_stages=2, num_virtual_stages=2, partition_method="uniform", stage_id=1)
+    assert m.parts == [0, 2, 4, 6, 8]
+    assert [[i for i, _ in chunk] for chunk in m.chunks] == [[2, 3], [6, 7]]
+    assert sorted(m.layers.keys()) == ["2", "3", "6"] and list(m.tied.keys()) == ["emb"]
+    with pytest.raises(ValueError, match="partition_method"):
+        PipelineModule(_layers(), num_stages=2, partition_method="best", stage_id=0)

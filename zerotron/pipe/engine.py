@@ -1,0 +1,215 @@
+"""PipelineEngine: `train_batch` runs one global batch through the pipeline stages.
+
+Each rank runs its stage's actions from `schedule.build_schedule` in order. Gradients of every
+micro-batch accumulate without communication; after the last backward they are reduced over the
+data-parallel group (ZeRO 0/1 all at once; ZeRO-2 reduces each backward's gradients as it goes),
+weights tied across stages get their reduced gradients summed between those stages, and the
+step clips by the global norm over data, tensor and pipeline ranks.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..comm import Comm
+from ..engine import Engine, _to_device
+from ..errors import ConfigError
+from .module import PipelineModule
+from .p2p import P2P, as_tuple
+from .schedule import Action, build_schedule, location, theoretical_bubble, virtual_stage
+
+
+class PipelineEngine(Engine):
+    def __init__(self, module: PipelineModule, config, topology, **kwargs):
+        if config.zero_optimization.stage > 2:
+            raise ConfigError("zero_optimization.stage", config.zero_optimization.stage,
+                              "pipeline parallelism works with ZeRO stages 0-2; stage 3 regathers every layer "
+                              "for every micro-batch. Use stage 1 or 2 (or no pipeline)")
+        if config.zerotron.sequence_parallel:
+            raise ConfigError("zerotron.sequence_parallel", True, "sequence parallelism is not supported with "
+                              "pipeline parallelism yet; turn it off or use one pipeline stage")
+        chunks = module.num_virtual_stages
+        if config.pipeline.schedule == "interleaved" and chunks == 1:
+            raise ConfigError("pipeline.schedule", "interleaved", "the interleaved schedule needs "
+                              "PipelineModule(num_virtual_stages=2 or more); or use '1f1b'")
+        self.stage, self.stages, self.chunks = topology.coords(dist.get_rank()).pp, topology.pp, chunks
+        if module.stage_id != self.stage:
+            raise RuntimeError(f"the PipelineModule was built for stage {module.stage_id} but this rank is stage "
+                               f"{self.stage}; build it after zerotron.init_distributed() with the same world")
+        super().__init__(module, config, topology, **kwargs)
+        dist.barrier()  # NCCL: the first point-to-point call must not be the group's first operation
+        self.schedule_name = config.pipeline.schedule
+        self._timeline = None
+
+    # ---- set-up -----------------------------------------------------------------------------
+    def _isolated_params(self):
+        """Stage-to-stage transfers and weights tied across stages; tied weights get buckets of
+        their own so their reduced gradients line up between the stages that share them."""
+        self.pp_comm = Comm(self.topology.group("pp"))
+        self.p2p = P2P(self.device, self.pp_comm)
+        self.tie_groups: list[tuple[Comm, list]] = []
+        t, me = self.topology, dist.get_rank()
+        for key in sorted(self.module.tie_stages):  # every rank creates every group, in one order
+            stages = sorted(self.module.tie_stages[key])
+            if len(stages) < 2:
+                continue
+            for dp in range(t.dp):
+                for tp in range(t.tp):
+                    ranks = [t.rank_of(s, dp, tp) for s in stages]
+                    group = dist.new_group(ranks)
+                    if me in ranks:
+                        params = self.module.tied_parameters(key)
+                        comm = Comm(group)
+                        for p in params:
+                            comm.broadcast(p.data, src_group_rank=0)  # start from one copy
+                            p.tied_copies = len(stages)                # counted once in the norm
+                        self.tie_groups.append((comm, params))
+        return [params for _, params in self.tie_groups]
+
+    def _comms(self):
+        return super()._comms() + [self.pp_comm] + [c for c, _ in self.tie_groups]
+
+    # ---- DeepSpeed's pipeline API --------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline engine runs whole batches: use engine.train_batch(data_iter) "
+                           "or engine.eval_batch(data_iter) instead of forward/backward/step")
+
+    backward = step = forward
+
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def train_batch(self, data_iter=None) -> torch.Tensor:
+        """One global batch: every micro-batch through the pipeline, reduction, step. Returns the
+        mean loss on every rank."""
+        self.module.train()
+        batches = self._read(data_iter)
+        losses = self._run(build_schedule(self.schedule_name, self.stages, len(batches), self.chunks)[self.stage],
+                           batches, train=True)
+        self.states.reduce_accumulated()
+        for comm, params in self.tie_groups:
+            for grad in self.states.reduced_grads(params):
+                comm.all_reduce(grad)
+        loss = self._mean_loss(losses)
+        self._micro_losses = [loss]
+        self._take_model_step(None)
+        self.micro_steps += len(batches)
+        return loss
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter=None, num_micro_batches: int | None = None) -> torch.Tensor:
+        """Mean loss over one batch (forward only), on every rank."""
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            batches = self._read(data_iter, num_micro_batches)
+            forwards = [Action("F", c, i) for c in range(self.chunks) for i in range(len(batches))]
+            return self._mean_loss(self._run(forwards, batches, train=False))
+        finally:
+            self.module.train(was_training)
+
+    def pipeline_bubble(self) -> dict:
+        """Idle fraction of each stage in the last train_batch, measured over the common window from
+        the first stage's start to the last stage's end (collective over the pipeline group), and
+        the schedule's theoretical bubble."""
+        if self._timeline is None:
+            raise RuntimeError("pipeline_bubble() reports on the last train_batch; run one first")
+        start, end, busy, micro = self._timeline
+        mine = torch.tensor([start, end, busy], dtype=torch.float64)
+        every = [torch.zeros_like(mine) for _ in range(self.stages)]
+        dist.all_gather(every, mine, group=self.topology.group("pp"))
+        window = max(t[1].item() for t in every) - min(t[0].item() for t in every)
+        return {"measured": [1 - t[2].item() / window for t in every],
+                "theory": theoretical_bubble(self.stages, micro, self.chunks)}
+
+    # ---- running a schedule --------------------------------------------------------------------
+    def _read(self, data_iter, count: int | None = None) -> list:
+        it = self._iterator(data_iter)
+        batches = []
+        for _ in range(count or self.gradient_accumulation_steps()):
+            batch = next(it)
+            if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+                raise ValueError("a pipeline batch is (inputs, labels): the first stage reads inputs, the last stage "
+                                 f"passes labels to loss_fn; got a {type(batch).__name__}")
+            batches.append(batch)
+        return batches
+
+    def _peer(self, vstage: int) -> int:
+        stage, _ = location(vstage, self.stages)
+        return self.topology.rank_of(stage, self.coords.dp, self.coords.tp)
+
+    def _run(self, actions: list[Action], batches: list, train: bool) -> list[torch.Tensor]:
+        inputs, outputs, losses = {}, {}, []
+        last = self.stages * self.chunks - 1
+        busy, start = 0.0, time.time()
+        scale = self.loss_scaler.scale if self.loss_scaler.enabled else 1.0
+        for n, a in enumerate(actions):
+            vs = virtual_stage(self.stage, a.chunk, self.stages)
+            key = (a.chunk, a.micro)
+            if a.kind == "F":
+                if vs == 0:
+                    x = _to_device(batches[a.micro][0], self.device)
+                else:
+                    x = self.p2p.recv_activation(self._peer(vs - 1), tag=2 * vs)
+                    x = x[0] if len(x) == 1 else x
+                t0 = time.perf_counter()
+                y = self.module(x, chunk=a.chunk)
+                if vs == last:
+                    loss = self._loss(y, batches[a.micro][1])
+                    losses.append(loss.detach().float())
+                    outputs[key] = loss
+                else:
+                    outputs[key] = as_tuple(y)
+                    self.p2p.send(outputs[key], self._peer(vs + 1), tag=2 * (vs + 1), with_header=True)
+                if train:
+                    inputs[key] = x
+                else:
+                    outputs.pop(key)
+                busy += time.perf_counter() - t0
+            else:
+                x, y = inputs.pop(key), outputs.pop(key)
+                if vs == last:
+                    tensors, grads = [(y / len(batches)).float() * scale], None
+                else:
+                    tensors = [t for t in y if t.requires_grad]
+                    grads = self.p2p.recv_like(tensors, self._peer(vs + 1), tag=2 * vs + 1)
+                t0 = time.perf_counter()
+                self.states.begin_backward(False)
+                torch.autograd.backward(tensors, grads)
+                self.states.end_backward()
+                if vs > 0:
+                    back = [t.grad if t.grad is not None else torch.zeros_like(t)
+                            for t in as_tuple(x) if t.requires_grad]
+                    self.p2p.send(back, self._peer(vs - 1), tag=2 * (vs - 1) + 1, with_header=False)
+                busy += time.perf_counter() - t0
+            if n + 1 == len(actions) or not self._receives(actions[n + 1]):
+                self.p2p.flush()  # nothing to pair the sends with: post them now
+        self.p2p.finish()
+        if train:
+            self._timeline = (start, time.time(), busy, len(batches))
+        return losses
+
+    def _receives(self, a: Action) -> bool:
+        vs = virtual_stage(self.stage, a.chunk, self.stages)
+        return vs > 0 if a.kind == "F" else vs < self.stages * self.chunks - 1
+
+    def _loss(self, output, labels) -> torch.Tensor:
+        labels = _to_device(labels, self.device)
+        loss_fn = self.module.loss_fn
+        loss = loss_fn(output, labels) if loss_fn is not None else output
+        if not (torch.is_tensor(loss) and loss.numel() == 1):
+            raise ValueError("the last pipeline stage must produce a scalar loss: give PipelineModule a loss_fn "
+                             "(output, labels) -> loss, or make the last layer return the loss")
+        return loss
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean over micro-batches on the last stage, sent to every stage, averaged over data parallel."""
+        value = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
+        if self.stages > 1:
+            self.pp_comm.broadcast(value, src_group_rank=self.stages - 1)
+        return self._mean_over_dp(value)
