@@ -45,8 +45,9 @@ def ds_config(micro: int, gas: int, clip: float = 1.0, **extra) -> dict:
             **extra}
 
 
-def reference_training(batches, clip: float = 1.0, **model_overrides):
-    """Plain PyTorch on one process: the ground truth every strategy must reproduce."""
+def reference_training(batches, clip: float = 1.0, norms: list | None = None, **model_overrides):
+    """Plain PyTorch on one process: the ground truth every strategy must reproduce. `norms`, if
+    given, receives each step's gradient norm before clipping."""
     model = make_model(**model_overrides)
     # The fused kernel, as the engine uses: the comparison then isolates the engine from
     # differences between torch's AdamW implementations (~3e-6 on these weights).
@@ -56,7 +57,9 @@ def reference_training(batches, clip: float = 1.0, **model_overrides):
         loss = model(x, y)
         loss.backward()
         if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if norms is not None:
+                norms.append(norm.item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

@@ -45,6 +45,22 @@ def test_train_with_tensor_and_sequence_parallelism():
     assert after < before - 0.5, line
 
 
+def test_train_on_a_3d_mesh_of_eight_processes():
+    out = _zerotron("train", "--model", "tiny", "--steps", "20", "--dp", "2", "--tp", "2", "--pp", "2",
+                    "--grad-accum", "2", "--micro-batch", "4", "--seq-len", "64", "--eval-batches", "2",
+                    "--corpus-bytes", "300000")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "8 x cpu (gloo), dp 2 x tp 2 x pp 2" in out.stdout
+    line = next(l for l in out.stdout.splitlines() if "validation loss" in l)
+    before, after = (float(v) for v in line.split("validation loss ")[1].split(" (")[0].split(" -> "))
+    assert after < before - 0.5, line
+
+
+def test_train_rejects_sizes_that_disagree():
+    out = _zerotron("train", "--model", "tiny", "--steps", "1", "--dp", "2", "--pp", "2", "--nproc", "2")
+    assert out.returncode != 0 and "disagrees with --dp x --tp x --pp = 4" in out.stderr
+
+
 def test_run_launches_an_unchanged_deepspeed_script():
     out = _zerotron("run", "-n", "2", "examples/deepspeed_script.py", "--steps", "12", "--deepspeed",
                     "--deepspeed_config", "examples/ds_config.json")

@@ -24,23 +24,28 @@ def _train_pipeline(pp, gas, schedule="1f1b", chunks=1, stage=0, tp=1, tie=False
                        tensor_parallel={"autotp_size": tp})
     engine, *_ = zerotron.initialize(model=module, config=config)
     dp = engine.topology.dp
-    losses = [engine.train_batch(iter(micro_batches(b, engine.coords.dp, dp, gas))).item()
-              for b in global_batches(STEPS, gas * dp)]
-    return losses, zerotron.zero.consolidated_state_dict(engine.module), engine.comm_stats()
+    losses, norms = [], []
+    for b in global_batches(STEPS, gas * dp):
+        losses.append(engine.train_batch(iter(micro_batches(b, engine.coords.dp, dp, gas))).item())
+        norms.append(engine.get_global_grad_norm())
+    return losses, zerotron.zero.consolidated_state_dict(engine.module), engine.comm_stats(), norms
 
 
-def _reference(batch, tie=False, layers=4):
+def _reference(batch, tie=False, layers=4, norms=None):
     """Plain single-process training of the same GPT; weights named as in its pipeline form."""
-    losses, state = reference_training(global_batches(STEPS, batch), n_layer=layers, n_kv_head=4, tie_embeddings=tie)
+    losses, state = reference_training(global_batches(STEPS, batch), norms=norms, n_layer=layers, n_kv_head=4,
+                                       tie_embeddings=tie)
     model = _model(layers, tie)
     model.load_state_dict(state)
     return losses, model.to_pipeline(1).state_dict()
 
 
-def _check(results, ref_losses, ref_state):
+def _check(results, ref_losses, ref_state, ref_norms=None):
     merged = {}
-    for losses, state, _ in results:
+    for losses, state, _, norms in results:
         assert_losses_close(losses, ref_losses, rtol=1e-5)
+        if ref_norms is not None:  # one global norm over all three dimensions, the tied weight counted once
+            assert norms == pytest.approx(ref_norms, rel=1e-5)
         merged.update(state)
     assert merged.keys() == ref_state.keys()  # together the stages hold the whole model
     worst = max((merged[k] - ref_state[k]).abs().max().item() for k in ref_state)
@@ -59,22 +64,26 @@ def test_parity_with_single_process(pp, gas, schedule, chunks):
 
 @pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("interleaved", 2)])
 def test_embedding_tied_across_first_and_last_stage(schedule, chunks):
-    ref_losses, ref_state = _reference(4, tie=True)
+    ref_norms = []
+    ref_losses, ref_state = _reference(4, tie=True, norms=ref_norms)
     results = run_ranks(_train_pipeline, 2, 2, 4, schedule, chunks, 0, 1, True)
-    _check(results, ref_losses, ref_state)
+    _check(results, ref_losses, ref_state, ref_norms)
     assert results[0][2]["all_reduce"] > 0  # the tied gradient was summed between the stages
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_over_data_parallel_replicas_of_each_stage(stage):
-    ref_losses, ref_state = _reference(2 * 2, tie=True)
-    _check(run_ranks(_train_pipeline, 4, 2, 2, "1f1b", 1, stage, 1, True), ref_losses, ref_state)
+    ref_norms = []
+    ref_losses, ref_state = _reference(2 * 2, tie=True, norms=ref_norms)
+    _check(run_ranks(_train_pipeline, 4, 2, 2, "1f1b", 1, stage, 1, True), ref_losses, ref_state, ref_norms)
 
 
 def test_3d_data_tensor_pipeline_with_zero_1():
     """The full 2 x 2 x 2 mesh on 8 processes, tied embeddings across the pipeline."""
-    ref_losses, ref_state = _reference(2 * 2, tie=True)
-    _check(run_ranks(_train_pipeline, 8, 2, 2, "1f1b", 1, 1, 2, True, timeout=180), ref_losses, ref_state)
+    ref_norms = []
+    ref_losses, ref_state = _reference(2 * 2, tie=True, norms=ref_norms)
+    assert min(ref_norms) > 1.0  # clipping at 1.0 acts on every step, so a wrong norm would show
+    _check(run_ranks(_train_pipeline, 8, 2, 2, "1f1b", 1, 1, 2, True, timeout=180), ref_losses, ref_state, ref_norms)
 
 
 # ---- DeepSpeed-style modules built from LayerSpecs ------------------------------------------------

@@ -36,10 +36,11 @@ def _train(args, argv: list[str]) -> int:
         from .train import train
         train(args)
         return 0
-    nproc = args.nproc or default_nproc()
     from .config import Config
-    from .train import build_config
-    Config.load(build_config(args, torch.cuda.is_available()), world_size=nproc)  # fail fast, before launching
+    from .train import build_config, world_size_of
+    nproc = world_size_of(args, default_nproc())
+    Config.load(build_config(args, torch.cuda.is_available()), world_size=nproc,  # fail fast, before launching
+                pipeline_stages=args.pp)
     # Relaunch ourselves under torchrun: one process per GPU (or `nproc` CPU processes). --nproc is
     # dropped from the workers' arguments: torchrun would read it as its own --nproc-per-node.
     worker_argv = [a for i, a in enumerate(argv) if not (a.startswith("--nproc") or

@@ -225,14 +225,14 @@ class Engine(nn.Module):
         return self._mean_over_dp(torch.stack(losses).mean())
 
     @torch.no_grad()
-    def eval_batch(self, data_iter=None) -> torch.Tensor:
-        """Mean loss over one global batch without touching gradients or weights."""
+    def eval_batch(self, data_iter=None, num_micro_batches: int | None = None) -> torch.Tensor:
+        """Mean loss over one global batch (or `num_micro_batches`) without touching gradients or weights."""
         it = self._iterator(data_iter)
         was_training = self.module.training
         self.module.eval()
         try:
             losses = [self._loss_of(self.forward_batch(next(it))).float()
-                      for _ in range(self.gradient_accumulation_steps())]
+                      for _ in range(num_micro_batches or self.gradient_accumulation_steps())]
         finally:
             self.module.train(was_training)
         return self._mean_over_dp(torch.stack(losses).mean())

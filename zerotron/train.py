@@ -23,7 +23,12 @@ def add_train_arguments(p: argparse.ArgumentParser):
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3)")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None, help="default: bf16 on GPUs, fp32 on CPUs")
     p.add_argument("--zero", type=int, default=None, help="ZeRO stage")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: processes / (tp x pp))")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=None, help="pipeline-parallel stages")
+    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default=None,
+                   help="pipeline schedule (default 1f1b; interleaved with --virtual-stages)")
+    p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline stage (interleaved 1F1B)")
     p.add_argument("--sequence-parallel", action="store_true", default=None, help="split norms/residuals along the sequence (with --tp)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-batches", type=int, default=8, help="validation micro-batches per process")
@@ -61,7 +66,26 @@ def build_config(args, gpu: bool) -> dict:
         cfg.setdefault("tensor_parallel", {})["autotp_size"] = args.tp
     if args.sequence_parallel:
         cfg.setdefault("zerotron", {})["sequence_parallel"] = True
+    if args.pp is not None:
+        cfg.setdefault("pipeline", {})["stages"] = args.pp
+    if args.schedule is not None or args.virtual_stages > 1:
+        cfg.setdefault("pipeline", {})["schedule"] = args.schedule or "interleaved"
     return cfg
+
+
+def world_size_of(args, default: int) -> int:
+    """Processes for the job: --dp x --tp x --pp when --dp is given, else --nproc (or `default`,
+    raised to the model-parallel size when that does not divide it)."""
+    model_parallel = (args.tp or 1) * (args.pp or 1)
+    if args.dp is not None:
+        if args.dp < 1:
+            raise SystemExit("--dp must be a positive integer")
+        world = args.dp * model_parallel
+        if args.nproc is not None and args.nproc != world:
+            raise SystemExit(f"--nproc {args.nproc} disagrees with --dp x --tp x --pp = {world}; give one of them")
+        return world
+    world = args.nproc or default
+    return world if args.nproc or world % model_parallel == 0 else model_parallel
 
 
 def _peak_flops() -> float | None:
@@ -73,20 +97,16 @@ def _peak_flops() -> float | None:
 
 @torch.no_grad()
 def _validation_loss(engine, val, batches: int, micro_batch: int) -> float:
-    """Mean loss over the first `batches` micro-batches of each data-parallel rank's share."""
+    """Mean loss over `batches` full micro-batches of each data-parallel rank's share (all equal
+    in size, so the mean of their means is the mean over sequences)."""
     dp, rank = engine.topology.dp, engine.coords.dp
-    n = min(len(val), batches * micro_batch * dp)
-    idx = list(range(rank, n, dp))
-    was_training = engine.module.training
-    engine.module.eval()
-    total = torch.zeros(2, device=engine.device)
+    batches = max(1, min(batches, len(val) // (micro_batch * dp)))
+    idx = list(range(rank, batches * micro_batch * dp, dp))
+    micro = []
     for i in range(0, len(idx), micro_batch):
         xs, ys = zip(*(val[j] for j in idx[i:i + micro_batch]))
-        loss = engine.forward_batch((torch.stack(xs), torch.stack(ys)))
-        total += torch.stack([loss.float() * len(xs), torch.tensor(float(len(xs)), device=engine.device)])
-    engine.module.train(was_training)
-    dist.all_reduce(total, group=engine.topology.group("dp"))
-    return (total[0] / total[1]).item()
+        micro.append((torch.stack(xs), torch.stack(ys)))
+    return engine.eval_batch(iter(micro), num_micro_batches=len(micro)).item()
 
 
 def train(args) -> None:
@@ -100,7 +120,10 @@ def train(args) -> None:
     gpu = torch.cuda.is_available()
     torch.manual_seed(args.seed)
     model = GPT(config_for(args.model, max_seq_len=args.seq_len))
-    engine, *_ = zerotron.initialize(model=model, config=build_config(args, gpu))
+    pipelined = (args.pp or 1) > 1
+    module = model.to_pipeline(args.pp, partition_method="type:_PipeBlock", num_virtual_stages=args.virtual_stages) \
+        if pipelined else model
+    engine, *_ = zerotron.initialize(model=module, config=build_config(args, gpu))
     rank0 = engine.global_rank == 0
     mb, seq = engine.train_micro_batch_size_per_gpu(), args.seq_len
     loader, val = corpus_loaders(seq, mb, engine.topology.dp, engine.coords.dp, seed=args.seed,
@@ -108,7 +131,8 @@ def train(args) -> None:
     data = iter(loader)
     say = print if rank0 else (lambda *a, **k: None)
     say(f"zerotron train: {args.model} GPT, {model.num_params() / 1e6:.2f}M parameters, "
-        f"{engine.world_size} x {engine.device.type} ({dist.get_backend()}), {engine.config.model_dtype_name}, "
+        f"{engine.world_size} x {engine.device.type} ({dist.get_backend()}), "
+        f"dp {engine.topology.dp} x tp {engine.topology.tp} x pp {engine.topology.pp}, {engine.config.model_dtype_name}, "
         f"batch {engine.train_batch_size()} x {seq} tokens, {args.steps} steps")
     val_before = _validation_loss(engine, val, args.eval_batches, mb)
 
@@ -134,7 +158,9 @@ def train(args) -> None:
     val_after = _validation_loss(engine, val, args.eval_batches, mb)
     say(f"trained {args.steps} steps in {elapsed:.1f}s ({args.steps * tokens_per_step / elapsed:,.0f} tokens/s); "
         f"validation loss {val_before:.3f} -> {val_after:.3f} (uniform guess: ln 256 = {math.log(256):.3f})")
-    if args.sample_bytes > 0:
+    if args.sample_bytes > 0 and pipelined:
+        say("sample: skipped (generation through pipeline stages is not implemented)")
+    elif args.sample_bytes > 0:
         # Every rank generates (the same text, same seed): under ZeRO-3 each forward gathers
         # parameters with collectives that all ranks must join.
         prompt = torch.tensor([list(b"def ")], device=engine.device)

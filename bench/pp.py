@@ -1,0 +1,288 @@
+"""Pipeline parallelism side by side: zerotron vs torch.distributed.pipelining, one job, 2 gloo ranks.
+
+    python bench/pp.py                       # re-executes itself under torchrun --standalone, 2 ranks = 2 stages
+    python bench/pp.py --micro-batches 8 --batch 16
+    python bench/pp.py --schedules 1f1b --rounds 30
+    python bench/pp.py --nproc 4             # 4 pipeline stages (needs --layers >= 4)
+
+Every rank is one pipeline stage (pipeline size = world size, no data or tensor parallelism). Every
+step is one global batch of --batch sequences cut into --micro-batches micro-batches of equal size;
+stage 0 reads the tokens, the last stage the targets. All systems train the same seeded GPT on the
+same batches with torch AdamW (fused=True; lr 1e-3, betas 0.9/0.95, eps 1e-8, weight decay 0.1) and
+the same gradient clipping (default off); losses are compared so we know they do the same math.
+
+Both sides cut the model the same way: stage 0 holds the embedding and the first blocks, the last
+stage the remaining blocks, the final norm and the head (blocks split as evenly as possible, earlier
+stages taking one more). Each block is wrapped to take one tensor and compute its rotary cos/sin from
+x.shape[1], as zerotron's _PipeBlock does.
+
+  zt_gpipe / zt_1f1b     GPT.to_pipeline(stages, partition_method="type:_PipeBlock"), zerotron.initialize
+                         with pipeline.schedule "gpipe" / "1f1b", ZeRO stage 0, AdamW from the config;
+                         one step = engine.train_batch(iter(micro-batches)), which returns the mean
+                         micro-batch loss on every rank.
+  torch_gpipe / torch_1f1b
+                         PipelineStage(stage module, rank, stages, cpu) with static input/output shapes,
+                         ScheduleGPipe / Schedule1F1B(n_microbatches, loss_fn=the model's cross-entropy,
+                         scale_grads=True: gradients divided by the micro-batch count after the last
+                         backward, so they are those of the mean micro-batch loss, as zerotron's, which
+                         scales each micro-batch's loss by 1/m before its backward), step(tokens,
+                         target=targets, losses=..., return_outputs=False); then AdamW on the stage's
+                         parameters. The mean micro-batch loss is broadcast from the last stage so every
+                         rank returns it, as zerotron's train_batch does (one small broadcast).
+
+Pairs: zt_gpipe vs torch_gpipe, zt_1f1b vs torch_1f1b. Also reported: zerotron's measured pipeline
+bubble (engine.pipeline_bubble(): idle fraction of each stage over the common window of the last
+train_batch) for the last timed batch and as the median over --bubble-batches extra batches.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from bench import common  # noqa: E402
+
+warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed.pipelining")
+
+ADAMW = common.ADAMW
+SCHEDULES = ("gpipe", "1f1b")
+BASELINE = "torch_gpipe"
+
+
+def parse_args():
+    p = common.base_parser(__doc__.splitlines()[0], steps=2, rounds=15)
+    next(a for a in p._actions if a.dest == "batch").help = "sequences per step (all micro-batches together)"
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (gradient accumulation)")
+    p.add_argument("--clip", type=float, default=0.0, help="gradient clipping max norm for every system (0: off)")
+    p.add_argument("--schedules", default="gpipe,1f1b", help=f"comma-separated subset of {','.join(SCHEDULES)}")
+    p.add_argument("--bubble-batches", type=int, default=5,
+                   help="extra untimed zerotron batches after the rounds whose measured bubbles are reported")
+    return p.parse_args()
+
+
+def stage_bounds(n_layer: int, stages: int) -> list[int]:
+    """Block boundaries per stage: as even as possible, earlier stages one more (zerotron's 'type:' split)."""
+    base, extra = divmod(n_layer, stages)
+    bounds = [0]
+    for s in range(stages):
+        bounds.append(bounds[-1] + base + (s < extra))
+    return bounds
+
+
+def micro_split(tokens, targets, m):
+    """The micro-batches torch's schedule cuts (tensor_split along dim 0), so both sides see the same."""
+    return list(zip(tokens.tensor_split(m), targets.tensor_split(m)))
+
+
+# ---- zerotron -------------------------------------------------------------------------------------
+def zerotron_system(cfg, args, stages, schedule):
+    import zerotron
+    module = common.build_gpt(cfg).to_pipeline(stages, partition_method="type:_PipeBlock")
+    engine, *_ = zerotron.initialize(model=module, config={
+        "train_micro_batch_size_per_gpu": args.batch // args.micro_batches,
+        "gradient_accumulation_steps": args.micro_batches, "steps_per_print": 10**9,
+        "pipeline": {"schedule": schedule}, "zero_optimization": {"stage": 0}, "gradient_clipping": args.clip,
+        "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}}})
+
+    def step(tokens, targets):
+        return engine.train_batch(iter(micro_split(tokens, targets, args.micro_batches))).item()
+    return step, engine, common.measure_after_first_step(engine.optimizer, engine.module.parameters)
+
+
+# ---- torch.distributed.pipelining -----------------------------------------------------------------
+class RotaryBlock(nn.Module):
+    """One GPT block taking one tensor: cos/sin computed from x.shape[1] (as zerotron's _PipeBlock)."""
+
+    def __init__(self, block, cfg):
+        super().__init__()
+        self.block, self.config = block, cfg
+
+    def forward(self, x):
+        from zerotron.models.gpt import rotary_tables
+        cos, sin = rotary_tables(self.config, x.shape[1], x.device)
+        return self.block(x, cos, sin)
+
+
+class TorchStage(nn.Module):
+    """Stage `stage` of the GPT: [embedding] + its blocks + [final norm + head]."""
+
+    def __init__(self, gpt, stage, stages):
+        super().__init__()
+        lo, hi = stage_bounds(gpt.config.n_layer, stages)[stage:stage + 2]
+        self.tok_emb = gpt.tok_emb if stage == 0 else None
+        self.layers = nn.ModuleList(RotaryBlock(b, gpt.config) for b in gpt.layers[lo:hi])
+        last = stage == stages - 1
+        self.norm = gpt.norm if last else None
+        self.lm_head = gpt.lm_head if last else None
+
+    def forward(self, x):
+        if self.tok_emb is not None:
+            x = self.tok_emb(x)
+        for layer in self.layers:
+            x = layer(x)
+        if self.lm_head is not None:
+            x = self.lm_head(self.norm(x))
+        return x
+
+
+def torch_system(cfg, args, stage, stages, schedule):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+    from zerotron.models.gpt import cross_entropy
+    gpt = common.build_gpt(cfg)
+    if gpt.config.tie_embeddings:
+        raise SystemExit("tied embeddings are not benchmarked")
+    model = TorchStage(gpt, stage, stages)
+    del gpt
+    mb = args.batch // args.micro_batches
+    hidden = torch.empty(mb, args.seq, cfg.d_model, requires_grad=True)  # activations carry gradients back
+    inputs = torch.zeros(mb, args.seq, dtype=torch.long) if stage == 0 else hidden
+    outputs = torch.empty(mb, args.seq, cfg.vocab_size) if stage == stages - 1 else hidden
+    pipe_stage = PipelineStage(model, stage, stages, torch.device("cpu"), input_args=inputs, output_args=outputs)
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    sched = kind(pipe_stage, n_microbatches=args.micro_batches, loss_fn=cross_entropy, scale_grads=True)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, fused=True, **ADAMW)
+    first, last = stage == 0, stage == stages - 1
+
+    def step(tokens, targets):
+        losses = []
+        if first and last:
+            sched.step(tokens, target=targets, losses=losses, return_outputs=False)
+        elif first:
+            sched.step(tokens, return_outputs=False)
+        elif last:
+            sched.step(target=targets, losses=losses, return_outputs=False)
+        else:
+            sched.step(return_outputs=False)
+        if args.clip > 0:  # the global norm over every stage's parameters
+            sq = get_total_norm([p.grad for p in params if p.grad is not None]).square()
+            dist.all_reduce(sq)
+            clip_grads_with_norm_(params, args.clip, sq.sqrt())
+        opt.step()
+        opt.zero_grad()
+        loss = torch.stack(losses).mean() if last else torch.zeros(())
+        dist.broadcast(loss, src=stages - 1)  # every rank returns the loss, as zerotron's train_batch
+        return loss.item()
+    return step, common.measure_after_first_step(opt, model.parameters)
+
+
+def main():
+    args = parse_args()
+    rank, world, log, cfg = common.start(args)
+    stages = world
+    schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    unknown = set(schedules) - set(SCHEDULES)
+    if unknown:
+        raise SystemExit(f"unknown schedules {sorted(unknown)}; choose from {', '.join(SCHEDULES)}")
+    if args.batch % args.micro_batches:
+        raise SystemExit(f"--batch {args.batch} must be divisible by --micro-batches {args.micro_batches}")
+    if args.layers < stages:
+        raise SystemExit(f"--layers {args.layers} must be at least the {stages} pipeline stages")
+    if "1f1b" in schedules and args.micro_batches < stages:
+        raise SystemExit(f"torch's Schedule1F1B needs --micro-batches >= the {stages} stages")
+
+    systems, memory, engines = {}, {}, {}
+    for s in schedules:  # pairs next to each other in the round order
+        systems[f"zt_{s}"], engines[f"zt_{s}"], memory[f"zt_{s}"] = zerotron_system(cfg, args, stages, s)
+        systems[f"torch_{s}"], memory[f"torch_{s}"] = torch_system(cfg, args, rank, stages, s)
+    parts = next(iter(engines.values())).module.parts
+    blocks = stage_bounds(args.layers, stages)
+    # zerotron's layers: [embedding, block 0..L-1, head]; its cuts must match the torch stages' block ranges.
+    expected = [0] + [b + 1 for b in blocks[1:-1]] + [args.layers + 2]
+    if list(parts) != expected:
+        raise SystemExit(f"zerotron cut the layers at {parts}, the torch stages at {expected}")
+
+    n_params = sum(p.numel() for p in common.build_gpt(cfg).parameters())
+    mb = args.batch // args.micro_batches
+    log(f"GPT {args.layers} layers, d={args.d_model}, {args.heads} heads, {n_params / 1e6:.2f}M params, seq "
+        f"{args.seq}; {stages} pipeline stages (blocks {', '.join(f'{a}-{b - 1}' for a, b in zip(blocks, blocks[1:]))}"
+        f"), {args.batch} sequences/step = {args.micro_batches} micro-batches of {mb}, fp32, clip "
+        f"{args.clip or 'off'}; {args.warmup} warm-up + {args.rounds} rounds x {args.steps} timed steps per "
+        f"system; load average {os.getloadavg()[0]:.2f}")
+    environment = common.environment()
+    total = args.warmup + args.rounds * args.steps
+    # One pipeline: every rank reads the same global batch (stage 0 uses the tokens, the last stage the targets).
+    batches = common.make_batches(total, args.batch, args.seq, cfg.vocab_size, rank=0, world=1)
+    res = common.run_rounds(systems, batches, args.warmup, args.steps, args.rounds, log=log)
+
+    # zerotron's bubble: the last timed batch, then the median over a few extra (untimed) batches.
+    bubbles = {}
+    for name, engine in engines.items():
+        last = engine.pipeline_bubble()
+        extra = []
+        for tokens, targets in batches[:args.bubble_batches]:
+            dist.barrier()
+            systems[name](tokens, targets)
+            extra.append(engine.pipeline_bubble())
+        bubbles[name] = {"theory": last["theory"], "last_timed_batch": last["measured"],
+                         "median_extra_batches": [statistics.median(b["measured"][s] for b in extra)
+                                                  for s in range(stages)] if extra else None,
+                         "extra_batches": [b["measured"] for b in extra]}
+
+    baseline = BASELINE if BASELINE in res else next(n for n in res if n.startswith("torch"))
+    ref = res[baseline]["losses_mean_over_ranks"]
+    rows = []
+    for name, r in res.items():
+        diff, rel = common.max_loss_diff(r["losses_mean_over_ranks"], ref, start=0)
+        mem = memory[name]
+        # state per rank differs between stages: report the largest.
+        tot = torch.tensor([float(mem.get("total", 0))])
+        dist.all_reduce(tot, op=dist.ReduceOp.MAX)
+        b = bubbles.get(name)
+        rows.append({"system": name, "median_ms": r["median_ms"], "round_ms": r["round_ms"], "loss_diff": diff,
+                     "loss_rel_diff": rel, "state_mb_max_stage": tot.item() / 2**20, "memory_rank0": mem,
+                     "bubble_last": None if b is None else " / ".join(f"{x:.3f}" for x in b["last_timed_batch"]),
+                     "bubble_median": None if not b or not b["median_extra_batches"] else
+                     " / ".join(f"{x:.3f}" for x in b["median_extra_batches"]),
+                     "bubble_theory": None if b is None else b["theory"], "bubble": b,
+                     "losses": r["losses_mean_over_ranks"], "step_ms": r["ms"]})
+    pairs = [{"schedule": s, "zerotron": f"zt_{s}", "torch": f"torch_{s}",
+              "median_zt_ms": res[f"zt_{s}"]["median_ms"], "median_torch_ms": res[f"torch_{s}"]["median_ms"],
+              "ratio": res[f"zt_{s}"]["median_ms"] / res[f"torch_{s}"]["median_ms"],
+              "paired": common.paired_ratio(res, f"zt_{s}", f"torch_{s}"),
+              "loss_diff": common.max_loss_diff(res[f"zt_{s}"]["losses_mean_over_ranks"],
+                                                res[f"torch_{s}"]["losses_mean_over_ranks"])[0]}
+             for s in schedules]
+    if rank == 0:
+        print()
+        common.print_table(rows, [
+            ("system", "system", "{}"), ("median_ms", "median ms", "{:.1f}"),
+            ("loss_diff", f"max|dloss| vs {baseline}", "{:.1e}"), ("loss_rel_diff", "relative", "{:.1e}"),
+            ("state_mb_max_stage", "state MiB (max stage)", "{:.2f}"),
+            ("bubble_last", "bubble last batch (per stage)", "{}"),
+            ("bubble_median", f"median of {args.bubble_batches} more", "{}"), ("bubble_theory", "theory", "{:.3f}")])
+        print()
+        for p in pairs:
+            p["pair"] = f"{p['zerotron']} / {p['torch']}"
+        common.print_table(pairs, [("pair", "zerotron / torch", "{}"), ("median_zt_ms", "zt ms", "{:.1f}"),
+                                   ("median_torch_ms", "torch ms", "{:.1f}"), ("ratio", "ratio of medians", "{:.3f}"),
+                                   ("paired", "paired", "{:.3f}"), ("loss_diff", "max|dloss|", "{:.1e}")])
+        print("\nratio < 1: zerotron is faster. paired: median over rounds of the per-round ratio (prefer it on a "
+              "shared machine). max|dloss| over every step, warm-up included. Bubble: zerotron's "
+              "engine.pipeline_bubble(), idle fraction of each stage over the common window of a batch; theory "
+              "(p-1)/(m+p-1). State: params + grads + AdamW state after the first step, the largest stage.")
+        path = common.write_json("pp", {
+            "benchmark": "pp", "args": {k: str(v) if k == "out" else v for k, v in vars(args).items()},
+            "model": {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "seq": args.seq,
+                      "params": n_params, "dtype": "fp32", "pipeline_stages": stages, "stage_blocks": blocks,
+                      "zerotron_layer_cuts": list(parts), "micro_batches": args.micro_batches,
+                      "micro_batch_size": mb},
+            "adamw": {**ADAMW, "betas": list(ADAMW["betas"]), "fused": True},
+            "environment": {**environment, "loadavg_end": os.getloadavg()[0]},
+            "baseline": baseline, "pairs": pairs, "results": rows}, args.out)
+        print(f"\nwrote {path}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
