@@ -29,8 +29,18 @@ def relaunch_under_torchrun(nproc: int) -> None:
     if "RANK" in os.environ:
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    # Leave --nproc out of the script's arguments: torchrun's parser would take it for an abbreviation
+    # of its own --nproc-per-node ("ambiguous option"), and under torchrun the script does not need it.
+    rest, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           sys.argv[0], *sys.argv[1:]]
+           sys.argv[0], *rest]
     sys.exit(subprocess.call(cmd, env=env))
 
 

@@ -58,7 +58,7 @@ BASELINE = "torch_gpipe"
 
 
 def parse_args():
-    p = common.base_parser(__doc__.splitlines()[0], steps=2, rounds=15)
+    p = common.base_parser(__doc__.splitlines()[0], steps=2, rounds=20)
     next(a for a in p._actions if a.dest == "batch").help = "sequences per step (all micro-batches together)"
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (gradient accumulation)")
     p.add_argument("--clip", type=float, default=0.0, help="gradient clipping max norm for every system (0: off)")

@@ -161,9 +161,28 @@ class PipelineConfig:
 
 
 @dataclass
+class ActivationCheckpointingConfig:
+    """DeepSpeed's "activation_checkpointing" section (for zerotron.checkpointing.checkpoint)."""
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False   # accepted; torch's allocator already reuses the memory
+    number_checkpoints: Optional[int] = None       # accepted; the policy decides what is checkpointed
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+@dataclass
 class ZerotronConfig:
     """Settings zerotron adds to DeepSpeed's schema, in their own "zerotron" section."""
     sequence_parallel: bool = False
+    checkpoint_policy: str = "none"   # activation checkpointing the engine applies: none, every_block, every_k, selective
+    checkpoint_every: int = 2         # with every_k: checkpoint one block in this many
+
+    def validate(self, p: str):
+        from .checkpointing import POLICIES
+        _check(self.checkpoint_policy in POLICIES, p + ".checkpoint_policy", self.checkpoint_policy,
+               f"use one of {', '.join(POLICIES)}")
+        _check(self.checkpoint_every >= 1, p + ".checkpoint_every", self.checkpoint_every, "use a positive integer")
 
 
 @dataclass
@@ -182,6 +201,7 @@ class Config:
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     zerotron: ZerotronConfig = field(default_factory=ZerotronConfig)
     tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
     csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
@@ -233,6 +253,7 @@ class Config:
         _check(self.world_size >= 1, "world_size", self.world_size, "the number of processes must be >= 1")
         self.tensor_parallel.validate("tensor_parallel")
         self.pipeline.validate("pipeline")
+        self.zerotron.validate("zerotron")
         model_parallel = self.tensor_parallel.autotp_size * self.pipeline.stages
         _check(self.world_size % model_parallel == 0, "tensor_parallel.autotp_size", self.tensor_parallel.autotp_size,
                f"tensor ({self.tensor_parallel.autotp_size}) x pipeline ({self.pipeline.stages}) parallel size must "

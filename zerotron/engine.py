@@ -45,6 +45,7 @@ class Engine(nn.Module):
         self.world_comm = Comm(None)
         if topology.tp > 1:
             self._apply_tensor_parallel()
+        self._configure_checkpointing()
         self._broadcast_module()
         params = [p for p in self.module.parameters() if p.requires_grad]
         if not params:
@@ -96,6 +97,13 @@ class Engine(nn.Module):
                              "needs a plan (module-name patterns -> column/row/vocab/head/norm)")
         apply_tensor_parallel(self.module, plan_of(self.topology.tp), self.tp_comm,
                               self.config.zerotron.sequence_parallel)
+
+    def _configure_checkpointing(self):
+        from . import checkpointing
+        checkpointing.reset()
+        checkpointing.configure(deepspeed_config=self.config, tp_comm=self.tp_comm)
+        z = self.config.zerotron
+        checkpointing.apply_policy(self.module, z.checkpoint_policy, z.checkpoint_every)
 
     @torch.no_grad()
     def _broadcast_module(self):

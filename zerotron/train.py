@@ -30,6 +30,8 @@ def add_train_arguments(p: argparse.ArgumentParser):
                    help="pipeline schedule (default 1f1b; interleaved with --virtual-stages)")
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline stage (interleaved 1F1B)")
     p.add_argument("--sequence-parallel", action="store_true", default=None, help="split norms/residuals along the sequence (with --tp)")
+    p.add_argument("--checkpoint", choices=["none", "every_block", "every_k", "selective"], default=None,
+                   help="activation checkpointing policy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-batches", type=int, default=8, help="validation micro-batches per process")
     p.add_argument("--sample-bytes", type=int, default=200, help="length of the generated sample (0: none)")
@@ -66,6 +68,8 @@ def build_config(args, gpu: bool) -> dict:
         cfg.setdefault("tensor_parallel", {})["autotp_size"] = args.tp
     if args.sequence_parallel:
         cfg.setdefault("zerotron", {})["sequence_parallel"] = True
+    if args.checkpoint is not None:
+        cfg.setdefault("zerotron", {})["checkpoint_policy"] = args.checkpoint
     if args.pp is not None:
         cfg.setdefault("pipeline", {})["stages"] = args.pp
     if args.schedule is not None or args.virtual_stages > 1:

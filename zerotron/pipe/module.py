@@ -159,16 +159,12 @@ class PipelineModule(nn.Module):
         """Run this rank's layers of `chunk` on `x`."""
         funcs = self.chunks[chunk]
         interval = self.activation_checkpoint_interval
-        if interval and self.training:
-            from torch.utils.checkpoint import checkpoint
+        if interval and self.training and torch.is_grad_enabled():
+            from ..checkpointing import checkpoint
             run = self.activation_checkpoint_func or checkpoint
             for start in range(0, len(funcs), interval):
                 group = funcs[start:start + interval]
-                if self._checkpointable(group):
-                    x = run(self._run_group, group, x, use_reentrant=False) if run is checkpoint else run(
-                        self._run_group, group, x)
-                else:
-                    x = self._run_group(group, x)
+                x = run(self._run_group, group, x) if self._checkpointable(group) else self._run_group(group, x)
             return x
         return self._run_group(funcs, x)
 

@@ -45,6 +45,11 @@ def find_units(module: nn.Module, unit_classes: list[str] | None = None) -> list
     return found
 
 
+def _recomputing() -> bool:
+    """Inside backward (a checkpointed forward being recomputed)?"""
+    return torch._C._current_graph_task_id() != -1
+
+
 class Unit:
     """One gather/release unit: its partitioned bucket and where it is in the gather cycle."""
 
@@ -150,6 +155,9 @@ class Stage3States(ShardedStates):
     # ---- hooks ------------------------------------------------------------------------------
     def _make_pre_forward(self, unit: Unit):
         def hook(module, args):
+            if _recomputing():  # activation checkpointing runs the forward again inside backward
+                unit.gather()
+                return
             if self.tracing and unit is not self.root_unit and unit not in self.trace:
                 self.trace.append(unit)
             if unit is self.root_unit and self.trace:
@@ -160,6 +168,8 @@ class Stage3States(ShardedStates):
 
     def _make_post_forward(self, unit: Unit):
         def hook(module, args, output):
+            if _recomputing():  # backward is about to use these parameters: _grads_done releases them
+                return output
             training = torch.is_grad_enabled()
             if training:
                 for t in _tensors(output):
