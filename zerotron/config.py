@@ -108,11 +108,17 @@ class ZeroConfig:
                self.stage3_param_persistence_threshold, "use a non-negative number of elements")
         for key in ("offload_optimizer", "offload_param"):
             off = getattr(self, key)
-            if off is not None:
-                off.validate(f"{p}.{key}")
-            if off is not None and off.device != "none":
-                _check(False, f"{p}.{key}.device", off.device,
-                       "CPU/NVMe offload is not available in this version of zerotron yet; remove the key")
+            if off is None:
+                continue
+            off.validate(f"{p}.{key}")
+            _check(off.device != "nvme", f"{p}.{key}.device", off.device,
+                   "NVMe offload (ZeRO-Infinity) is not supported by zerotron; use \"cpu\" (host memory) instead")
+        if self.offload_optimizer is not None and self.offload_optimizer.device == "cpu":
+            _check(self.stage >= 1, f"{p}.offload_optimizer.device", "cpu",
+                   "optimizer offload shards the optimizer: it needs zero_optimization.stage 1, 2 or 3")
+        if self.offload_param is not None and self.offload_param.device == "cpu":
+            _check(self.stage == 3, f"{p}.offload_param.device", "cpu",
+                   "parameter offload needs partitioned parameters: set zero_optimization.stage to 3")
 
 
 @dataclass

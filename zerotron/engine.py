@@ -122,7 +122,9 @@ class Engine(nn.Module):
             if self.config.optimizer is None:
                 raise ConfigError("optimizer", None, "no optimizer: add an 'optimizer' section to the config "
                                   "or pass optimizer= to zerotron.initialize")
-            return build_optimizer(self.config.optimizer.type, self.config.optimizer.params, groups)
+            off = self.config.zero_optimization.offload_optimizer
+            return build_optimizer(self.config.optimizer.type, self.config.optimizer.params, groups,
+                                   on_host=off is not None and off.device == "cpu")
         if isinstance(client, torch.optim.Optimizer):
             return client
         if callable(client):
@@ -337,7 +339,10 @@ class Engine(nn.Module):
             return total
         report = {"params": nbytes(self.module.parameters()), **self.states.memory(),
                   "optimizer": nbytes(v for s in self.optimizer.state.values() for v in s.values())}
+        host = report.pop("host", None)
         report["total"] = sum(report.values())
+        if host is not None:  # offloaded: what of the above lives in host memory
+            report["host"] = host + (report["optimizer"] if getattr(self.states, "host", None) is not None else 0)
         return report
 
     def comm_stats(self) -> dict[str, int]:

@@ -38,11 +38,12 @@ def validate_optimizer(type_name: str, params: dict) -> None:
                           "zerotron's Adam always applies bias correction; remove the key")
 
 
-def build_optimizer(type_name: str, params: dict, model_parameters) -> torch.optim.Optimizer:
+def build_optimizer(type_name: str, params: dict, model_parameters, on_host: bool = False) -> torch.optim.Optimizer:
     """The torch optimizer DeepSpeed would build for this config entry.
 
     DeepSpeed's "Adam" decouples weight decay (AdamW) unless `adam_w_mode` is false; we keep that
-    so a DeepSpeed config trains the same model here.
+    so a DeepSpeed config trains the same model here. `on_host` (optimizer offload): Adam and
+    AdamW become zerotron.ops.adam.CPUAdam, as DeepSpeed uses DeepSpeedCPUAdam.
     """
     validate_optimizer(type_name, params)
     name = type_name.lower()
@@ -52,6 +53,9 @@ def build_optimizer(type_name: str, params: dict, model_parameters) -> torch.opt
     if name == "sgd":
         return torch.optim.SGD(model_parameters, foreach=True, **kw)
     decoupled = name == "adamw" or params.get("adam_w_mode", True)
+    if on_host:
+        from .ops.adam import CPUAdam
+        return CPUAdam(model_parameters, adamw_mode=decoupled, **kw)
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     # One fused kernel per parameter group: the fastest torch update on both CPU and CUDA.
     return cls(model_parameters, fused=True, **kw)

@@ -18,6 +18,8 @@ def make_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     buckets of its own, laid out alike on every rank holding it (weights tied across pipeline
     stages, whose reduced gradients are then summed between those stages)."""
     zero = config.zero_optimization
+    offload = zero.offload_optimizer if zero.offload_optimizer is not None and \
+        zero.offload_optimizer.device == "cpu" else None
     reduce_dtype = DTYPES[config.communication_data_type] if config.communication_data_type else None
     group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"] if p.requires_grad}
     # Module order, reversed below: roughly the order backward produces the gradients.
@@ -27,7 +29,7 @@ def make_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
         states = ReplicatedStates(_bucketed(params, zero.reduce_bucket_size, isolate), comm, reduce_dtype)
     elif zero.stage == 3:
         from .stage3 import Stage3States
-        states = Stage3States(module, params, group_of, comm, gather_comm, zero, reduce_dtype)
+        states = Stage3States(module, params, group_of, comm, gather_comm, zero, reduce_dtype, offload=offload)
     else:
         from .flat import FlatBucket
         from .sharded import ShardedStates
@@ -39,7 +41,7 @@ def make_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
             b.shard = b.own_slice(b.full)
             buckets.append(b)
         states = ShardedStates(buckets, set(), group_of, comm, gather_comm, zero.stage, zero.allgather_bucket_size,
-                               reduce_dtype)
+                               reduce_dtype, offload=offload)
     states.adopt(optimizer)
     return states
 

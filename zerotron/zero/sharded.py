@@ -27,7 +27,7 @@ from ..data_parallel import InOrderReduction
 from .flat import FlatBucket
 
 # torch optimizers whose update is elementwise, so running them on a flat shard is exact.
-ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "ASGD")
+ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "CPUAdam", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "ASGD")
 _MAX_REDUCTIONS_IN_FLIGHT = 2
 
 
@@ -36,7 +36,7 @@ class ShardedStates(InOrderReduction):
 
     def __init__(self, buckets: list[FlatBucket], partitioned: set[int], group_of: dict[int, int], comm: Comm,
                  gather_comm: Comm, stage: int, allgather_numel: int, reduce_dtype: torch.dtype | None = None,
-                 on_grads_done=None):
+                 on_grads_done=None, offload=None):
         self.buckets = buckets
         self.partitioned = partitioned      # indices of buckets whose full parameters are not kept
         # Gradient reductions start from backward hooks, whose timing can differ between ranks
@@ -46,6 +46,8 @@ class ShardedStates(InOrderReduction):
         self.allgather_numel = allgather_numel
         self.reduce_dtype = reduce_dtype
         self.on_grads_done = on_grads_done  # stage 3: release a unit once its gradients are in
+        self.offload = offload              # OffloadConfig of offload_optimizer, or None
+        self.host = None                    # HostBuffers when offloading
         self.sync = True
         self._reduced = False
         self._next_launch = 0
@@ -77,8 +79,15 @@ class ShardedStates(InOrderReduction):
         self.total_numel = total
         # In fp32 training the parameter shard already is an fp32 master: the optimizer updates it
         # in place (no second copy). Otherwise one fp32 buffer holds every bucket's master shard.
-        self.masters_are_params = dtype == torch.float32
-        self.master_flat = None if self.masters_are_params else torch.zeros(total, dtype=torch.float32, device=device)
+        # With offload the masters live in host memory (zero/offload.py), in fp32 training too.
+        self.masters_are_params = dtype == torch.float32 and self.offload is None
+        if self.offload is not None:
+            from .offload import HostBuffers
+            self.host = HostBuffers(total, dtype, self.offload.pin_memory)
+            self.master_flat = self.host.masters
+        else:
+            self.master_flat = None if self.masters_are_params else torch.zeros(total, dtype=torch.float32,
+                                                                                device=device)
         # Stage 1 keeps the reduced shard inside its full gradient bucket; stages 2-3 keep one buffer.
         self.grad_shard_flat = None if self.stage == 1 else torch.zeros(total, dtype=dtype, device=device)
         self.master_grad_flat = None  # fp32 gradients, during the step only
@@ -128,6 +137,10 @@ class ShardedStates(InOrderReduction):
             raise ValueError("the optimizer already has state; pass a fresh optimizer to zerotron.initialize")
         for gi, group in enumerate(optimizer.param_groups):
             group["params"] = [m for g, m in self.runs if g == gi]
+        if self.host is not None and hasattr(optimizer, "copy_out"):  # CPUAdam writes the staging buffer itself
+            for (_, m), (lo, hi) in zip(self.runs, self._run_bounds):
+                optimizer.copy_out[m] = self.host.staging[lo:hi]
+            self.host.optimizer_copies_out = True
 
     @property
     def master_params(self) -> list[torch.Tensor]:
@@ -149,16 +162,20 @@ class ShardedStates(InOrderReduction):
             for (_, m), (b, lo, hi) in zip(self.runs, self._run_in_bucket):
                 m.grad = b.own_slice(b.grad_full)[lo:hi]
             return
-        if self.grad_shard_flat is not None and self.grad_shard_flat.dtype == torch.float32:
+        if self.host is not None:
+            self.master_grad_flat = self.host.gradients_ready(self.buckets, self._reduced_shard)
+        elif self.grad_shard_flat is not None and self.grad_shard_flat.dtype == torch.float32:
             self.master_grad_flat = self.grad_shard_flat
         else:
             self.master_grad_flat = torch.empty(self.total_numel, dtype=torch.float32,
                                                 device=self.buckets[0].device)
             for b in self.buckets:
-                shard = b.grad_shard if self.stage != 1 else b.own_slice(b.grad_full)
-                self.master_grad_flat[b.offset:b.offset + b.shard_numel].copy_(shard)
+                self.master_grad_flat[b.offset:b.offset + b.shard_numel].copy_(self._reduced_shard(b))
         for (_, m), (lo, hi) in zip(self.runs, self._run_bounds):
             m.grad = self.master_grad_flat[lo:hi]
+
+    def _reduced_shard(self, b: FlatBucket) -> torch.Tensor:
+        return b.grad_shard if self.stage != 1 else b.own_slice(b.grad_full)
 
     @property
     def norm_group(self):
@@ -210,6 +227,8 @@ class ShardedStates(InOrderReduction):
             bucket.own_slice(bucket.grad_full).copy_(received)
         else:
             bucket.grad_shard.add_(received)
+        if self.host is not None and self.sync:  # the boundary: this shard is final, send it out now
+            self.host.gradient_out(bucket, self._reduced_shard(bucket))
 
     def end_backward(self) -> None:
         """Reduce what is left (buckets without gradients too), and wait for every reduction."""
@@ -262,15 +281,17 @@ class ShardedStates(InOrderReduction):
     def publish(self) -> None:
         """Write the updated master shards into the parameters; all-gather replicated buckets."""
         pending, in_flight = [], 0
+        if self.host is not None and not self.host.optimizer_copies_out:
+            self.host.staging.copy_(self.master_flat)
         for i, b in enumerate(self.buckets):
+            destination = b.shard if i in self.partitioned else b.own_slice(b.full)
+            if self.host is not None:
+                self.host.weights_in(b, destination)
+            elif not self.masters_are_params:
+                destination.copy_(b.master)
             if i in self.partitioned:
-                if not self.masters_are_params:
-                    b.shard.copy_(b.master)
                 continue
-            own = b.own_slice(b.full)
-            if not self.masters_are_params:
-                own.copy_(b.master)
-            pending.append(self.gather_comm.all_gather_flat(b.full, own.clone(), async_op=True))
+            pending.append(self.gather_comm.all_gather_flat(b.full, destination.clone(), async_op=True))
             in_flight += b.padded_numel
             if in_flight >= self.allgather_numel:  # allgather_bucket_size bounds what is in flight
                 for w in pending:
@@ -295,4 +316,8 @@ class ShardedStates(InOrderReduction):
     def memory(self) -> dict[str, int]:
         grads = 0 if self.grad_shard_flat is None else self.grad_shard_flat.numel() * self.grad_shard_flat.element_size()
         grads += sum(b.grad_full.numel() * b.grad_full.element_size() for b in self.buckets if b.grad_full is not None)
-        return {"grads": grads, "master_weights": 0 if self.master_flat is None else self.master_flat.numel() * 4}
+        out = {"grads": grads, "master_weights": 0 if self.master_flat is None else self.master_flat.numel() * 4}
+        if self.host is not None:  # in host memory: masters, their gradients, the staging buffer
+            out["grads"] += self.host.grads.numel() * 4
+            out["host"] = self.host.nbytes()
+        return out

@@ -67,13 +67,15 @@ class Unit:
             return
         b = self.bucket
         b.full.untyped_storage().resize_(b.padded_numel * b.full.element_size())
-        self.work = self.comm.all_gather_flat(b.full, b.shard, async_op=True)
+        # With offload_param the shard comes from host memory first (a no-op copy on a CPU machine).
+        self._source = b.shard.to(b.full.device, non_blocking=True)
+        self.work = self.comm.all_gather_flat(b.full, self._source, async_op=True)
         self.state = _GATHERING
 
     def wait(self):
         if self.state == _GATHERING:
             self.work.wait()
-            self.work = None
+            self.work, self._source = None, None
             self.state = _GATHERED
 
     def gather(self):
@@ -95,8 +97,12 @@ class Stage3States(ShardedStates):
     """Stage 3: ShardedStates over partitioned unit buckets plus the hooks that gather them."""
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], group_of: dict[int, int], comm: Comm,
-                 gather_comm: Comm, zero, reduce_dtype=None, unit_classes: list[str] | None = None):
+                 gather_comm: Comm, zero, reduce_dtype=None, unit_classes: list[str] | None = None, offload=None):
         self.root = module
+        # offload_param: partitioned shards wait in host memory; a gather brings them to the device.
+        op = zero.offload_param
+        self.param_host = op is not None and op.device == "cpu"
+        self.pin = self.param_host and op.pin_memory and torch.cuda.is_available()
         self.prefetch_numel = zero.stage3_prefetch_bucket_size
         threshold = zero.stage3_param_persistence_threshold
         trainable = {id(p) for p in params}
@@ -111,7 +117,7 @@ class Stage3States(ShardedStates):
                 materialize(m, module, own, comm_device(comm), seed + index)
             big = [p for p in own if p.numel() >= threshold]
             small = [p for p in own if p.numel() < threshold and id(p) in trainable]
-            unit = Unit(name, m, self._partition(big, comm) if big else None, gather_comm)
+            unit = Unit(name, m, self._partition(big, comm, self.param_host, self.pin) if big else None, gather_comm)
             unit.index = index
             units.append(unit)
             if unit.bucket is not None:
@@ -137,7 +143,7 @@ class Stage3States(ShardedStates):
         for u in self.units:
             u.release()
         super().__init__(buckets, partitioned, group_of, comm, gather_comm, zero.stage, zero.allgather_bucket_size,
-                         reduce_dtype, on_grads_done=self._grads_done)
+                         reduce_dtype, on_grads_done=self._grads_done, offload=offload)
         self.trace: list[Unit] = []
         self.tracing = True
         for u in self.units:
@@ -145,11 +151,13 @@ class Stage3States(ShardedStates):
             u.module.register_forward_hook(self._make_post_forward(u))
 
     @staticmethod
-    def _partition(params, comm) -> FlatBucket:
+    def _partition(params, comm, on_host: bool = False, pin: bool = False) -> FlatBucket:
         b = FlatBucket(params, comm.size, comm.rank)
         b.full = b.flatten_params()
         b.point_params_at(b.full)
-        b.shard = b.own_slice(b.full).clone()  # the only copy this rank keeps
+        own = b.own_slice(b.full)
+        # the only copy this rank keeps (in host memory with offload_param)
+        b.shard = torch.empty(own.shape, dtype=own.dtype, pin_memory=pin).copy_(own) if on_host else own.clone()
         return b
 
     # ---- hooks ------------------------------------------------------------------------------
@@ -220,8 +228,12 @@ class Stage3States(ShardedStates):
     # ---- bookkeeping ------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
         out = super().memory()
-        out["params"] = sum(b.shard.numel() * b.shard.element_size() if i in self.partitioned else
-                            b.full.numel() * b.full.element_size() for i, b in enumerate(self.buckets))
+        shards = sum(b.shard.numel() * b.shard.element_size() for i, b in enumerate(self.buckets)
+                     if i in self.partitioned)
+        out["params"] = shards + sum(b.full.numel() * b.full.element_size() for i, b in enumerate(self.buckets)
+                                     if i not in self.partitioned)
+        if self.param_host:
+            out["host"] = out.get("host", 0) + shards
         return out
 
     def gathered(self, params):

@@ -1,0 +1,1 @@
+"""Optimizer kernels (DeepSpeed's `deepspeed.ops` names): `zerotron.ops.adam.DeepSpeedCPUAdam`."""

@@ -1,0 +1,97 @@
+"""Adam / AdamW on the CPU for offloaded fp32 master weights.
+
+The update is torch's fused Adam kernel, run on cache-sized chunks of each (flat) tensor, spread
+over a pool of threads (torch releases the GIL inside kernels). While a chunk is still in cache,
+the updated weights can be copied out in the model's dtype (`copy_out`), which saves the separate
+pass over memory that `param.copy_(master)` would cost. bench/cpu_adam.py measures it against
+torch.optim.AdamW (foreach and fused) and DeepSpeed's C++ DeepSpeedCPUAdam.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+CHUNK = 1 << 18  # elements: with its gradient and two moments, ~4 MiB of fp32 in flight per chunk
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """DeepSpeedCPUAdam's signature. `copy_out`: {parameter: tensor} to receive each updated
+    parameter (any dtype, same number of elements) right after its chunk is updated."""
+
+    def __init__(self, model_params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, adamw_mode=True, fp32_optimizer_states=True, threads: int | None = None,
+                 chunk_numel: int = CHUNK):
+        if not bias_correction:
+            raise ValueError("CPUAdam always applies Adam's bias correction (bias_correction=False is not supported)")
+        if not fp32_optimizer_states:
+            raise ValueError("CPUAdam keeps its moments in fp32 (fp32_optimizer_states=False is not supported)")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
+        super().__init__(model_params, defaults)
+        self.adamw_mode = adamw_mode
+        self.chunk_numel = chunk_numel
+        self.threads = threads or max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="zerotron-cpu-adam") if self.threads > 1 \
+            else None
+        self.copy_out: dict[torch.Tensor, torch.Tensor] = {}
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_pool", None)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.device.type != "cpu" or p.dtype != torch.float32:
+                    raise ValueError(f"CPUAdam updates fp32 tensors on the CPU; got a {p.dtype} tensor on {p.device}")
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if group["amsgrad"]:
+                        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                flat = [t.view(-1) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                flat.append(state["max_exp_avg_sq"].view(-1) if group["amsgrad"] else None)
+                out = self.copy_out.get(p)
+                out = None if out is None else out.view(-1)
+                for start in range(0, p.numel(), self.chunk_numel):
+                    work.append((group, state["step"], flat, out, start))
+        if self._pool is None:
+            for item in work:
+                self._update(*item)
+        else:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # parallel over chunks, not inside each kernel
+            try:
+                for future in [self._pool.submit(self._update, *item) for item in work]:
+                    future.result()
+            finally:
+                torch.set_num_threads(threads)
+        return loss
+
+    @torch.no_grad()  # grad mode is per thread: pool threads need it too
+    def _update(self, group, step, flat, out, start):
+        end = start + self.chunk_numel
+        p, g, m, v, vmax = (t[start:end] if t is not None else None for t in flat)
+        kernel = torch._fused_adamw_ if self.adamw_mode else torch._fused_adam_
+        beta1, beta2 = group["betas"]
+        kernel([p], [g], [m], [v], [vmax] if vmax is not None else [], [step], lr=group["lr"], beta1=beta1,
+               beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=group["amsgrad"],
+               maximize=False)
+        if out is not None:
+            out[start:end].copy_(p)
+
+
+DeepSpeedCPUAdam = CPUAdam  # the name DeepSpeed scripts import
