@@ -61,6 +61,26 @@ def test_train_rejects_sizes_that_disagree():
     assert out.returncode != 0 and "disagrees with --dp x --tp x --pp = 4" in out.stderr
 
 
+def test_train_saves_and_resumes_where_it_stopped(tmp_path):
+    config = tmp_path / "constant_lr.json"  # the default schedule depends on --steps, which differs below
+    config.write_text('{"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}}')
+    ckpt = tmp_path / "ck"
+    common = ("train", "--model", "tiny", "--nproc", "2", "--seq-len", "32", "--eval-batches", "2",
+              "--sample-bytes", "0", "--corpus-bytes", "300000", "--config", str(config))
+    straight = _zerotron(*common, "--steps", "8")
+    first = _zerotron(*common, "--steps", "4", "--save-dir", str(ckpt))
+    resumed = _zerotron(*common, "--steps", "8", "--save-dir", str(ckpt), "--resume", "--save-every", "2")
+    for out in (straight, first, resumed):
+        assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
+
+    def final(out):
+        line = next(l for l in out.stdout.splitlines() if "validation loss" in l)
+        return line.split(" -> ")[1].split(" ")[0]
+    assert final(resumed) == final(straight)  # same data order, same state: the same model
+    assert sorted(p.name for p in ckpt.iterdir()) == ["global_step4", "global_step6", "global_step8", "latest"]
+
+
 def test_run_launches_an_unchanged_deepspeed_script():
     out = _zerotron("run", "-n", "2", "examples/deepspeed_script.py", "--steps", "12", "--deepspeed",
                     "--deepspeed_config", "examples/ds_config.json")

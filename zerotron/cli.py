@@ -1,4 +1,5 @@
-"""`zerotron train` (the reference job) and `zerotron run` (launch any script through torchrun)."""
+"""`zerotron train` (the reference job), `zerotron run` (launch any script through torchrun) and
+`zerotron convert` (a checkpoint to consolidated safetensors weights)."""
 from __future__ import annotations
 
 import argparse
@@ -14,12 +15,24 @@ def main(argv: list[str] | None = None) -> int:
     from .train import add_train_arguments
     add_train_arguments(sub.add_parser("train", help="train the reference GPT on the embedded corpus"))
     _add_run_arguments(sub.add_parser("run", help="launch a script on N processes through torchrun"))
+    convert = sub.add_parser("convert", help="write a checkpoint's weights as one consolidated safetensors file")
+    convert.add_argument("checkpoint", help="a checkpoint directory (save_dir/tag), or a save_dir with 'latest'")
+    convert.add_argument("out", help="output directory (gets model.safetensors)")
+    convert.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     args = parser.parse_args(argv)
+    from .checkpoint import CheckpointError
     from .errors import ConfigError
     try:
         if args.command == "train":
             return _train(args, argv if argv is not None else sys.argv[1:])
+        if args.command == "convert":
+            from .checkpoint.export import convert as convert_checkpoint
+            print(f"wrote {convert_checkpoint(args.checkpoint, args.out, args.dtype)}")
+            return 0
         return _run(args)
+    except (CheckpointError, FileNotFoundError) as e:
+        print(f"zerotron: {e}", file=sys.stderr)
+        return 1
     except ConfigError as e:
         print(f"zerotron: {e}", file=sys.stderr)
         return 2

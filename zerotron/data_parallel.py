@@ -174,7 +174,14 @@ class ReplicatedStates:
         """After the reduction: the tensors holding `params`' gradients on this rank."""
         return [p.grad for p in params]
 
-    def publish(self):
+    replicated = True  # every data-parallel rank holds every piece (checkpoints: one rank saves)
+
+    def pieces(self):
+        """(parameter, start, length, master, offset in master) of what this rank updates."""
+        for p, m in zip(self.master.model_params, self.master.masters):
+            yield p, 0, p.numel(), m, 0
+
+    def publish(self, from_masters: bool = False):
         self.master.copy_to_model()
 
     def zero_grads(self):

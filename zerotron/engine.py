@@ -186,10 +186,13 @@ class Engine(nn.Module):
             logger.warning(f"step {self.global_steps}: fp16 gradients overflowed, step skipped; "
                            f"loss scale {previous_scale:g} -> {self.loss_scaler.scale:g}")
         else:
-            self._global_grad_norm = clip_by_global_norm(
-                self.states.master_grads(), self.config.gradient_clipping,
-                self._norm_groups(),
-                self.states.norm_weights(self.topology.tp))
+            if self.config.gradient_clipping > 0:
+                self._global_grad_norm = clip_by_global_norm(
+                    self.states.master_grads(), self.config.gradient_clipping,
+                    self._norm_groups(),
+                    self.states.norm_weights(self.topology.tp))
+            else:  # no clipping: skip the norm and its all-reduces (one more sync point per step)
+                self._global_grad_norm = None
             self.optimizer.step()
             self.states.publish()
             if self.lr_scheduler is not None:
@@ -262,7 +265,7 @@ class Engine(nn.Module):
         if self.training_dataloader is None:
             raise ValueError("train_batch needs a data iterator, or training_data given to zerotron.initialize")
         if self._data_iter is None:
-            self._data_iter = _RepeatingIterator(self.training_dataloader)
+            self._data_iter = _RepeatingIterator(self.training_dataloader, self.training_dataloader.sampler.epoch)
         return self._data_iter
 
     @staticmethod
@@ -318,6 +321,7 @@ class Engine(nn.Module):
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
+        """The gradient norm of the last step before clipping; None when gradient_clipping is 0."""
         return None if self._global_grad_norm is None else float(self._global_grad_norm)
 
     @property
@@ -345,6 +349,36 @@ class Engine(nn.Module):
             report["host"] = host + (report["optimizer"] if getattr(self.states, "host", None) is not None else 0)
         return report
 
+    # ---- checkpoints (zerotron/checkpoint/) -------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
+        """Every rank writes its own shard (safetensors + JSON), atomically; see checkpoint/save.py."""
+        from .checkpoint.save import save_checkpoint
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        """Load a checkpoint written under any topology; returns (path, client_state), or
+        (None, None) when `load_dir` has no `latest` and no tag is given."""
+        from .checkpoint.load import load_checkpoint
+        return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                               load_module_only)
+
+    def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors") -> bool:
+        """The whole model's weights in the model dtype, one safetensors file written by rank 0."""
+        from .checkpoint.export import save_16bit_model
+        return save_16bit_model(self, save_dir, save_filename)
+
+    def data_state(self) -> dict | None:
+        """Where the engine's own dataloader is (for exact resume)."""
+        if self.training_dataloader is None:
+            return None
+        return {"sampler": self.training_dataloader.sampler.state_dict()}
+
+    def load_data_state(self, state: dict | None):
+        if state is not None and self.training_dataloader is not None:
+            self.training_dataloader.sampler.load_state_dict(state["sampler"])
+            self._data_iter = None  # the next train_batch starts from the restored position
+
     def comm_stats(self) -> dict[str, int]:
         """Bytes of the full tensors each kind of collective moved since start or the last reset."""
         return {k: sum(c.stats()[k] for c in self._comms()) for k in Comm.KINDS}
@@ -360,8 +394,8 @@ class Engine(nn.Module):
 class _RepeatingIterator:
     """Cycles a DataLoader over epochs (advancing the sampler's epoch) for train_batch()."""
 
-    def __init__(self, loader):
-        self.loader, self.epoch = loader, 0
+    def __init__(self, loader, epoch: int = 0):
+        self.loader, self.epoch = loader, epoch
         self.it = iter(loader)
 
     def __iter__(self):

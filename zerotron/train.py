@@ -32,6 +32,9 @@ def add_train_arguments(p: argparse.ArgumentParser):
     p.add_argument("--sequence-parallel", action="store_true", default=None, help="split norms/residuals along the sequence (with --tp)")
     p.add_argument("--checkpoint", choices=["none", "every_block", "every_k", "selective"], default=None,
                    help="activation checkpointing policy")
+    p.add_argument("--save-dir", default=None, help="write checkpoints here (every --save-every steps and at the end)")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint period in steps (0: only at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --save-dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-batches", type=int, default=8, help="validation micro-batches per process")
     p.add_argument("--sample-bytes", type=int, default=200, help="length of the generated sample (0: none)")
@@ -132,8 +135,19 @@ def train(args) -> None:
     mb, seq = engine.train_micro_batch_size_per_gpu(), args.seq_len
     loader, val = corpus_loaders(seq, mb, engine.topology.dp, engine.coords.dp, seed=args.seed,
                                  max_bytes=args.corpus_bytes)
-    data = iter(loader)
     say = print if rank0 else (lambda *a, **k: None)
+    if args.resume and not args.save_dir:
+        raise SystemExit("--resume needs --save-dir (where the checkpoints are)")
+    first_step = 0
+    if args.resume:
+        path, client = engine.load_checkpoint(args.save_dir)
+        if path is None:
+            say(f"--resume: no checkpoint in {args.save_dir} yet; starting from scratch")
+        else:  # the same data order: the sampler continues where the saved run was
+            loader.sampler.load_state_dict(client["sampler"])
+            first_step = engine.global_steps
+            say(f"resumed from {path} at step {first_step}")
+    data = iter(loader)
     say(f"zerotron train: {args.model} GPT, {model.num_params() / 1e6:.2f}M parameters, "
         f"{engine.world_size} x {engine.device.type} ({dist.get_backend()}), "
         f"dp {engine.topology.dp} x tp {engine.topology.tp} x pp {engine.topology.pp}, {engine.config.model_dtype_name}, "
@@ -143,9 +157,9 @@ def train(args) -> None:
     tokens_per_step = engine.train_batch_size() * seq
     flops_per_token = model.flops_per_token(seq)
     peak = _peak_flops()
-    bar = tqdm(total=args.steps, disable=not rank0, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=args.steps, initial=first_step, disable=not rank0, unit="step", dynamic_ncols=True)
     start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         t0 = time.perf_counter()
         loss = engine.train_batch(data)
         dt = time.perf_counter() - t0
@@ -156,11 +170,15 @@ def train(args) -> None:
             stats["MFU"] = f"{flops_per_token * tokens_per_step / dt / engine.world_size / peak:.1%}"
         bar.set_postfix(stats, refresh=False)
         bar.update(1)
+        last = step + 1 == args.steps
+        if args.save_dir and (last or (args.save_every and (step + 1) % args.save_every == 0)):
+            engine.save_checkpoint(args.save_dir, client_state={"sampler": loader.sampler.state_dict()})
     bar.close()
     elapsed = time.perf_counter() - start
 
     val_after = _validation_loss(engine, val, args.eval_batches, mb)
-    say(f"trained {args.steps} steps in {elapsed:.1f}s ({args.steps * tokens_per_step / elapsed:,.0f} tokens/s); "
+    done = args.steps - first_step
+    say(f"trained {done} steps in {elapsed:.1f}s ({done * tokens_per_step / max(elapsed, 1e-9):,.0f} tokens/s); "
         f"validation loss {val_before:.3f} -> {val_after:.3f} (uniform guess: ln 256 = {math.log(256):.3f})")
     if args.sample_bytes > 0 and pipelined:
         say("sample: skipped (generation through pipeline stages is not implemented)")

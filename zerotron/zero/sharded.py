@@ -266,6 +266,16 @@ class ShardedStates(InOrderReduction):
                 buckets.append(b)
         return [b.own_slice(b.grad_full) if self.stage == 1 else b.grad_shard for b in buckets]
 
+    replicated = False  # each data-parallel rank holds its own shard
+
+    def pieces(self):
+        """(parameter, start, length, master, offset in master) of each parameter piece in this
+        rank's master shard."""
+        for (_, m), (b, lo, hi) in zip(self.runs, self._run_in_bucket):
+            for i, start_in_param, start_in_shard, length in b.param_slices_in_shard():
+                if lo <= start_in_shard < hi:
+                    yield b.params[i], start_in_param, length, m, start_in_shard - lo
+
     # ---- after the optimizer step ---------------------------------------------------------
     def unscale_and_check(self, inv_scale: float | None) -> bool:
         self._make_master_grads()
@@ -278,10 +288,11 @@ class ShardedStates(InOrderReduction):
         return bool(found_inf.item())
 
     @torch.no_grad()
-    def publish(self) -> None:
-        """Write the updated master shards into the parameters; all-gather replicated buckets."""
+    def publish(self, from_masters: bool = False) -> None:
+        """Write the updated master shards into the parameters; all-gather replicated buckets.
+        `from_masters`: the masters changed without an optimizer step (a checkpoint was loaded)."""
         pending, in_flight = [], 0
-        if self.host is not None and not self.host.optimizer_copies_out:
+        if self.host is not None and (from_masters or not self.host.optimizer_copies_out):
             self.host.staging.copy_(self.master_flat)
         for i, b in enumerate(self.buckets):
             destination = b.shard if i in self.partitioned else b.own_slice(b.full)

@@ -1,0 +1,181 @@
+"""engine.load_checkpoint: any topology reads a checkpoint written by any other.
+
+Each rank lists the pieces it needs (layout.rank_pieces under its own topology and ZeRO stage),
+finds the saved pieces of the same parameters in the files' metadata, assembles one full
+parameter at a time from them (so memory stays near the largest parameter), and keeps its slice.
+Every file it opens is checked against the SHA-256 in meta.json first.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from ..log import logger
+from .files import LATEST, CheckpointError, read_meta, verify
+from .layout import Piece, assemble, my_slice, rank_pieces, tensor_parallel_of
+
+
+class SavedPieces:
+    """The pieces of one checkpoint directory, by parameter name, read lazily file by file."""
+
+    def __init__(self, directory: Path, meta: dict):
+        self.directory, self.meta = directory, meta
+        self.by_name: dict[str, list[tuple[str, str, Piece]]] = {}
+        self.scalars: dict = {}
+        self.rank_states: dict[str, dict] = {}
+        self._handles: dict = {}
+        for name in sorted(meta["files"]):
+            if name.endswith(".safetensors"):
+                info = json.loads(self._open(name).metadata()["zerotron"])
+                self.rank_states[name] = info
+                self.scalars.update(info["scalars"])
+                for key, piece in info["pieces"].items():
+                    p = Piece.from_json(piece)
+                    self.by_name.setdefault(p.name, []).append((name, key, p))
+
+    def _open(self, name: str):
+        if name not in self._handles:
+            path = verify(self.directory, self.meta, name)
+            try:
+                self._handles[name] = safe_open(str(path), framework="pt")
+            except Exception as e:  # noqa: BLE001 - any parse failure means a damaged file
+                raise CheckpointError(f"{path} cannot be read as safetensors ({e}): the file is damaged") from None
+        return self._handles[name]
+
+    def full(self, name: str, kind: str) -> torch.Tensor:
+        """The whole parameter `name` for `kind` ("master" or "state.<key>")."""
+        found = self.by_name.get(name)
+        if not found:
+            raise CheckpointError(f"{self.directory} has no parameter {name!r}: the checkpoint is from a different "
+                                  "model (or was saved with other parameter names)")
+        parts = []
+        for file, key, piece in found:
+            handle = self._open(file)
+            if f"{kind}/{key}" not in handle.keys():
+                raise CheckpointError(f"{self.directory / file} has no {kind} for {name!r}; save with the optimizer "
+                                      "states, or load with load_optimizer_states=False")
+            parts.append((piece, handle.get_tensor(f"{kind}/{key}")))
+        return assemble(parts, name)
+
+    def tensor(self, file: str, key: str) -> torch.Tensor | None:
+        handle = self._open(file)
+        return handle.get_tensor(key) if key in handle.keys() else None
+
+    def find(self, key: str) -> torch.Tensor | None:
+        for file in self.rank_states:
+            t = self.tensor(file, key)
+            if t is not None:
+                return t
+        return None
+
+
+def resolve_tag(load_dir: Path, tag) -> str | None:
+    if tag is not None:
+        return str(tag)
+    latest = load_dir / LATEST
+    if not latest.exists():
+        return None
+    return latest.read_text().strip()
+
+
+@torch.no_grad()
+def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+    root = Path(load_dir)
+    tag = resolve_tag(root, tag)
+    if tag is None:
+        logger.warning(f"no '{LATEST}' file in {root}: nothing to load (pass tag= to pick a checkpoint)")
+        return None, None
+    directory = root / tag
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} does not exist: no checkpoint with tag {tag!r} in {root}")
+    meta = read_meta(directory)
+    saved = SavedPieces(directory, meta)
+
+    want_states = load_optimizer_states and not load_module_only
+    for piece, master, offset in rank_pieces(engine):
+        found = saved.by_name.get(piece.name)
+        if found and tuple(found[0][2].shape) != tuple(piece.shape):
+            raise CheckpointError(f"parameter {piece.name!r} has shape {tuple(found[0][2].shape)} in {directory} but "
+                                  f"{tuple(piece.shape)} in this model: the checkpoint is from a different model")
+        param = next(p for p in _params_of(engine, piece.name))
+        n = piece.hi - piece.lo
+        master.reshape(-1)[offset:offset + n].copy_(my_slice(saved.full(piece.name, "master"), param, piece.lo, n))
+        if want_states:
+            for key in _state_keys(saved, found):
+                value = my_slice(saved.full(piece.name, f"state.{key}"), param, piece.lo, n)
+                state = engine.optimizer.state[master]
+                if key not in state:
+                    state[key] = torch.zeros_like(master)
+                state[key].reshape(-1)[offset:offset + n].copy_(value)
+    if want_states:
+        _load_scalars(engine, saved.scalars)
+        for group, saved_group in zip(engine.optimizer.param_groups, meta["optimizer_groups"]):
+            group.update({k: tuple(v) if k == "betas" else v for k, v in saved_group.items()})
+    _load_frozen_and_buffers(engine, saved)
+    engine.states.publish(from_masters=True)  # model weights = masters in the model dtype
+
+    if not load_module_only:
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+        for k, v in meta["counters"].items():
+            setattr(engine, k, v)
+        engine.load_data_state(meta.get("data"))
+        _load_rng(saved, meta)
+    dist.barrier()
+    return str(directory), meta["client_state"]
+
+
+def _params_of(engine, name):
+    for n, p in engine.module.named_parameters(remove_duplicate=False):
+        if n == name:
+            yield p
+
+
+def _state_keys(saved: SavedPieces, found) -> list[str]:
+    file, key, _ = found[0]
+    handle = saved._open(file)
+    return sorted(k.split("/", 1)[0][len("state."):] for k in handle.keys()
+                  if k.startswith("state.") and k.endswith("/" + key))
+
+
+def _load_scalars(engine, scalars: dict):
+    for master, state in engine.optimizer.state.items():
+        for key, value in scalars.items():
+            if key in state and torch.is_tensor(state[key]):
+                state[key].fill_(value)
+            else:  # torch's Adam keeps its step as an fp32 tensor next to the parameter
+                state[key] = torch.tensor(value, dtype=torch.float32, device=master.device)
+
+
+def _load_frozen_and_buffers(engine, saved: SavedPieces):
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            dim, r, _ = tensor_parallel_of(p)
+            value = saved.find(f"frozen/{name}@{r}")
+            if value is not None:
+                p.copy_(value)
+    for name, b in engine.module.named_buffers():
+        value = saved.find(f"buffer/{name}")
+        if value is not None:
+            b.copy_(value)
+
+
+def _load_rng(saved: SavedPieces, meta: dict):
+    """The RNG state of this rank, when the checkpoint was written by as many ranks (exact resume)."""
+    if meta["world_size"] != dist.get_world_size():
+        return
+    from .files import rank_file
+    name = rank_file(dist.get_rank())
+    torch.set_rng_state(saved.tensor(name, "rng/torch"))
+    cuda = saved.tensor(name, "rng/cuda")
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
+    state = saved.rank_states[name]["python_random"]
+    random.setstate((state[0], tuple(state[1]), state[2]))

@@ -1,0 +1,120 @@
+"""engine.save_checkpoint: every rank writes its own pieces, in parallel, atomically.
+
+Layout of `save_dir/tag/`:
+    meta.json               topology, counters, scheduler / loss-scaler / optimizer settings,
+                            client_state, and the SHA-256 of every other file (written last)
+    rankNNNNN.safetensors   one per rank: its pieces of the fp32 masters ("master/…") and of each
+                            optimizer state ("state.exp_avg/…"), frozen parameters and buffers
+                            ("frozen/…", "buffer/…"), its RNG state ("rng/…"); the safetensors
+                            metadata says what each piece is (layout.Piece)
+
+Model weights are not stored separately: they are the masters in the model dtype (what every
+optimizer step publishes), so loading them from the masters is exact.
+
+Atomicity: everything goes to `save_dir/.tag.partial/`, which rank 0 renames to `save_dir/tag/`
+only after every rank has written and checksummed its file; `latest` is replaced last. A crash at
+any point leaves the previous checkpoint and `latest` as they were.
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from .files import FORMAT, LATEST, META, VERSION, fsync_dir, rank_file, sha256, write_atomically
+from .layout import rank_pieces, tensor_parallel_of
+
+
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
+    tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+    if not tag or "/" in tag or tag.startswith("."):
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name (no '/', not starting with '.')")
+    client_state = client_state or {}
+    try:
+        json.dumps(client_state)
+    except TypeError as e:
+        raise TypeError(f"client_state must be JSON-serialisable (zerotron stores no pickles): {e}") from None
+    root = Path(save_dir)
+    partial, final = root / f".{tag}.partial", root / tag
+    rank = dist.get_rank()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
+        partial.mkdir()
+    dist.barrier()
+
+    tensors, pieces, scalars = _rank_tensors(engine)
+    rank_state = {"python_random": _jsonable(random.getstate()), "pieces": pieces, "scalars": scalars}
+    path = partial / rank_file(rank)
+    save_file(tensors, str(path), metadata={"zerotron": json.dumps(rank_state)})
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, (path.name, sha256(path)))
+
+    if rank == 0:
+        meta = {"format": FORMAT, "version": VERSION, "tag": tag, "world_size": dist.get_world_size(),
+                "topology": {"dp": engine.topology.dp, "tp": engine.topology.tp, "pp": engine.topology.pp},
+                "zero_stage": engine.zero_optimization_stage(), "dtype": engine.config.model_dtype_name,
+                "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                             "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps},
+                "loss_scaler": engine.loss_scaler.state_dict(),
+                "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+                "optimizer_groups": [{k: v for k, v in g.items() if k != "params"}
+                                     for g in engine.optimizer.param_groups],
+                "data": engine.data_state(),
+                "client_state": client_state, "files": dict(digests)}
+        (partial / META).write_text(json.dumps(meta, indent=1, default=_jsonable))
+        fsync_dir(partial)
+        old = root / f".{tag}.old"
+        if final.exists():  # replacing a checkpoint of the same tag: keep it until the new one is in place
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        partial.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(root)
+        if save_latest:
+            write_atomically(root / LATEST, tag)
+    dist.barrier()
+    return True
+
+
+def _rank_tensors(engine):
+    """This rank's tensors for its file, with a JSON description of each piece."""
+    tensors, pieces, scalars = {}, {}, {}
+    states = engine.states
+    if not states.replicated or engine.coords.dp == 0:
+        for piece, master, offset in rank_pieces(engine):
+            key = f"{piece.name}@{piece.tp_rank}:{piece.lo}"
+            n = piece.hi - piece.lo
+            pieces[key] = piece.to_json()
+            tensors[f"master/{key}"] = master.detach().reshape(-1)[offset:offset + n].float().clone()
+            for name, value in engine.optimizer.state.get(master, {}).items():
+                if torch.is_tensor(value) and value.numel() == master.numel():
+                    tensors[f"state.{name}/{key}"] = value.detach().reshape(-1)[offset:offset + n].clone()
+                else:  # per-tensor scalars (Adam's step): equal for every piece of one optimizer
+                    scalars[name] = value.item() if torch.is_tensor(value) else value
+        if engine.coords.dp == 0:
+            for name, p in engine.module.named_parameters():
+                if not p.requires_grad:
+                    dim, r, _ = tensor_parallel_of(p)
+                    tensors[f"frozen/{name}@{r}"] = p.detach().clone()
+            for name, b in engine.module.named_buffers():
+                tensors[f"buffer/{name}"] = b.detach().clone()
+    tensors["rng/torch"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        tensors["rng/cuda"] = torch.cuda.get_rng_state()
+    return tensors, pieces, scalars
+
+
+def _jsonable(value):
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    if torch.is_tensor(value):
+        return value.tolist()
+    return value
