@@ -91,6 +91,21 @@ def _save_then_crash(directory):
     return engine.global_steps
 
 
+def _rank_exits_while_saving(directory):
+    engine, dp, _ = _engine()
+    engine.train_batch(iter(micro_batches(global_batches(1, GLOBAL_BATCH)[0], engine.coords.dp, dp, 1)))
+    engine.save_checkpoint(directory, tag="good")
+    if dist.get_rank() == 1:
+        import zerotron.checkpoint.save as save_module
+
+        def exits_midway(tensors, path, metadata=None):
+            with open(path, "wb") as f:
+                f.write(b"\0" * 1000)
+            os._exit(1)  # the process dies half-way through its file
+        save_module.save_file = exits_midway
+    engine.save_checkpoint(directory, tag="doomed")
+
+
 def _load(directory, tag=None):
     engine, _, _ = _engine()
     path, client = engine.load_checkpoint(directory, tag=tag)
@@ -104,6 +119,16 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     assert not (d / "doomed").exists()  # only the .partial directory, never a half checkpoint
     path, steps = run_ranks(_load, 1, str(d))[0]
     assert path.endswith("good") and steps == 1
+
+
+def test_a_rank_exiting_during_the_write_leaves_the_previous_checkpoint_loadable(tmp_path):
+    d = tmp_path / "ck"
+    with pytest.raises(RankError):  # rank 1 died; rank 0 fails in the next collective instead of hanging
+        run_ranks(_rank_exits_while_saving, 2, str(d), timeout=60)
+    assert (d / "latest").read_text() == "good"
+    assert not (d / "doomed").exists()
+    for path, steps in run_ranks(_load, 2, str(d)):
+        assert path.endswith("good") and steps == 1
 
 
 def _saved(tmp_path, world=2):
