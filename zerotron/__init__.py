@@ -16,6 +16,7 @@ from .config import Config, resolve_auto
 from .engine import Engine
 from .errors import ConfigError
 from .topology import Topology
+from . import checkpointing, hf  # noqa: E402  (zerotron.checkpointing / zerotron.hf as DeepSpeed users expect)
 
 __version__ = "0.1.0"
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "Config", "ConfigError", "Engine",

@@ -92,6 +92,9 @@ class Engine(nn.Module):
     def _apply_tensor_parallel(self):
         from .parallel.tensor import apply_tensor_parallel
         plan_of = getattr(self.module, "tensor_parallel_plan", None)
+        from . import hf
+        if plan_of is None and hf.is_hf_model(self.module):
+            plan_of = lambda tp: hf.tensor_parallel_plan(self.module, tp)  # noqa: E731
         if plan_of is None:
             raise ValueError(f"{type(self.module).__name__} has no tensor_parallel_plan(tp); tensor parallelism "
                              "needs a plan (module-name patterns -> column/row/vocab/head/norm)")

@@ -7,6 +7,8 @@ A plan maps module-name patterns (fnmatch, e.g. "layers.*.attn.wq") to a style:
     "vocab"   nn.Embedding whose vocabulary is split: each rank looks up its rows, outputs summed
     "head"    the output projection as "column", its logits left split, and the model's loss
               replaced by a vocabulary-parallel cross-entropy that never gathers the logits
+    "head_gathered"  the output projection as "column" with its logits gathered whole (for models
+              that compute their loss themselves, such as Hugging Face's)
     "norm"    a norm in the sequence-parallel region (only matters with sequence parallelism)
 
 One column/row pair costs one all-reduce in forward and one in backward. With sequence
@@ -27,7 +29,7 @@ from ..errors import ConfigError
 from .collectives import (all_reduce_max, copy_to_region, gather_last_dim, gather_sequence,
                           reduce_from_region, scatter_sequence)
 
-STYLES = ("column", "row", "vocab", "head", "norm")
+STYLES = ("column", "row", "vocab", "head", "head_gathered", "norm")
 
 
 _SHARDS: dict[int, nn.Parameter] = {}  # during apply_tensor_parallel: a tied weight is sharded once
@@ -75,15 +77,16 @@ class _Region:
 
 
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, comm: Comm, region: _Region):
+    def __init__(self, linear: nn.Linear, comm: Comm, region: _Region, gather_output: bool = False):
         super().__init__()
         _check_divisible(linear.out_features, comm.size, "output features")
-        self.region = region
+        self.region, self.comm, self.gather_output = region, comm, gather_output
         self.weight = _shard(linear.weight, 0, comm)
         self.bias = _shard(linear.bias, 0, comm) if linear.bias is not None else None
 
     def forward(self, x):
-        return F.linear(self.region.enter(x), self.weight, self.bias)
+        y = F.linear(self.region.enter(x), self.weight, self.bias)
+        return gather_last_dim(y, self.comm) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
@@ -189,8 +192,9 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], comm: Comm, se
             for p in module.parameters(recurse=False):
                 _sum_grad_when_split(p, region)
             continue
-        if style in ("column", "head"):
-            new = ColumnParallelLinear(_expect(module, nn.Linear, name, style), comm, region)
+        if style in ("column", "head", "head_gathered"):
+            new = ColumnParallelLinear(_expect(module, nn.Linear, name, style), comm, region,
+                                       gather_output=style == "head_gathered")
             if style == "head":  # training reads split logits; anything else gets them whole
                 model.loss_fn = VocabParallelLoss(comm, new.weight.shape[0])
                 model.output_fn = lambda logits, c=comm: gather_last_dim(logits, c)

@@ -1,0 +1,147 @@
+"""Hugging Face Transformers models (built from tiny configs, random weights, no downloads)."""
+import types
+
+import pytest
+import torch
+
+import zerotron
+from distributed import run_ranks
+from parity import assert_losses_close, ds_config, global_batches
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 3
+FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
+
+
+def make(kind, **extra):
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, **extra)
+    if kind == "gpt2":
+        cfg = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                         eos_token_id=0, **extra)
+    else:
+        cfg = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[kind](**common)
+    cfg._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def reference(kind, rows=4):
+    model = make(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1, fused=True)
+    losses = []
+    for x, _ in global_batches(STEPS, rows):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _train(kind, stage, tp=1, extra=None, grad_ckpt=False):
+    import torch.distributed as dist
+    model = make(kind)
+    if grad_ckpt:  # Transformers' own checkpointing: it calls each layer through torch's checkpoint
+        if hasattr(model, "activation_checkpointing_enable"):  # Transformers >= 5.2x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    dp = dist.get_world_size() // tp
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0, **(extra or {})}
+    config = ds_config(4 // dp, 1, zero_optimization=zero, tensor_parallel={"autotp_size": tp})
+    engine, *_ = zerotron.initialize(model=model, config=config)
+    losses = []
+    for x, _ in global_batches(STEPS, 4):
+        mine = x.chunk(dp)[engine.coords.dp]
+        losses.append(engine.train_batch(iter([{"input_ids": mine, "labels": mine}])).item())
+    return losses
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_parity(kind, stage):
+    ref = reference(kind)
+    for losses in run_ranks(_train, 2, kind, stage):
+        assert_losses_close(losses, ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_zero2_with_offload_and_gradient_checkpointing(kind):
+    ref = reference(kind)
+    extra = {"offload_optimizer": {"device": "cpu"}}
+    for losses in run_ranks(_train, 2, kind, 2, 1, extra, True):
+        assert_losses_close(losses, ref, rtol=1e-5)
+
+
+def test_zero3_with_transformers_gradient_checkpointing():
+    ref = reference("llama")
+    for losses in run_ranks(_train, 2, "llama", 3, 1, None, True):
+        assert_losses_close(losses, ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_tensor_parallel_from_the_model_plan(kind):
+    ref = reference(kind)
+    for losses in run_ranks(_train, 2, kind, 0, 2):
+        assert_losses_close(losses, ref, rtol=1e-5)
+
+
+def test_plan_translation_and_errors():
+    from zerotron.errors import ConfigError
+    from zerotron.hf import tensor_parallel_plan
+    plan = tensor_parallel_plan(make("llama"), 2)
+    assert plan["model.layers.*.self_attn.q_proj"] == "column" and plan["model.layers.*.mlp.down_proj"] == "row"
+    assert plan["model.embed_tokens"] == "vocab" and plan["lm_head"] == "head_gathered"
+    with pytest.raises(ConfigError, match="key/value heads \\(2\\) must be divisible"):
+        tensor_parallel_plan(make("llama"), 4)
+
+
+def test_resolve_config_fills_auto_like_the_trainer():
+    from zerotron.hf import resolve_config
+    args = types.SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=3e-4,
+                                 adam_beta1=0.9, adam_beta2=0.98, adam_epsilon=1e-7, weight_decay=0.01,
+                                 max_grad_norm=0.5, fp16=False, bf16=True, warmup_steps=0, warmup_ratio=0.1,
+                                 max_steps=200)
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                    "weight_decay": "auto"}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                            "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+          "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                "stage3_param_persistence_threshold": "auto"}}
+    out = resolve_config(ds, args, make("llama"))
+    assert out["train_micro_batch_size_per_gpu"] == 4 and out["gradient_accumulation_steps"] == 2
+    assert out["gradient_clipping"] == 0.5 and out["bf16"]["enabled"] is True and out["fp16"]["enabled"] is False
+    assert out["optimizer"]["params"] == {"lr": 3e-4, "betas": [0.9, 0.98], "eps": 1e-7, "weight_decay": 0.01}
+    assert out["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-4, "warmup_num_steps": 20,
+                                          "total_num_steps": 200}
+    zero = out["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 64 * 64 and zero["stage3_param_persistence_threshold"] == 640
+
+
+def _generate(kind):
+    import torch.distributed as dist
+    model = make(kind)
+    engine, *_ = zerotron.initialize(model=model, config=ds_config(
+        1, 1, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0}))
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    # ranks stop at different lengths: the finished rank keeps joining the gathers until all are done
+    new = 3 if dist.get_rank() == 0 else 9
+    out = zerotron.hf.generate(engine, prompt, max_new_tokens=new, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)
+    return out[0].tolist()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_generation_under_zero3_with_ranks_stopping_at_different_lengths(kind):
+    short, long = run_ranks(_generate, 2, kind, timeout=90)
+    model = make(kind).eval()
+    want = model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=9, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0].tolist()
+    assert long == want and short == want[:len(short)] and len(short) == 7

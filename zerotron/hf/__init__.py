@@ -1,0 +1,92 @@
+"""Hugging Face Transformers models under zerotron.
+
+    model = AutoModelForCausalLM.from_config(cfg)          # or from_pretrained / load_hf_weights
+    engine, *_ = zerotron.initialize(model=model, config=zerotron.hf.resolve_config("ds.json", training_args, model))
+
+ZeRO 1-3, offload and activation checkpointing need nothing model-specific. Tensor parallelism
+takes the plan Transformers ships with the model (`_tp_plan`, built from the config's
+`base_model_tp_plan`), translated to zerotron's styles. Generation under ZeRO-3 keeps every rank
+in every forward (`generate` below).
+"""
+from __future__ import annotations
+
+import torch
+
+# Transformers' tensor-parallel styles -> zerotron's (zerotron/parallel/tensor.py).
+_STYLES = {"colwise": "column", "rowwise": "row", "embedding_rowwise": "vocab",
+           "colwise_gather_output": "head_gathered", "colwise_rep": "head_gathered",
+           "replicated_with_grad_allreduce": "norm", "sequence_parallel": "norm"}
+
+
+def is_hf_model(module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(module, PreTrainedModel)
+
+
+def tensor_parallel_plan(model, tp: int) -> dict[str, str]:
+    """zerotron's plan from the model's own Transformers plan (names relative to `model`)."""
+    plan = dict(getattr(model, "_tp_plan", None) or {})
+    if not plan:
+        base = getattr(model.config, "base_model_tp_plan", None) or {}
+        prefix = getattr(model, "base_model_prefix", "")
+        plan = {f"{prefix}.{k}" if prefix and hasattr(model, prefix) else k: v for k, v in base.items()}
+    if not plan:
+        raise ValueError(f"{type(model).__name__} ships no tensor-parallel plan (config.base_model_tp_plan); "
+                         "use tensor_parallel.autotp_size 1 or give the model a tensor_parallel_plan(tp) method")
+    out = {}
+    for pattern, style in plan.items():
+        if style not in _STYLES:
+            raise ValueError(f"the model's tensor-parallel plan uses style {style!r} for {pattern}, which zerotron "
+                             f"does not translate (known: {', '.join(_STYLES)})")
+        out[pattern] = _STYLES[style]
+    cfg = model.config
+    heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
+    from ..errors import ConfigError
+    for what, n in (("attention heads", heads), ("key/value heads", kv), ("vocabulary", cfg.vocab_size)):
+        if n is not None and n % tp:
+            raise ConfigError("tensor_parallel.autotp_size", tp,
+                              f"the model's {what} ({n}) must be divisible by it; choose a size that divides it")
+    return out
+
+
+def resolve_config(config, training_args=None, model=None, **values):
+    """A DeepSpeed config with "auto" values filled the way the Transformers Trainer fills them,
+    from `training_args` (a TrainingArguments or any object with its attribute names), the model
+    (hidden size, dtype) and explicit `values` (which win). Returns a dict for zerotron.initialize."""
+    from ..config import read_raw, resolve_auto
+    args = training_args
+    found = {}
+    if args is not None:
+        get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+        found.update(micro_batch_size=get("per_device_train_batch_size"),
+                     gradient_accumulation_steps=get("gradient_accumulation_steps"), lr=get("learning_rate"),
+                     eps=get("adam_epsilon"), weight_decay=get("weight_decay"), max_grad_norm=get("max_grad_norm"),
+                     fp16=get("fp16"), bf16=get("bf16"), warmup_steps=get("warmup_steps"),
+                     total_steps=get("max_steps") if (get("max_steps") or 0) > 0 else None)
+        if get("adam_beta1") is not None and get("adam_beta2") is not None:
+            found["betas"] = [get("adam_beta1"), get("adam_beta2")]
+        if found.get("warmup_steps") in (None, 0) and get("warmup_ratio") and found.get("total_steps"):
+            found["warmup_steps"] = int(get("warmup_ratio") * found["total_steps"])
+    if model is not None:
+        hidden = getattr(model.config, "hidden_size", None) or getattr(model.config, "n_embd", None)
+        found["hidden_size"] = hidden
+    found.update(values)
+    return resolve_auto(read_raw(config), **{k: v for k, v in found.items() if v is not None})
+
+
+@torch.no_grad()
+def generate(engine, input_ids, **kwargs):
+    """`model.generate` on every rank. Under ZeRO-3 each forward gathers parameters with
+    collectives, so a rank that finishes early must keep stepping until all have finished
+    (Transformers' synced_gpus)."""
+    import torch.distributed as dist
+    synced = engine.zero_optimization_stage() == 3 and dist.get_world_size() > 1
+    was_training = engine.module.training
+    engine.module.eval()
+    try:
+        return engine.module.generate(input_ids.to(engine.device), synced_gpus=synced, **kwargs)
+    finally:
+        engine.module.train(was_training)
