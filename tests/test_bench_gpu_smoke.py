@@ -1,0 +1,99 @@
+"""bench/gpu.py, the one-GPU benchmark, in its CPU smoke mode: every part's code path on a tiny model
+(the GPU-only branches, memory counters and the micro-batch probe, are not reached here), plus the
+arithmetic that sizes the offload part on the GPU machine."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench import gpu  # noqa: E402  (stdlib only at import time)
+
+GiB = 1 << 30
+
+
+def test_smoke_run_prints_and_writes_every_part(tmp_path):
+    out = tmp_path / "gpu.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--smoke", "--out", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "bench/gpu.py summary (smoke (CPU))" in run.stdout
+    for marker in ("[1] MFU", "[2] offload", "[3] activation checkpointing"):
+        assert marker in run.stdout, marker
+
+    result = json.loads(out.read_text())
+    jobs = result["jobs"]
+    assert set(jobs) == {"mfu", "ckpt", "offload", "offload_off"}
+    for name, job in jobs.items():
+        assert not job.get("error") and not job.get("skipped"), (name, job)
+        assert job["device"]["type"] == "cpu"
+
+    mfu = jobs["mfu"]
+    assert set(mfu["systems"]) == {"zerotron", "plain", "plain_autocast"}
+    for name, r in mfu["systems"].items():
+        assert "error" not in r, (name, r)
+        assert r["median_s"] > 0 and r["tokens_per_s"] > 0 and len(r["step_s"]) == 2
+        assert all(math.isfinite(v) and 4.5 < v < 6.5 for v in r["losses"]), r["losses"]  # ~ln 256
+    # Same seed, same bf16 weights, same fp32-master fused AdamW: the same losses.
+    assert mfu["zerotron_vs_plain"]["max_abs_dloss"] < 1e-2
+    assert mfu["systems"]["zerotron"]["memory_report_gib"]["master_weights"] > 0
+
+    assert set(jobs["ckpt"]["policies"]) == {"none", "every_block", "selective"}
+    assert all(r["median_s"] > 0 for r in jobs["ckpt"]["policies"].values())
+
+    off = jobs["offload"]
+    psi = off["model"]["params"]
+    assert off["assessment"]["fits_host_with_offload"] is True and off["layers"] == off["model"]["n_layer"]
+    assert len(off["steps"]) == 2 and off["tokens_per_s"] > 0
+    host = off["memory_report_gib"]["host"] * GiB
+    # fp32 masters + fp32 gradients + bf16 staging + two fp32 moments (+ AdamW's step counters)
+    assert abs(host - 18 * psi) < 0.01 * 18 * psi, (host, 18 * psi)
+    assert jobs["offload_off"]["outcome"] == "fits"  # no device memory limit on a CPU
+    assert jobs["offload_off"]["micro_batch"] == off["micro_batch"]
+
+
+def test_offload_arithmetic():
+    assert gpu.pinned_bytes(1) == 1 and gpu.pinned_bytes(4096) == 4096 and gpu.pinned_bytes(4097) == 8192
+    psi = 10 ** 9
+    assert gpu.offload_host_bytes(psi) == 2 * 4 * GiB + 2 * GiB + 8 * psi  # 4e9 B -> 4 GiB, 2e9 B -> 2 GiB
+    assert gpu.states_bytes_without_offload(psi) == (16 * psi, 20 * psi)
+    assert gpu.choose_micro_batch(base=10 * GiB, per_sample=5 * GiB, capacity=100 * GiB, fraction=0.85, cap=32) == 15
+    assert gpu.choose_micro_batch(base=10 * GiB, per_sample=5 * GiB, capacity=100 * GiB, fraction=0.85, cap=8) == 8
+    assert gpu.choose_micro_batch(base=90 * GiB, per_sample=5 * GiB, capacity=100 * GiB, fraction=0.85, cap=8) == 1
+    assert gpu.choose_micro_batch(base=1, per_sample=0, capacity=100, fraction=0.85, cap=8) is None
+
+
+def test_parameter_count_matches_the_model():
+    """bench/gpu.py counts parameters from the config (building a 13b, even on the meta device, is slow)."""
+    import torch
+    from dataclasses import replace
+    from zerotron.models.gpt import GPT, SIZES, config_for
+    # Every shape with two blocks (the count is per block; more blocks only cost time on the meta device).
+    cases = [replace(config_for(size), n_layer=2) for size in SIZES]
+    cases.append(replace(config_for("small"), tie_embeddings=True))
+    for cfg in cases:
+        with torch.device("meta"):
+            model = GPT(cfg)
+        total, per_layer, fixed = gpu.param_counts(cfg)
+        assert total == model.num_params() and fixed + cfg.n_layer * per_layer == total, cfg
+        assert gpu.flops_per_token(cfg, 2048) == model.flops_per_token(2048), cfg
+
+
+def test_offload_plan_for_13b_on_the_h200_machine():
+    """What the GPU run will do with the defaults: 13b fits neither the GPU without offload nor 128 GiB of
+    host memory with it, so it trains 13 of the 40 layers (4.13B parameters)."""
+    from zerotron.models.gpt import config_for
+    cfg = config_for("13b", max_seq_len=2048)
+    psi, per_layer, fixed = gpu.param_counts(cfg)
+    assert 12.6e9 < psi < 12.8e9
+    assert gpu.states_bytes_without_offload(psi)[0] > 139 * GiB
+    assert gpu.offload_host_bytes(psi) > 128 * GiB
+    layers = gpu.pick_layers(fixed, per_layer, cfg.n_layer, (128 - 16) * GiB)
+    assert layers == 13
+    assert gpu.offload_host_bytes(fixed + layers * per_layer) < 72 * GiB
