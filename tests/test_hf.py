@@ -183,3 +183,26 @@ def test_hf_directory_round_trip(tmp_path, stage, tp):
     for losses, logits in results:
         assert_losses_close(losses, ref, rtol=1e-5)
         assert torch.allclose(logits, want, atol=1e-5, rtol=0)
+
+
+def _checkpoint_hf(directory):
+    model = make("llama")
+    engine, *_ = zerotron.initialize(model=model, config=ds_config(2, 1, zero_optimization={"stage": 2}))
+    x = global_batches(1, 4)[0][0].chunk(2)[engine.coords.dp]
+    engine.train_batch(iter([{"input_ids": x, "labels": x}]))
+    engine.save_checkpoint(directory)
+    engine.module.eval()
+    with torch.no_grad():
+        return engine(input_ids=global_batches(1, 2, seed=9)[0][0]).logits
+
+
+def test_convert_writes_a_hugging_face_directory(tmp_path):
+    from transformers import AutoModelForCausalLM
+    from zerotron.checkpoint.export import convert
+    logits = run_ranks(_checkpoint_hf, 2, str(tmp_path / "ck"))[0]
+    convert(tmp_path / "ck", tmp_path / "hf", "fp32", max_shard_size=50_000)
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        want = reloaded(input_ids=global_batches(1, 2, seed=9)[0][0]).logits
+    assert torch.allclose(logits, want, atol=1e-5, rtol=0)

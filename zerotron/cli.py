@@ -19,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("checkpoint", help="a checkpoint directory (save_dir/tag), or a save_dir with 'latest'")
     convert.add_argument("out", help="output directory (gets model.safetensors)")
     convert.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    convert.add_argument("--max-shard-size", type=float, default=5 * 2**30,
+                         help="bytes per safetensors file; larger models get shards and an index (default 5 GiB)")
     args = parser.parse_args(argv)
     from .checkpoint import CheckpointError
     from .errors import ConfigError
@@ -27,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args, argv if argv is not None else sys.argv[1:])
         if args.command == "convert":
             from .checkpoint.export import convert as convert_checkpoint
-            print(f"wrote {convert_checkpoint(args.checkpoint, args.out, args.dtype)}")
+            print(f"wrote {convert_checkpoint(args.checkpoint, args.out, args.dtype, int(args.max_shard_size))}")
             return 0
         return _run(args)
     except (CheckpointError, FileNotFoundError) as e:

@@ -18,9 +18,11 @@ from .load import SavedPieces, resolve_tag
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def convert(checkpoint, out, dtype: str = "fp32") -> Path:
+def convert(checkpoint, out, dtype: str = "fp32", max_shard_size: int = 5 * 2**30) -> Path:
     """CHECKPOINT: a checkpoint directory (save_dir/tag) or a save_dir with a `latest` file.
-    OUT: a directory; writes OUT/model.safetensors (with the dtype and source tag in its metadata)."""
+    OUT: a directory; writes OUT/model.safetensors, or, past `max_shard_size` bytes, shards
+    model-0000i-of-0000n.safetensors with model.safetensors.index.json (Hugging Face's layout); for a
+    model that came from Transformers also config.json, so `from_pretrained(OUT)` loads it."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     directory = Path(checkpoint)
@@ -45,18 +47,47 @@ def convert(checkpoint, out, dtype: str = "fp32") -> Path:
             extra.append((name, t.dtype if not t.is_floating_point() else target, tuple(t.shape)))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "model.safetensors"
-    writer = StreamingSafetensors(path, entries + extra, metadata={
-        "format": "pt", "zerotron_tag": meta["tag"], "zerotron_dtype": dtype})
-    for name, _, _ in entries:
-        writer.write(name, saved.full(name, "master").to(target))
-    for name, dt, _ in extra:
-        key = next(k for k in frozen if k.split("/", 1)[1].split("@")[0] == name)
-        writer.write(name, saved.find(key).to(dt))
-    writer.close()
+    shards, size = [[]], 0
+    for entry in entries + extra:
+        nbytes = torch.empty((), dtype=entry[1]).element_size() * _numel(entry[2])
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    files = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    for file, shard in zip(files, shards):
+        writer = StreamingSafetensors(out / file, shard, metadata={
+            "format": "pt", "zerotron_tag": meta["tag"], "zerotron_dtype": dtype})
+        for name, dt, _ in shard:  # one full tensor in memory at a time
+            if name in saved.by_name:
+                writer.write(name, saved.full(name, "master").to(target))
+            else:
+                key = next(k for k in frozen if k.split("/", 1)[1].split("@")[0] == name)
+                writer.write(name, saved.find(key).to(dt))
+        writer.close()
+    if len(files) > 1:
+        total = sum(torch.empty((), dtype=e[1]).element_size() * _numel(e[2]) for e in entries + extra)
+        weight_map = {e[0]: file for file, shard in zip(files, shards) for e in shard}
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    if meta.get("hf_config"):
+        hf = dict(meta["hf_config"])
+        hf["torch_dtype" if "dtype" not in hf else "dtype"] = {"fp32": "float32", "bf16": "bfloat16",
+                                                               "fp16": "float16"}[dtype]
+        (out / "config.json").write_text(json.dumps(hf, indent=2))
+    path = out / files[0] if len(files) == 1 else out / "model.safetensors.index.json"
     (out / "zerotron_source.json").write_text(json.dumps({"checkpoint": str(directory), "tag": meta["tag"],
                                                           "topology": meta["topology"], "dtype": dtype}, indent=1))
     return path
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors") -> bool:

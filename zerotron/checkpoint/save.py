@@ -66,6 +66,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
                 "optimizer_groups": [{k: v for k, v in g.items() if k != "params"}
                                      for g in engine.optimizer.param_groups],
                 "data": engine.data_state(),
+                "hf_config": _hf_config(engine.module),
                 "client_state": client_state, "files": dict(digests)}
         (partial / META).write_text(json.dumps(meta, indent=1, default=_jsonable))
         fsync_dir(partial)
@@ -118,3 +119,9 @@ def _jsonable(value):
     if torch.is_tensor(value):
         return value.tolist()
     return value
+
+
+def _hf_config(module) -> dict | None:
+    """A Transformers model's config, so `zerotron convert` can write a Hugging Face directory."""
+    from ..hf import is_hf_model
+    return module.config.to_dict() if is_hf_model(module) else None
