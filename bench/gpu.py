@@ -1,0 +1,925 @@
+"""One-GPU benchmark (H100 / H200): zerotron's MFU next to plain PyTorch, CPU offload, activation checkpointing.
+
+    python bench/gpu.py                          # on the GPU machine: all three parts, about 4-6 minutes
+    python bench/gpu.py --out $OUT/gpu.json      # ... and keep the JSON somewhere that comes back
+    python bench/gpu.py --smoke                  # tiny model on the CPU (gloo, world of one): every code path, < 1 min
+    python bench/gpu.py --parts mfu --micro-batch 16
+
+Parts (each in a child process of its own, with a time limit; the parent never touches the GPU (it asks
+NVML whether there is one), so a part that fails, runs out of memory, hangs or is killed is recorded as such
+and the others still run; results print as they come, then a summary, and the JSON is rewritten after each part):
+
+1. `mfu`: the reference GPT (`--mfu-model 1.3b`, seq 2048, micro-batch 8) in bf16 with fp32 master weights
+   and torch's fused AdamW, trained by `zerotron.initialize` (ZeRO stage 0, world of one) and by a plain
+   PyTorch loop doing the same math (`model.to(bfloat16)`, fp32 master copies, fused AdamW on the masters,
+   gradients copied in and weights copied back with `torch._foreach_copy_`); same seed, same batches.
+   `--systems zerotron,plain,plain_autocast` adds torch's usual AMP recipe (fp32 parameters, `torch.autocast`).
+   Warm-up steps, then timed steps, each between `torch.cuda.synchronize()`; tokens/s from the median step,
+   MFU = flops_per_token (6N + 12*L*d*s) x tokens/s / peak (989 TFLOP/s on H100/H200, zerotron.train's table),
+   peak memory = `torch.cuda.max_memory_allocated()` over the timed steps.
+2. `offload`: ZeRO-Offload (`"offload_optimizer": {"device": "cpu", "pin_memory": true}`, stage 2). First the
+   arithmetic for `--offload-model` (default 13b): model states without offload (16 B/param at least, 20 at
+   zerotron's step peak) against GPU memory, and host memory with offload (fp32 masters, fp32 gradients and a
+   bf16 staging buffer, all pinned, + AdamW's two fp32 moments) against `--host-mem-gib` (128 on the H200
+   machine). When the model does not fit the host, the part trains that model's shape with as many layers as
+   fit (`--offload-layers auto`) and says so. The micro-batch (`--offload-micro-batch auto`) is the largest
+   whose measured peak stays under `--offload-mem-fraction` of GPU memory (activation bytes per sequence
+   measured by two probe steps). Then `offload_off` trains the same model and micro-batch without offload and
+   records the out-of-memory error (or that it fitted), next to the predicted peak.
+3. `ckpt`: `"zerotron": {"checkpoint_policy": none | every_block | selective}` on `--ckpt-model 350m`
+   (seq 2048, micro-batch 8): median step time, tokens/s, MFU (model FLOPs: recomputation not counted),
+   peak memory and the activation part of it (peak minus what stays allocated between steps).
+
+Models are built directly in bf16 on the device (`torch.set_default_dtype` + `with torch.device(...)`): no
+fp32 copy in host memory, and the GPU initializes billions of weights in well under a second. zerotron casts to bf16
+anyway and takes its fp32 masters from the bf16 weights, so nothing is lost. `zerotron.zero.Init` would only
+help where one GPU cannot hold the bf16 weights (ZeRO-3 over several ranks); `--offload-stage 3` uses it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+GiB = 1 << 30
+ADAMW = {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+T0 = float(os.environ.get("ZT_GPU_BENCH_T0", time.time()))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # zerotron from this checkout, installed or not
+
+# Seconds each part may take on the GPU (capped by what is left of --time-budget).
+JOB_LIMITS = {"mfu": 150, "ckpt": 150, "offload": 300, "offload_off": 120}
+JOB_LIMITS_SMOKE = {"mfu": 90, "ckpt": 90, "offload": 90, "offload_off": 90}
+MIN_JOB_S = 20       # a part gets at least this much time, or is skipped
+GRACE_S = 20         # beyond a child's own deadline before it is killed
+
+
+def log(msg: str) -> None:
+    print(f"[{datetime.datetime.now():%H:%M:%S} +{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+# ---- arguments ---------------------------------------------------------------------------------------
+SMOKE = {"seq": 64, "mfu_model": "tiny", "micro_batch": 2, "warmup": 1, "steps": 2,
+         "systems": "zerotron,plain,plain_autocast", "ckpt_model": "tiny", "ckpt_micro_batch": 2,
+         "offload_model": "tiny", "offload_micro_batch": "2", "offload_steps": 2, "time_budget": 200}
+GPU = {"seq": 2048, "mfu_model": "1.3b", "micro_batch": 8, "warmup": 3, "steps": 10, "systems": "zerotron,plain",
+       "ckpt_model": "350m", "ckpt_micro_batch": 8, "offload_model": "13b", "offload_micro_batch": "auto",
+       "offload_steps": 2, "time_budget": 480}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (gloo, world of one), a few steps")
+    p.add_argument("--parts", default="mfu,ckpt,offload", help="comma-separated: mfu, ckpt, offload")
+    p.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run (default 480; smoke 200)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="result JSON (default bench/results/gpu.json; smoke: bench/results/gpu_smoke.json)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default 2048)")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient clipping for every system (0: off)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per system (default 3)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per system (default 10)")
+    g = p.add_argument_group("part 1: MFU")
+    g.add_argument("--mfu-model", default=None, help="reference GPT size (default 1.3b)")
+    g.add_argument("--micro-batch", type=int, default=None, help="sequences per step (default 8)")
+    g.add_argument("--systems", default=None, help="zerotron,plain[,plain_autocast] (default zerotron,plain)")
+    g = p.add_argument_group("part 2: offload")
+    g.add_argument("--offload-model", default=None, help="reference GPT size to assess and train (default 13b)")
+    g.add_argument("--offload-layers", default="auto",
+                   help="layers of that shape to train; auto: all, or as many as host memory holds")
+    g.add_argument("--offload-stage", type=int, choices=[2, 3], default=2,
+                   help="ZeRO stage (3 adds offload_param and builds the model under zerotron.zero.Init)")
+    g.add_argument("--offload-micro-batch", default=None,
+                   help="sequences per step, or auto: the largest that fits --offload-mem-fraction (default auto)")
+    g.add_argument("--offload-max-micro-batch", type=int, default=32)
+    g.add_argument("--offload-mem-fraction", type=float, default=0.85,
+                   help="auto micro-batch: predicted peak at most this fraction of GPU memory")
+    g.add_argument("--offload-steps", type=int, default=None, help="timed offload steps (default 2)")
+    g.add_argument("--host-mem-gib", type=float, default=None,
+                   help="host memory to plan with (default 128 on a GPU, the H200 machine's; MemTotal on a CPU). "
+                        "Not MemTotal on the GPU machine: its memory grows as it is used")
+    g.add_argument("--host-reserve-gib", type=float, default=16.0, help="host memory left for everything else")
+    g.add_argument("--no-oom-demo", action="store_true", help="skip the run without offload")
+    g.add_argument("--cpu-threads", type=int, default=0,
+                   help="threads for the host-side AdamW on a GPU machine (default 0: every core)")
+    g = p.add_argument_group("part 3: activation checkpointing")
+    g.add_argument("--ckpt-model", default=None, help="reference GPT size (default 350m)")
+    g.add_argument("--ckpt-micro-batch", type=int, default=None, help="sequences per step (default 8)")
+    g.add_argument("--ckpt-policies", default="none,every_block,selective")
+    # Internal: how the parent runs one part in a child process.
+    p.add_argument("--job", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result-file", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    for key, value in (SMOKE if args.smoke else GPU).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.parts = [s for s in args.parts.split(",") if s]
+    args.systems = [s for s in args.systems.split(",") if s]
+    args.ckpt_policies = [s for s in args.ckpt_policies.split(",") if s]
+    for name, allowed in (("parts", ("mfu", "ckpt", "offload")), ("systems", ("zerotron", "plain", "plain_autocast")),
+                          ("ckpt_policies", ("none", "every_block", "every_k", "selective"))):
+        bad = [v for v in getattr(args, name) if v not in allowed]
+        if bad:
+            p.error(f"--{name.replace('_', '-')}: unknown {bad}; choose from {', '.join(allowed)}")
+    return args
+
+
+# ---- arithmetic (no torch: also unit-tested) ------------------------------------------------------
+def pinned_bytes(n: int) -> int:
+    """What torch's pinned-memory allocator takes for an n-byte tensor: it rounds every block up to a
+    power of two (CachingHostAllocator; `pinned_max_round_threshold` can change that in recent torch)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def offload_host_bytes(psi: int) -> int:
+    """Host memory of zerotron's optimizer offload (world of one): fp32 masters, fp32 gradients and a
+    bf16 staging buffer (zerotron/zero/offload.py, each pinned), plus AdamW's two fp32 moments."""
+    return 2 * pinned_bytes(4 * psi) + pinned_bytes(2 * psi) + 8 * psi
+
+
+def states_bytes_without_offload(psi: int) -> tuple[int, int]:
+    """GPU model-state bytes of zerotron bf16 + AdamW without offload (stage 2, world of one):
+    (persistent: bf16 params + bf16 gradients + fp32 masters + two fp32 moments = 16 B/param,
+    peak in the step: + the fp32 gradients = 20 B/param)."""
+    return 16 * psi, 20 * psi
+
+
+def pick_layers(fixed: int, per_layer: int, n_layer: int, host_budget: int) -> int:
+    """The most layers (<= n_layer) whose model's offload host memory fits `host_budget` (0: none)."""
+    best = 0
+    for layers in range(1, n_layer + 1):
+        if offload_host_bytes(fixed + layers * per_layer) <= host_budget:
+            best = layers
+    return best
+
+
+def choose_micro_batch(base: float, per_sample: float, capacity: float, fraction: float, cap: int) -> int | None:
+    """The largest micro-batch b (1..cap) with base + b * per_sample <= fraction * capacity; None when the
+    measurement is unusable."""
+    if per_sample is None or per_sample <= 0 or base is None:
+        return None
+    return max(1, min(cap, int((fraction * capacity - base) // per_sample)))
+
+
+def gib(n) -> float | None:
+    return None if n is None else n / GiB
+
+
+# ---- the parent: runs each part in a child process ------------------------------------------------
+def parent_main(args) -> int:
+    os.environ["ZT_GPU_BENCH_T0"] = str(T0)
+    deadline = T0 + args.time_budget
+    out = args.out or RESULTS / ("gpu_smoke.json" if args.smoke else "gpu.json")
+    if not args.smoke:
+        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # ask NVML: the parent never initializes CUDA
+        import torch
+        available = torch.cuda.is_available()
+        del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+        if not available:
+            print("bench/gpu.py needs a CUDA GPU; on a CPU use --smoke", file=sys.stderr)
+            return 2
+    payload = {"benchmark": "gpu", "mode": "smoke (CPU)" if args.smoke else "gpu",
+               "started": datetime.datetime.now().isoformat(timespec="seconds"),
+               "command": " ".join([Path(sys.executable).name, *sys.argv]),
+               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                        if k not in ("job", "result_file", "deadline", "argv")},
+               "jobs": {}}
+    jobs = [j for j in ("mfu", "ckpt") if j in args.parts]
+    if "offload" in args.parts:
+        jobs += ["offload"] + ([] if args.no_oom_demo else ["offload_off"])
+    limits = JOB_LIMITS_SMOKE if args.smoke else JOB_LIMITS
+    log(f"bench/gpu.py ({payload['mode']}): parts {', '.join(jobs)}; time budget {args.time_budget:.0f}s; "
+        f"results -> {out}")
+    for job in jobs:
+        extra = []
+        if job == "offload_off":
+            done = payload["jobs"].get("offload", {})
+            if not done.get("layers") or not done.get("micro_batch"):
+                payload["jobs"][job] = {"skipped": "the offload part gave no model/micro-batch to repeat"}
+                log(f"{job}: skipped ({payload['jobs'][job]['skipped']})")
+                continue
+            extra = ["--offload-layers", str(done["layers"]), "--offload-micro-batch", str(done["micro_batch"])]
+        left = deadline - time.time()
+        if left < MIN_JOB_S:
+            payload["jobs"][job] = {"skipped": f"time budget: {left:.0f}s left"}
+            log(f"{job}: skipped ({payload['jobs'][job]['skipped']})")
+            continue
+        payload["jobs"][job] = run_child(job, min(limits[job], left), extra, args.smoke, args.argv)
+        _write(out, payload)
+    payload["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
+    payload["wall_s"] = round(time.time() - T0, 1)
+    payload["summary"] = summarize(payload)
+    _write(out, payload)
+    print("\n".join(payload["summary"]), flush=True)
+    log(f"done in {payload['wall_s']:.0f}s; wrote {out}")
+    failed = [j for j, r in payload["jobs"].items() if r.get("error")]
+    return 1 if failed else 0
+
+
+def _write(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def run_child(job: str, limit: float, extra: list[str], smoke: bool, argv: list[str]) -> dict:
+    """Run one part in a fresh process (a world of one: no launcher variables), at most `limit` seconds."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                        "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    if smoke:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the smoke run is the CPU path, also on a GPU machine
+    start = time.time()
+    with tempfile.TemporaryDirectory(prefix="zt_gpu_bench_") as tmp:
+        result_file = Path(tmp) / "result.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--job", job,
+               "--result-file", str(result_file), "--deadline", str(start + limit), *extra]
+        log(f"{job}: starting (limit {limit:.0f}s)")
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=limit + GRACE_S)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
+            os.killpg(proc.pid, signal.SIGKILL)  # the child's own process group, started above
+            proc.wait()
+            rc = "timeout" if isinstance(e, subprocess.TimeoutExpired) else "interrupted"
+            if rc == "interrupted":
+                raise
+        try:
+            result = json.loads(result_file.read_text())
+        except (OSError, ValueError):
+            result = {}
+    result["wall_s"] = round(time.time() - start, 1)
+    if rc != 0 and not result.get("error"):
+        if rc == "timeout":
+            result["error"] = f"killed after {limit + GRACE_S:.0f}s (time limit)"
+        elif isinstance(rc, int) and rc < 0:
+            result["error"] = f"killed by signal {-rc}" + (" (host out of memory?)" if -rc == signal.SIGKILL else "")
+        else:
+            result["error"] = f"exit status {rc}"
+    log(f"{job}: {'FAILED: ' + result['error'] if result.get('error') else 'done'} ({result['wall_s']:.0f}s)")
+    return result
+
+
+# ---- the child: one part --------------------------------------------------------------------------
+class Device:
+    """The one device a child uses, and its memory counters (None on a CPU)."""
+
+    def __init__(self):
+        import torch
+        self.torch = torch
+        self.cuda = torch.cuda.is_available()
+        if self.cuda:
+            torch.cuda.set_device(0)
+            self.device = torch.device("cuda", 0)
+        else:
+            self.device = torch.device("cpu")
+
+    def describe(self) -> dict:
+        import platform
+        t = self.torch
+        import zerotron
+        d = {"type": self.device.type, "torch": t.__version__, "zerotron": zerotron.__version__,
+             "python": platform.python_version(), "cpu_cores": os.cpu_count(), "torch_threads": t.get_num_threads()}
+        if self.cuda:
+            props = t.cuda.get_device_properties(0)
+            d.update(name=t.cuda.get_device_name(0), total_memory_gib=round(props.total_memory / GiB, 2),
+                     cuda=t.version.cuda, capability=f"{props.major}.{props.minor}",
+                     multiprocessors=props.multi_processor_count)
+        return d
+
+    def sync(self):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def reset_peak(self):
+        if self.cuda:
+            self.torch.cuda.reset_peak_memory_stats()
+
+    def peak(self) -> int | None:
+        return self.torch.cuda.max_memory_allocated() if self.cuda else None
+
+    def allocated(self) -> int | None:
+        return self.torch.cuda.memory_allocated() if self.cuda else None
+
+    def total(self) -> int | None:
+        return self.torch.cuda.get_device_properties(0).total_memory if self.cuda else None
+
+    def free(self):
+        import gc
+        gc.collect()
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+
+    def peak_flops(self) -> float | None:
+        if not self.cuda:
+            return None
+        from zerotron.train import PEAK_FLOPS
+        name = self.torch.cuda.get_device_name(0)
+        return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def is_oom(e: BaseException) -> bool:
+    import torch
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def describe_error(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{'OOM' if is_oom(e) else type(e).__name__}: {first[:300]}"
+
+
+def host_peak_rss() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def host_total_bytes(args, dev) -> int:
+    if args.host_mem_gib is not None:
+        return int(args.host_mem_gib * GiB)
+    if dev.cuda:
+        return 128 * GiB  # the H200 machine's; its MemTotal starts lower and grows as memory is used
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def build_model(cfg, dev, seed: int = 0, dtype=None, meta_init: bool = False):
+    """The reference GPT, built directly in `dtype` (bf16) on the device: no fp32 copy in host memory."""
+    import torch
+    from zerotron.models.gpt import GPT
+    dtype = dtype or torch.bfloat16
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev.device):
+            if meta_init:  # parameters go to the meta device as they are made (on the GPU, fast)
+                import zerotron.zero
+                with zerotron.zero.Init():
+                    return GPT(cfg)
+            return GPT(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def param_counts(cfg) -> tuple[int, int, int]:
+    """(parameters, parameters per block, parameters outside the blocks) of the reference GPT, from its
+    layer shapes: computed, not built, so a 13b costs nothing (a meta-device build would import
+    torch._dynamo, 3 s). tests/test_bench_gpu_smoke.py checks it against the model for every size."""
+    d, hd = cfg.d_model, cfg.head_dim
+    block = 2 * d + 2 * d * cfg.n_head * hd + 2 * d * cfg.n_kv_head * hd + 3 * d * cfg.ffn  # norms, q o, k v, MLP
+    outside = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2) + d                    # embedding, head, norm
+    return outside + cfg.n_layer * block, block, outside
+
+
+def flops_per_token(cfg, seq: int) -> float:
+    """GPT.flops_per_token: 6N + 12*L*d*s, N without the embedding (a lookup, not a matmul)."""
+    n = param_counts(cfg)[0] - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
+    return 6 * n + 12 * cfg.n_layer * cfg.d_model * seq
+
+
+def make_batches(n: int, micro_batch: int, seq: int, vocab: int, device, seed: int = 1234):
+    """n (tokens, targets) batches of random bytes, the same for every system."""
+    import torch
+    g = torch.Generator(device=device).manual_seed(seed)
+    data = torch.randint(0, vocab, (n, micro_batch, seq + 1), generator=g, device=device)
+    return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+
+
+def zerotron_engine(model, micro_batch: int, clip: float, **sections):
+    import zerotron
+    config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+              "steps_per_print": 10 ** 9, "bf16": {"enabled": True}, "zero_optimization": {"stage": 0},
+              "gradient_clipping": clip, "optimizer": {"type": "AdamW", "params": dict(ADAMW)}, **sections}
+    engine, *_ = zerotron.initialize(model=model, config=config)
+
+    def step(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+    return engine, step
+
+
+def plain_bf16(model, clip: float):
+    """Plain PyTorch doing what zerotron does: bf16 model, fp32 master copies, fused AdamW on the masters."""
+    import torch
+    params = [p for p in model.parameters() if p.requires_grad]
+    masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+    for m in masters:
+        m.grad = torch.zeros_like(m)
+    opt = torch.optim.AdamW(masters, fused=True, **{**ADAMW, "betas": tuple(ADAMW["betas"])})
+
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        with torch.no_grad():
+            torch._foreach_copy_([m.grad for m in masters], [p.grad for p in params])
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(masters, clip, foreach=True)
+            opt.step()
+            torch._foreach_copy_(params, masters)
+        for p in params:
+            p.grad = None
+        return loss.item()
+    return opt, step
+
+
+def plain_autocast(model, clip: float):
+    """torch's usual AMP recipe: fp32 parameters (the masters), bf16 matmuls under autocast."""
+    import torch
+    model.float()
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **{**ADAMW, "betas": tuple(ADAMW["betas"])})
+    device_type = next(model.parameters()).device.type
+
+    def step(x, y):
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            loss = model(x, y)
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    return opt, step
+
+
+def timed(step, batches, warmup: int, steps: int, dev, deadline: float) -> dict:
+    """`warmup` untimed steps, then up to `steps` timed ones (each between synchronizations), stopping early
+    near the deadline. Memory: what stays allocated between steps (model states) and the peak over the
+    timed steps."""
+    losses = []
+    dev.reset_peak()
+    for i in range(warmup):
+        losses.append(step(*batches[i]))
+    dev.sync()
+    out = {"peak_incl_warmup_gib": gib(dev.peak()), "between_steps_gib": gib(dev.allocated())}
+    dev.reset_peak()
+    times = []
+    for i in range(warmup, warmup + steps):
+        if times and time.time() + statistics.median(times) > deadline - 10:
+            out["stopped_early"] = f"time limit after {len(times)} timed steps"
+            break
+        dev.sync()
+        t = time.perf_counter()
+        losses.append(step(*batches[i]))
+        dev.sync()
+        times.append(time.perf_counter() - t)
+    out.update(step_s=times, median_s=statistics.median(times), mean_s=statistics.mean(times), losses=losses,
+               peak_gib=gib(dev.peak()))
+    if out["peak_gib"] is not None and out["between_steps_gib"] is not None:
+        out["activations_gib"] = out["peak_gib"] - out["between_steps_gib"]
+    if not all(math.isfinite(v) for v in losses):
+        out["warning"] = "non-finite loss"
+    return out
+
+
+def add_rates(r: dict, tokens_per_step: int, fpt: float, peak_flops: float | None) -> dict:
+    r["tokens_per_s"] = tokens_per_step / r["median_s"]
+    r["mfu"] = fpt * r["tokens_per_s"] / peak_flops if peak_flops else None
+    return r
+
+
+def model_info(name: str, cfg, seq: int, model=None) -> dict:
+    """Size, parameters and FLOPs per token: the model's own counts when it is built."""
+    params = model.num_params() if model is not None else param_counts(cfg)[0]
+    fpt = model.flops_per_token(seq) if model is not None else flops_per_token(cfg, seq)
+    return {"size": name, "n_layer": cfg.n_layer, "d_model": cfg.d_model, "n_head": cfg.n_head, "ffn": cfg.ffn,
+            "params": params, "flops_per_token": fpt, "seq": seq}
+
+
+# ---- part 1: MFU --------------------------------------------------------------------------------------
+def job_mfu(args, dev, result, save):
+    from zerotron.models.gpt import config_for
+    cfg = config_for(args.mfu_model, max_seq_len=args.seq)
+    result["model"] = info = model_info(args.mfu_model, cfg, args.seq)
+    b = args.micro_batch
+    result.update(micro_batch=b, tokens_per_step=b * args.seq, peak_flops=dev.peak_flops(), clip=args.clip,
+                  systems={})
+    batches = make_batches(args.warmup + args.steps, b, args.seq, cfg.vocab_size, dev.device)
+    log(f"mfu: {args.mfu_model} GPT, {info['params'] / 1e9:.3f}B params, {b} x {args.seq} tokens/step, "
+        f"{args.warmup} warm-up + {args.steps} timed steps per system")
+    for name in args.systems:
+        try:
+            t = time.perf_counter()
+            model = build_model(cfg, dev)
+            if name == "zerotron":
+                engine, step = zerotron_engine(model, b, args.clip)
+            elif name == "plain":
+                engine, step = plain_bf16(model, args.clip)
+            else:
+                engine, step = plain_autocast(model, args.clip)
+            setup = time.perf_counter() - t
+            r = add_rates(timed(step, batches, args.warmup, args.steps, dev, args.deadline), b * args.seq,
+                          info["flops_per_token"], result["peak_flops"])
+            r["setup_s"] = setup
+            if name == "zerotron":
+                r["memory_report_gib"] = {k: gib(v) for k, v in engine.memory_report().items()}
+            log(f"mfu: {name}: median {r['median_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s"
+                + (f", MFU {r['mfu']:.1%}" if r["mfu"] else "")
+                + (f", peak {r['peak_gib']:.2f} GiB" if r["peak_gib"] is not None else "")
+                + f", losses {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")
+        except Exception as e:  # noqa: BLE001 - one system failing must not lose the others
+            traceback.print_exc()
+            r = {"error": describe_error(e)}
+            log(f"mfu: {name}: FAILED: {r['error']}")
+        result["systems"][name] = r
+        engine = step = model = None
+        dev.free()
+        save()
+    zt, pl = result["systems"].get("zerotron", {}), result["systems"].get("plain", {})
+    if "median_s" in zt and "median_s" in pl:
+        n = min(len(zt["losses"]), len(pl["losses"]))
+        result["zerotron_vs_plain"] = {
+            "step_time_ratio": zt["median_s"] / pl["median_s"],
+            "peak_memory_ratio": zt["peak_gib"] / pl["peak_gib"] if zt["peak_gib"] and pl["peak_gib"] else None,
+            "max_abs_dloss": max(abs(a - c) for a, c in zip(zt["losses"][:n], pl["losses"][:n]))}
+
+
+# ---- part 3: activation checkpointing ------------------------------------------------------------------
+def job_ckpt(args, dev, result, save):
+    from zerotron.models.gpt import config_for
+    cfg = config_for(args.ckpt_model, max_seq_len=args.seq)
+    result["model"] = info = model_info(args.ckpt_model, cfg, args.seq)
+    b = args.ckpt_micro_batch
+    result.update(micro_batch=b, tokens_per_step=b * args.seq, peak_flops=dev.peak_flops(), policies={})
+    batches = make_batches(args.warmup + args.steps, b, args.seq, cfg.vocab_size, dev.device)
+    log(f"ckpt: {args.ckpt_model} GPT, {info['params'] / 1e6:.0f}M params, {b} x {args.seq} tokens/step, "
+        f"policies {', '.join(args.ckpt_policies)}")
+    for policy in args.ckpt_policies:
+        try:
+            model = build_model(cfg, dev)
+            engine, step = zerotron_engine(model, b, args.clip, zerotron={"checkpoint_policy": policy})
+            r = add_rates(timed(step, batches, args.warmup, args.steps, dev, args.deadline), b * args.seq,
+                          info["flops_per_token"], result["peak_flops"])
+            r["memory_report_gib"] = {k: gib(v) for k, v in engine.memory_report().items()}
+            log(f"ckpt: {policy}: median {r['median_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s"
+                + (f", MFU {r['mfu']:.1%}" if r["mfu"] else "")
+                + (f", peak {r['peak_gib']:.2f} GiB (activations {r['activations_gib']:.2f})"
+                   if r["peak_gib"] is not None else ""))
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            r = {"error": describe_error(e)}
+            log(f"ckpt: {policy}: FAILED: {r['error']}")
+        result["policies"][policy] = r
+        engine = step = model = None
+        dev.free()
+        save()
+    base = result["policies"].get("none", {})
+    for policy, r in result["policies"].items():
+        if "median_s" in r and "median_s" in base:
+            r["step_time_vs_none"] = r["median_s"] / base["median_s"]
+            if r.get("peak_gib") and base.get("peak_gib"):
+                r["peak_vs_none"] = r["peak_gib"] / base["peak_gib"]
+
+
+# ---- part 2: offload ---------------------------------------------------------------------------------
+def offload_sections(args, offload: bool) -> dict:
+    zero = {"stage": args.offload_stage}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if args.offload_stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {"zero_optimization": zero}
+
+
+def offload_model_cfg(args, dev, result):
+    """The assessment of --offload-model and the config actually trained (maybe fewer layers)."""
+    from dataclasses import replace
+    from zerotron.models.gpt import config_for
+    full = config_for(args.offload_model, max_seq_len=args.seq)
+    psi, per_layer, fixed = param_counts(full)
+    gpu_total, host_total = dev.total(), host_total_bytes(args, dev)
+    host_budget = host_total - int(args.host_reserve_gib * GiB)
+    persistent, step_peak = states_bytes_without_offload(psi)
+    host = offload_host_bytes(psi)
+    result["assessment"] = a = {
+        "model": args.offload_model, "params": psi, "gpu_total_gib": gib(gpu_total), "host_gib": gib(host_total),
+        "host_budget_gib": gib(host_budget),
+        "gpu_states_without_offload_gib": gib(persistent), "gpu_states_step_peak_without_offload_gib": gib(step_peak),
+        "fits_gpu_without_offload": None if gpu_total is None else persistent < gpu_total,
+        "gpu_states_with_offload_gib": gib(4 * psi),
+        "host_with_offload_gib": gib(host), "host_with_offload_unrounded_gib": gib(18 * psi),
+        "fits_host_with_offload": host <= host_budget}
+    if args.offload_layers == "auto":
+        layers = full.n_layer if a["fits_host_with_offload"] else pick_layers(fixed, per_layer, full.n_layer,
+                                                                               host_budget)
+        if layers == 0:
+            raise RuntimeError(f"not even one layer of {args.offload_model} fits {gib(host_budget):.0f} GiB of host "
+                               "memory with offload")
+    else:
+        layers = int(args.offload_layers)
+    cfg = replace(full, n_layer=layers)
+    log(f"offload: {args.offload_model}: {psi / 1e9:.2f}B params; without offload its model states need "
+        f"{gib(persistent):.0f} GiB on the GPU (16 B/param; {gib(step_peak):.0f} at the step)"
+        + (f" of {gib(gpu_total):.1f}: {'fits' if a['fits_gpu_without_offload'] else 'does NOT fit'}" if gpu_total
+           else "")
+        + f"; with offload {gib(host):.0f} GiB of host memory (pinned blocks rounded to powers of two) of a "
+        f"{gib(host_budget):.0f} GiB budget: {'fits' if a['fits_host_with_offload'] else 'does NOT fit'}")
+    if layers != full.n_layer:
+        log(f"offload: training its shape with {layers} of {full.n_layer} layers instead")
+    return cfg, layers
+
+
+def job_offload(args, dev, result, save):
+    if dev.cuda:  # CPUAdam's thread pool takes torch's thread count, which OMP_NUM_THREADS may have set low
+        dev.torch.set_num_threads(args.cpu_threads or os.cpu_count() or 1)
+        result["cpu_threads"] = dev.torch.get_num_threads()
+    cfg, layers = offload_model_cfg(args, dev, result)
+    result["layers"] = layers
+    result["model"] = info = model_info(args.offload_model, cfg, args.seq)
+    psi = info["params"]
+    result.update(stage=args.offload_stage, host_bytes_formula_gib=gib(offload_host_bytes(psi)),
+                  peak_flops=dev.peak_flops())
+    save()
+
+    def build():
+        t = time.perf_counter()
+        model = build_model(cfg, dev, meta_init=args.offload_stage == 3)
+        engine, step = zerotron_engine(model, 1, args.clip, **offload_sections(args, offload=True))
+        return engine, time.perf_counter() - t
+
+    log(f"offload: building {psi / 1e9:.2f}B params in bf16 on {dev.device.type}, stage {args.offload_stage} + "
+        "offload_optimizer (pinned host buffers)")
+    engine, setup = build()
+    result["setup_s"] = setup
+    log(f"offload: engine ready in {setup:.1f}s; GPU allocated {gib(dev.allocated()) or 0:.2f} GiB, "
+        f"host RSS peak {gib(host_peak_rss()):.1f} GiB")
+
+    def one_step(b, seed):
+        x, y = make_batches(1, b, args.seq, cfg.vocab_size, dev.device, seed=seed)[0]
+        dev.sync()
+        t0 = time.perf_counter()
+        loss = engine(x, y)
+        engine.backward(loss)
+        dev.sync()
+        t1 = time.perf_counter()
+        engine.step()
+        value = loss.item()
+        dev.sync()
+        t2 = time.perf_counter()
+        return {"loss": value, "fwd_bwd_s": t1 - t0, "step_s": t2 - t1, "total_s": t2 - t0}
+
+    mb = args.offload_micro_batch
+    if mb == "auto" and dev.cuda:
+        probe = {}
+        for b in (4, 2):  # the first step's extra allocations only make the estimate conservative
+            dev.reset_peak()
+            s = one_step(b, seed=b)
+            probe[b] = dev.peak()
+            log(f"offload: probe micro-batch {b}: peak {gib(probe[b]):.2f} GiB, step {s['total_s']:.1f}s "
+                f"(fwd+bwd {s['fwd_bwd_s']:.2f}s, optimizer {s['step_s']:.2f}s)")
+        per_sample = (probe[4] - probe[2]) / 2
+        base = probe[2] - 2 * per_sample
+        mb = choose_micro_batch(base, per_sample, dev.total(), args.offload_mem_fraction,
+                                args.offload_max_micro_batch) or 4
+        result["probe"] = {"peak_gib": {str(k): gib(v) for k, v in probe.items()}, "per_sample_gib": gib(per_sample),
+                           "base_gib": gib(base), "chosen": mb}
+        log(f"offload: {gib(per_sample):.2f} GiB of activations per sequence, {gib(base):.2f} GiB besides; "
+            f"micro-batch {mb} (peak <= {args.offload_mem_fraction:.0%} of GPU memory)")
+    else:
+        mb = 4 if mb == "auto" else int(mb)
+    save()
+
+    for attempt in range(3):
+        try:
+            dev.reset_peak()
+            warm = one_step(mb, seed=100)
+            log(f"offload: micro-batch {mb}, warm-up step {warm['total_s']:.1f}s")
+            steps = []
+            for i in range(args.offload_steps):
+                if steps and time.time() + steps[-1]["total_s"] > args.deadline - 10:
+                    result["stopped_early"] = f"time limit after {len(steps)} timed steps"
+                    break
+                steps.append(one_step(mb, seed=101 + i))
+                s = steps[-1]
+                log(f"offload: step {i + 1}: {s['total_s']:.2f}s (fwd+bwd {s['fwd_bwd_s']:.2f}s, optimizer step on "
+                    f"the host incl. copies {s['step_s']:.2f}s), loss {s['loss']:.4f}")
+            break
+        except Exception as e:  # noqa: BLE001
+            if not is_oom(e) or attempt == 2 or mb == 1:
+                raise
+            result.setdefault("oom_retries", []).append({"micro_batch": mb, "error": describe_error(e)})
+        # Out of the except block: its traceback, whose frames hold the step's activations, is gone.
+        log(f"offload: micro-batch {mb} ran out of GPU memory; rebuilding the engine, halving the micro-batch")
+        engine = None
+        dev.free()
+        mb = max(1, mb // 2)
+        engine, _ = build()
+    tokens = mb * args.seq
+    med = statistics.median(s["total_s"] for s in steps)
+    report = engine.memory_report()
+    result.update(micro_batch=mb, tokens_per_step=tokens, warmup=warm, steps=steps, median_s=med,
+                  tokens_per_s=tokens / med, peak_gib=gib(dev.peak()),
+                  mfu=info["flops_per_token"] * tokens / med / result["peak_flops"] if result["peak_flops"] else None,
+                  memory_report_gib={k: gib(v) for k, v in report.items()}, host_peak_rss_gib=gib(host_peak_rss()))
+    if result.get("probe") and result["probe"]["per_sample_gib"] > 0:
+        p = result["probe"]
+        extra = 12 * psi  # fp32 masters + two fp32 moments move back to the GPU without offload
+        base, per_sample = p["base_gib"] * GiB, p["per_sample_gib"] * GiB
+        room = args.offload_mem_fraction * dev.total() - base - extra
+        result["predicted_without_offload"] = {"peak_gib": gib(base + mb * per_sample + extra),
+                                               "max_micro_batch": max(0, int(room // per_sample))}
+    log(f"offload: micro-batch {mb}: {result['tokens_per_s']:,.0f} tokens/s"
+        + (f", MFU {result['mfu']:.1%}" if result["mfu"] else "")
+        + (f", GPU peak {result['peak_gib']:.2f} GiB" if result["peak_gib"] is not None else "")
+        + f", host (memory_report) {result['memory_report_gib'].get('host', 0):.2f} GiB, host RSS peak "
+        f"{result['host_peak_rss_gib']:.1f} GiB")
+
+
+def job_offload_off(args, dev, result, save):
+    """The same model and micro-batch as the offload part, without offload: expected to run out of memory."""
+    from dataclasses import replace
+    from zerotron.models.gpt import config_for
+    cfg = replace(config_for(args.offload_model, max_seq_len=args.seq), n_layer=int(args.offload_layers))
+    mb = int(args.offload_micro_batch)
+    result["model"] = info = model_info(args.offload_model, cfg, args.seq)
+    result.update(micro_batch=mb, stage=args.offload_stage, layers=cfg.n_layer)
+    log(f"offload_off: {info['params'] / 1e9:.2f}B params, micro-batch {mb}, stage {args.offload_stage} "
+        "WITHOUT offload (2 steps: the second has the optimizer states resident)")
+    phase = "build"
+    try:
+        model = build_model(cfg, dev, meta_init=args.offload_stage == 3)
+        phase = "initialize"
+        engine, _ = zerotron_engine(model, mb, args.clip, **offload_sections(args, offload=False))
+        result["states_gib"] = gib(dev.allocated())
+        dev.reset_peak()
+        for i in range(2):
+            x, y = make_batches(1, mb, args.seq, cfg.vocab_size, dev.device, seed=100 + i)[0]
+            phase = f"step {i + 1} forward"
+            loss = engine(x, y)
+            phase = f"step {i + 1} backward"
+            engine.backward(loss)
+            phase = f"step {i + 1} optimizer"
+            engine.step()
+            loss.item()
+            dev.sync()
+        result.update(outcome="fits", peak_gib=gib(dev.peak()))
+        log(f"offload_off: it FITS without offload: peak {gib(dev.peak()) or 0:.2f} GiB")
+    except Exception as e:  # noqa: BLE001
+        if not is_oom(e):
+            raise
+        result.update(outcome="OOM", oom_at=phase, peak_before_oom_gib=gib(dev.peak()), message=describe_error(e))
+        log(f"offload_off: out of GPU memory at {phase} (peak before it {gib(dev.peak()) or 0:.2f} GiB): as expected")
+
+
+JOBS = {"mfu": job_mfu, "ckpt": job_ckpt, "offload": job_offload, "offload_off": job_offload_off}
+
+
+def child_main(args) -> int:
+    if args.deadline is None:
+        args.deadline = math.inf
+    result = {"job": args.job}
+
+    def save():
+        if args.result_file is not None:
+            args.result_file.write_text(json.dumps(result, indent=2, default=str))
+
+    try:
+        dev = Device()
+        result["device"] = dev.describe()
+        save()
+        JOBS[args.job](args, dev, result, save)
+    except Exception as e:  # noqa: BLE001 - recorded, and the parent goes on with the next part
+        traceback.print_exc()
+        result["error"] = describe_error(e)
+    save()
+    return 0
+
+
+# ---- summary -----------------------------------------------------------------------------------------
+def _f(v, fmt):
+    return "-" if v is None else fmt.format(v)
+
+
+def _table(rows, columns):
+    cells = [[h for _, h, _ in columns]] + [[_f(r.get(k), f) for k, _, f in columns] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    return ["  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+            for line in cells]
+
+
+def summarize(payload: dict) -> list[str]:
+    jobs = payload["jobs"]
+    lines = ["", "=" * 100, f"bench/gpu.py summary ({payload['mode']})"]
+    dev = next((r["device"] for r in jobs.values() if r.get("device")), {})
+    if dev:
+        memory = f", {dev['total_memory_gib']:.1f} GiB, CUDA {dev.get('cuda')}" if "total_memory_gib" in dev else ""
+        lines.append(f"device: {dev.get('name', dev.get('type'))}" + memory
+                     + f"; torch {dev.get('torch')}, zerotron {dev.get('zerotron')}, Python {dev.get('python')}")
+    cols = [("name", "system", "{}"), ("median_ms", "median ms", "{:.1f}"), ("tokens_per_s", "tokens/s", "{:,.0f}"),
+            ("mfu", "MFU", "{:.1%}"), ("peak_gib", "peak GiB", "{:.2f}"), ("activations_gib", "activ. GiB", "{:.2f}"),
+            ("n", "steps", "{}")]
+
+    def rows_of(d):
+        rows = []
+        for name, r in d.items():
+            if "median_s" in r:
+                rows.append({**r, "name": name, "median_ms": r["median_s"] * 1e3, "n": len(r["step_s"])})
+            else:
+                rows.append({"name": f"{name}: {r.get('error', 'no result')}"})
+        return rows
+
+    r = jobs.get("mfu")
+    if r:
+        lines.append("")
+        if r.get("model"):
+            m = r["model"]
+            lines.append(f"[1] MFU: {m['size']} GPT ({m['params'] / 1e9:.3f}B params), {r['micro_batch']} x {m['seq']} "
+                         f"tokens/step, bf16 + fp32 masters, fused AdamW, clip {r.get('clip')}")
+        if r.get("systems"):
+            lines += _table(rows_of(r["systems"]), cols)
+        if r.get("zerotron_vs_plain"):
+            c = r["zerotron_vs_plain"]
+            lines.append(f"  zerotron / plain: step time {c['step_time_ratio']:.3f}, peak memory "
+                         f"{_f(c['peak_memory_ratio'], '{:.3f}')}, max |dloss| {c['max_abs_dloss']:.2e}")
+        if r.get("error") or r.get("skipped"):
+            lines.append(f"  {r.get('error') or 'skipped: ' + r['skipped']}")
+    r = jobs.get("offload")
+    if r:
+        lines.append("")
+        a = r.get("assessment")
+        if a:
+            fits = {True: "fits", False: "does not fit", None: "?"}
+            gpu_part = (f" (of {a['gpu_total_gib']:.1f}): {fits[a['fits_gpu_without_offload']]}"
+                        if a["gpu_total_gib"] else "")
+            lines.append(f"[2] offload: {a['model']} ({a['params'] / 1e9:.2f}B params): without offload "
+                         f"{a['gpu_states_without_offload_gib']:.0f} GiB of model states on the GPU{gpu_part}; with "
+                         f"offload {a['host_with_offload_gib']:.0f} GiB of host memory (budget "
+                         f"{a['host_budget_gib']:.0f}): {fits[a['fits_host_with_offload']]}")
+        if r.get("model"):
+            m = r["model"]
+            what = "offload_optimizer" + (" + offload_param" if r.get("stage") == 3 else "")
+            lines.append(f"  trained: {m['size']} shape, {m['n_layer']} layers, {m['params'] / 1e9:.2f}B params, "
+                         f"stage {r.get('stage')} + {what} (pinned), micro-batch {r.get('micro_batch')}")
+        if "median_s" in r:
+            mr = r.get("memory_report_gib", {})
+            lines.append(f"  with offload: {r['median_s']:.2f} s/step, {r['tokens_per_s']:,.0f} tokens/s"
+                         + (f", MFU {r['mfu']:.1%}" if r.get("mfu") else "")
+                         + f"; GPU peak {_f(r.get('peak_gib'), '{:.2f}')} GiB; host (memory_report) "
+                         f"{_f(mr.get('host'), '{:.2f}')} GiB, host RSS peak "
+                         f"{_f(r.get('host_peak_rss_gib'), '{:.1f}')} GiB")
+            s = r["steps"]
+            fwd_bwd, opt = (statistics.median(x[k] for x in s) for k in ("fwd_bwd_s", "step_s"))
+            lines.append(f"  per step: fwd+bwd {fwd_bwd:.2f}s, optimizer step (gradients to the host, CPU AdamW, "
+                         f"weights back) {opt:.2f}s")
+        if r.get("predicted_without_offload"):
+            p = r["predicted_without_offload"]
+            lines.append(f"  predicted without offload: peak {p['peak_gib']:.1f} GiB at micro-batch "
+                         f"{r['micro_batch']}; largest micro-batch that would fit: {p['max_micro_batch']}")
+        off = jobs.get("offload_off")
+        if off and off.get("outcome"):
+            lines.append(f"  without offload, same model and micro-batch: {off['outcome']}"
+                         + (f" at {off['oom_at']} (peak before {_f(off.get('peak_before_oom_gib'), '{:.1f}')} GiB)"
+                            if off["outcome"] == "OOM" else f" (peak {_f(off.get('peak_gib'), '{:.2f}')} GiB)"))
+        elif off:
+            lines.append(f"  without offload: {off.get('error') or off.get('skipped') or 'no result'}")
+        if r.get("error") or r.get("skipped"):
+            lines.append(f"  {r.get('error') or 'skipped: ' + r['skipped']}")
+    r = jobs.get("ckpt")
+    if r:
+        lines.append("")
+        if r.get("model"):
+            m = r["model"]
+            lines.append(f"[3] activation checkpointing: {m['size']} GPT ({m['params'] / 1e6:.0f}M params), "
+                         f"{r['micro_batch']} x {m['seq']} tokens/step, zerotron bf16 stage 0")
+        if r.get("policies"):
+            lines += _table(rows_of(r["policies"]), cols[:-1] + [("step_time_vs_none", "time/none", "{:.3f}"),
+                                                                  ("peak_vs_none", "peak/none", "{:.3f}"), cols[-1]])
+        if r.get("error") or r.get("skipped"):
+            lines.append(f"  {r.get('error') or 'skipped: ' + r['skipped']}")
+    failed = {j: r.get("error") for j, r in jobs.items() if r.get("error")}
+    if failed:
+        lines.append("")
+        lines += [f"FAILED {j}: {e}" for j, e in failed.items()]
+    lines.append("=" * 100)
+    return lines
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.job:
+        rc = child_main(args)
+        # The result is written: skip torch's teardown (process group, CUDA context), seconds per part.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return parent_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
