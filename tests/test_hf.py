@@ -84,7 +84,7 @@ def test_zero3_with_transformers_gradient_checkpointing():
         assert_losses_close(losses, ref, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gpt2"])
 def test_tensor_parallel_from_the_model_plan(kind):
     ref = reference(kind)
     for losses in run_ranks(_train, 2, kind, 0, 2):
@@ -148,10 +148,10 @@ def test_generation_under_zero3_with_ranks_stopping_at_different_lengths(kind):
 
 
 # ---- Hugging Face directories in and out -----------------------------------------------------------
-def _round_trip(source, out, stage, tp):
+def _round_trip(source, out, stage, tp, kind="llama"):
     import torch.distributed as dist
     torch.manual_seed(123)  # different weights from the file's: the load must replace them all
-    model = make("llama")
+    model = make(kind)
     model.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
     dp = dist.get_world_size() // tp
     config = ds_config(4 // dp, 1, zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0},
@@ -169,13 +169,13 @@ def _round_trip(source, out, stage, tp):
     return losses, logits
 
 
-@pytest.mark.parametrize("stage,tp", [(3, 1), (1, 2)])
-def test_hf_directory_round_trip(tmp_path, stage, tp):
+@pytest.mark.parametrize("kind,stage,tp", [("llama", 3, 1), ("llama", 1, 2), ("gpt2", 3, 1), ("gpt2", 0, 2)])
+def test_hf_directory_round_trip(tmp_path, kind, stage, tp):
     from transformers import AutoModelForCausalLM
     source, out = tmp_path / "source", tmp_path / "out"
-    make("llama").save_pretrained(source)  # seed 0 weights
-    ref = reference("llama")[:2]            # the same weights trained in one process
-    results = run_ranks(_round_trip, 2, str(source), str(out), stage, tp)
+    make(kind).save_pretrained(source)  # seed 0 weights
+    ref = reference(kind)[:2]            # the same weights trained in one process
+    results = run_ranks(_round_trip, 2, str(source), str(out), stage, tp, kind)
     assert (out / "model.safetensors.index.json").exists() and (out / "config.json").exists()
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():

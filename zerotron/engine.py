@@ -94,7 +94,9 @@ class Engine(nn.Module):
         plan_of = getattr(self.module, "tensor_parallel_plan", None)
         from . import hf
         if plan_of is None and hf.is_hf_model(self.module):
-            plan_of = lambda tp: hf.tensor_parallel_plan(self.module, tp)  # noqa: E731
+            plan = hf.tensor_parallel_plan(self.module, self.topology.tp)
+            hf.prepare_tensor_parallel(self.module, self.topology.tp)
+            plan_of = lambda tp: plan  # noqa: E731
         if plan_of is None:
             raise ValueError(f"{type(self.module).__name__} has no tensor_parallel_plan(tp); tensor parallelism "
                              "needs a plan (module-name patterns -> column/row/vocab/head/norm)")

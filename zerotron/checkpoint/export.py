@@ -35,7 +35,7 @@ def convert(checkpoint, out, dtype: str = "fp32", max_shard_size: int = 5 * 2**3
     meta = read_meta(directory)
     saved = SavedPieces(directory, meta)
     names = sorted(saved.by_name)
-    frozen = sorted({key for file in saved.rank_states for key in saved._open(file).keys()
+    frozen = sorted({key for file in saved.rank_states for key in saved.keys(file)
                      if key.startswith(("frozen/", "buffer/"))})
     target = DTYPES[dtype]
     entries = [(n, target, tuple(saved.by_name[n][0][2].shape)) for n in names]

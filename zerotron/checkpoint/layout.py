@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..parallel.split import join_parts, local_part
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -22,6 +24,7 @@ class Piece:
     tp_size: int
     lo: int            # flat range of the tensor-parallel local tensor
     hi: int
+    tp_stride: int = 1  # a fused projection split block by block (parallel/split.py)
 
     def to_json(self) -> dict:
         return {**asdict(self), "shape": list(self.shape)}
@@ -46,6 +49,10 @@ def tensor_parallel_of(param) -> tuple[int, int, int]:
     return param.tp_split_dim, param.tp_comm.rank, param.tp_comm.size
 
 
+def stride_of(param) -> int:
+    return getattr(param, "tp_stride", 1)
+
+
 def full_shape(param) -> tuple:
     dim, _, size = tensor_parallel_of(param)
     shape = list(param.shape)
@@ -61,7 +68,8 @@ def rank_pieces(engine):
         names.setdefault(id(p), name)
     for param, start, length, master, offset in engine.states.pieces():
         dim, rank, size = tensor_parallel_of(param)
-        yield Piece(names[id(param)], full_shape(param), dim, rank, size, start, start + length), master, offset
+        yield Piece(names[id(param)], full_shape(param), dim, rank, size, start, start + length,
+                    stride_of(param)), master, offset
 
 
 def assemble(pieces: list[tuple[Piece, torch.Tensor]], name: str) -> torch.Tensor:
@@ -86,11 +94,11 @@ def assemble(pieces: list[tuple[Piece, torch.Tensor]], name: str) -> torch.Tenso
                              "a shard file is missing or the checkpoint is incomplete")
     if first.tp_dim < 0:
         return locals_[0].view(first.shape)
-    return torch.cat([locals_[r].view(first.local_shape) for r in ranks], dim=first.tp_dim)
+    return join_parts([locals_[r].view(first.local_shape) for r in ranks], first.tp_dim, first.tp_stride)
 
 
 def my_slice(full: torch.Tensor, param, start: int, length: int) -> torch.Tensor:
     """This rank's [start, start + length) of its tensor-parallel local part of `full`."""
     dim, rank, size = tensor_parallel_of(param)
-    local = full if dim < 0 else full.chunk(size, dim=dim)[rank]
+    local = full if dim < 0 else local_part(full, dim, rank, size, stride_of(param))
     return local.reshape(-1)[start:start + length]

@@ -28,10 +28,11 @@ class SavedPieces:
         self.by_name: dict[str, list[tuple[str, str, Piece]]] = {}
         self.scalars: dict = {}
         self.rank_states: dict[str, dict] = {}
-        self._handles: dict = {}
+        self._verified: set[str] = set()
         for name in sorted(meta["files"]):
             if name.endswith(".safetensors"):
-                info = json.loads(self._open(name).metadata()["zerotron"])
+                with self._open(name) as handle:
+                    info = json.loads(handle.metadata()["zerotron"])
                 self.rank_states[name] = info
                 self.scalars.update(info["scalars"])
                 for key, piece in info["pieces"].items():
@@ -39,13 +40,16 @@ class SavedPieces:
                     self.by_name.setdefault(p.name, []).append((name, key, p))
 
     def _open(self, name: str):
-        if name not in self._handles:
-            path = verify(self.directory, self.meta, name)
-            try:
-                self._handles[name] = safe_open(str(path), framework="pt")
-            except Exception as e:  # noqa: BLE001 - any parse failure means a damaged file
-                raise CheckpointError(f"{path} cannot be read as safetensors ({e}): the file is damaged") from None
-        return self._handles[name]
+        """A fresh handle (use it in a with-block): safetensors maps the whole file, and pieces read
+        through a handle stay resident until it closes, so no handle outlives one parameter."""
+        path = self.directory / name
+        if name not in self._verified:
+            verify(self.directory, self.meta, name)
+            self._verified.add(name)
+        try:
+            return safe_open(str(path), framework="pt")
+        except Exception as e:  # noqa: BLE001 - any parse failure means a damaged file
+            raise CheckpointError(f"{path} cannot be read as safetensors ({e}): the file is damaged") from None
 
     def full(self, name: str, kind: str) -> torch.Tensor:
         """The whole parameter `name` for `kind` ("master" or "state.<key>")."""
@@ -55,16 +59,20 @@ class SavedPieces:
                                   "model (or was saved with other parameter names)")
         parts = []
         for file, key, piece in found:
-            handle = self._open(file)
-            if f"{kind}/{key}" not in handle.keys():
-                raise CheckpointError(f"{self.directory / file} has no {kind} for {name!r}; save with the optimizer "
-                                      "states, or load with load_optimizer_states=False")
-            parts.append((piece, handle.get_tensor(f"{kind}/{key}")))
+            with self._open(file) as handle:
+                if f"{kind}/{key}" not in handle.keys():
+                    raise CheckpointError(f"{self.directory / file} has no {kind} for {name!r}; save with the "
+                                          "optimizer states, or load with load_optimizer_states=False")
+                parts.append((piece, handle.get_tensor(f"{kind}/{key}").clone()))
         return assemble(parts, name)
 
+    def keys(self, file: str) -> list[str]:
+        with self._open(file) as handle:
+            return list(handle.keys())
+
     def tensor(self, file: str, key: str) -> torch.Tensor | None:
-        handle = self._open(file)
-        return handle.get_tensor(key) if key in handle.keys() else None
+        with self._open(file) as handle:
+            return handle.get_tensor(key).clone() if key in handle.keys() else None
 
     def find(self, key: str) -> torch.Tensor | None:
         for file in self.rank_states:
@@ -140,8 +148,7 @@ def _params_of(engine, name):
 
 def _state_keys(saved: SavedPieces, found) -> list[str]:
     file, key, _ = found[0]
-    handle = saved._open(file)
-    return sorted(k.split("/", 1)[0][len("state."):] for k in handle.keys()
+    return sorted(k.split("/", 1)[0][len("state."):] for k in saved.keys(file)
                   if k.startswith("state.") and k.endswith("/" + key))
 
 

@@ -18,6 +18,7 @@ any point leaves the previous checkpoint and `latest` as they were.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -52,6 +53,8 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     rank_state = {"python_random": _jsonable(random.getstate()), "pieces": pieces, "scalars": scalars}
     path = partial / rank_file(rank)
     save_file(tensors, str(path), metadata={"zerotron": json.dumps(rank_state)})
+    with open(path, "rb") as f:  # on disk before the directory can become the checkpoint
+        os.fsync(f.fileno())
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, (path.name, sha256(path)))
 

@@ -28,8 +28,26 @@ def is_hf_model(module) -> bool:
     return isinstance(module, PreTrainedModel)
 
 
+# GPT-2 ships no plan, and its attention projection is one fused q|k|v Conv1D: split it block by block.
+_GPT2_PLAN = {"transformer.wte": "vocab", "transformer.h.*.attn.c_attn": "column_qkv",
+              "transformer.h.*.attn.c_proj": "row", "transformer.h.*.mlp.c_fc": "column",
+              "transformer.h.*.mlp.c_proj": "row", "lm_head": "head_gathered"}
+
+
+def prepare_tensor_parallel(model, tp: int) -> None:
+    """Model-specific adjustments before the split: GPT-2's attention splits its fused projection's
+    output by a stored width, which becomes the local width."""
+    if getattr(model.config, "model_type", None) == "gpt2":
+        for m in model.modules():
+            if hasattr(m, "c_attn") and hasattr(m, "split_size"):
+                m.split_size //= tp
+                m.num_heads //= tp
+
+
 def tensor_parallel_plan(model, tp: int) -> dict[str, str]:
     """zerotron's plan from the model's own Transformers plan (names relative to `model`)."""
+    if getattr(model.config, "model_type", None) == "gpt2":
+        return _check_heads(model, tp, dict(_GPT2_PLAN))
     plan = dict(getattr(model, "_tp_plan", None) or {})
     if not plan:
         base = getattr(model.config, "base_model_tp_plan", None) or {}
@@ -44,8 +62,13 @@ def tensor_parallel_plan(model, tp: int) -> dict[str, str]:
             raise ValueError(f"the model's tensor-parallel plan uses style {style!r} for {pattern}, which zerotron "
                              f"does not translate (known: {', '.join(_STYLES)})")
         out[pattern] = _STYLES[style]
+    return _check_heads(model, tp, out)
+
+
+def _check_heads(model, tp: int, out: dict) -> dict:
     cfg = model.config
-    heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
+    kv = getattr(cfg, "num_key_value_heads", None)
     from ..errors import ConfigError
     for what, n in (("attention heads", heads), ("key/value heads", kv), ("vocabulary", cfg.vocab_size)):
         if n is not None and n % tp:

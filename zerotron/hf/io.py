@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..checkpoint.layout import rank_pieces, tensor_parallel_of
+from ..checkpoint.layout import rank_pieces, stride_of, tensor_parallel_of
+from ..parallel.split import local_part
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:
@@ -37,6 +38,8 @@ def _read_piece(handle, name: str, param, lo: int, hi: int) -> torch.Tensor:
     """Elements [lo, hi) of this rank's tensor-parallel cut of `name`, reading only the rows they span."""
     dim, rank, size = tensor_parallel_of(param)
     view = handle.get_slice(name)
+    if stride_of(param) > 1:  # a fused projection's cut is several blocks: read the whole tensor
+        return local_part(view[:], dim, rank, size, stride_of(param)).reshape(-1)[lo:hi]
     shape = list(view.get_shape())
     cut = [slice(None)] * len(shape)
     if dim >= 0:

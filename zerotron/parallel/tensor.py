@@ -3,7 +3,9 @@
 A plan maps module-name patterns (fnmatch, e.g. "layers.*.attn.wq") to a style:
 
     "column"  nn.Linear whose output features are split: input copied in (all-reduced in backward)
+    "column_qkv"  a fused q|k|v projection as "column", each of the three blocks split separately
     "row"     nn.Linear whose input features are split: outputs all-reduced in forward
+              (Transformers' Conv1D, which stores its weight transposed, works for all linear styles)
     "vocab"   nn.Embedding whose vocabulary is split: each rank looks up its rows, outputs summed
     "head"    the output projection as "column", its logits left split, and the model's loss
               replaced by a vocabulary-parallel cross-entropy that never gathers the logits
@@ -26,22 +28,24 @@ import torch.nn.functional as F
 
 from ..comm import Comm
 from ..errors import ConfigError
+from .split import local_part
 from .collectives import (all_reduce_max, copy_to_region, gather_last_dim, gather_sequence,
                           reduce_from_region, scatter_sequence)
 
-STYLES = ("column", "row", "vocab", "head", "head_gathered", "norm")
+STYLES = ("column", "column_qkv", "row", "vocab", "head", "head_gathered", "norm")
 
 
 _SHARDS: dict[int, nn.Parameter] = {}  # during apply_tensor_parallel: a tied weight is sharded once
 
 
-def _shard(param: nn.Parameter, dim: int, comm: Comm) -> nn.Parameter:
+def _shard(param: nn.Parameter, dim: int, comm: Comm, stride: int = 1) -> nn.Parameter:
     key = (id(param), dim)
     if key not in _SHARDS:
-        piece = param.detach().chunk(comm.size, dim=dim)[comm.rank].clone()
+        piece = local_part(param.detach(), dim, comm.rank, comm.size, stride).clone()
         out = nn.Parameter(piece, requires_grad=param.requires_grad)
         out.tp_split_dim = dim  # how to reassemble the full tensor (checkpoints, parity checks)
         out.tp_comm = comm
+        out.tp_stride = stride
         _SHARDS[key] = out
     return _SHARDS[key]
 
@@ -76,31 +80,44 @@ class _Region:
         return scatter_sequence(y, self.comm) if self.split else reduce_from_region(y, self.comm)
 
 
+def _transposed(module) -> bool:
+    """Transformers' Conv1D (GPT-2) is a linear layer whose weight is stored (in, out)."""
+    return not isinstance(module, nn.Linear) and hasattr(module, "nf")
+
+
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, comm: Comm, region: _Region, gather_output: bool = False):
+    """Output features split. `stride`: a fused projection (q|k|v) is split block by block."""
+
+    def __init__(self, linear: nn.Module, comm: Comm, region: _Region, gather_output: bool = False,
+                 stride: int = 1):
         super().__init__()
-        _check_divisible(linear.out_features, comm.size, "output features")
+        self.transposed = _transposed(linear)
+        out_dim = 1 if self.transposed else 0
+        _check_divisible(linear.weight.shape[out_dim], comm.size * stride, "output features")
         self.region, self.comm, self.gather_output = region, comm, gather_output
-        self.weight = _shard(linear.weight, 0, comm)
-        self.bias = _shard(linear.bias, 0, comm) if linear.bias is not None else None
+        self.weight = _shard(linear.weight, out_dim, comm, stride)
+        self.bias = _shard(linear.bias, 0, comm, stride) if linear.bias is not None else None
 
     def forward(self, x):
-        y = F.linear(self.region.enter(x), self.weight, self.bias)
+        weight = self.weight.t() if self.transposed else self.weight
+        y = F.linear(self.region.enter(x), weight, self.bias)
         return gather_last_dim(y, self.comm) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, comm: Comm, region: _Region):
+    def __init__(self, linear: nn.Module, comm: Comm, region: _Region):
         super().__init__()
-        _check_divisible(linear.in_features, comm.size, "input features")
+        self.transposed = _transposed(linear)
+        in_dim = 0 if self.transposed else 1
+        _check_divisible(linear.weight.shape[in_dim], comm.size, "input features")
         self.region = region
-        self.weight = _shard(linear.weight, 1, comm)
+        self.weight = _shard(linear.weight, in_dim, comm)
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
         if self.bias is not None:  # added in the sequence-split region: sum its gradient there
             _sum_grad_when_split(self.bias, region)
 
     def forward(self, x):
-        y = self.region.exit(F.linear(x, self.weight))
+        y = self.region.exit(F.linear(x, self.weight.t() if self.transposed else self.weight))
         return y + self.bias if self.bias is not None else y
 
 
@@ -192,14 +209,14 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], comm: Comm, se
             for p in module.parameters(recurse=False):
                 _sum_grad_when_split(p, region)
             continue
-        if style in ("column", "head", "head_gathered"):
-            new = ColumnParallelLinear(_expect(module, nn.Linear, name, style), comm, region,
-                                       gather_output=style == "head_gathered")
+        if style in ("column", "column_qkv", "head", "head_gathered"):
+            new = ColumnParallelLinear(_expect_linear(module, name, style), comm, region,
+                                       gather_output=style == "head_gathered", stride=3 if style == "column_qkv" else 1)
             if style == "head":  # training reads split logits; anything else gets them whole
                 model.loss_fn = VocabParallelLoss(comm, new.weight.shape[0])
                 model.output_fn = lambda logits, c=comm: gather_last_dim(logits, c)
         elif style == "row":
-            new = RowParallelLinear(_expect(module, nn.Linear, name, style), comm, region)
+            new = RowParallelLinear(_expect_linear(module, name, style), comm, region)
         else:
             new = VocabParallelEmbedding(_expect(module, nn.Embedding, name, style), comm, region)
         parent, _, child = name.rpartition(".")
@@ -224,6 +241,10 @@ def _sum_over(grad, comm: Comm):
     grad = grad.clone()
     comm.all_reduce(grad)
     return grad
+
+
+def _expect_linear(module, name, style):
+    return module if _transposed(module) else _expect(module, nn.Linear, name, style)
 
 
 def _expect(module, cls, name, style):

@@ -123,12 +123,14 @@ def consolidated_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
         state = {k: v.detach().clone() for k, v in module.state_dict().items()}
     for name, p in split.items():
         if name in state:
-            state[name] = _gather_tensor_parallel(state[name], p.tp_split_dim, p.tp_comm)
+            state[name] = _gather_tensor_parallel(state[name], p.tp_split_dim, p.tp_comm, getattr(p, "tp_stride", 1))
     return state
 
 
-def _gather_tensor_parallel(shard: torch.Tensor, dim: int, comm) -> torch.Tensor:
+def _gather_tensor_parallel(shard: torch.Tensor, dim: int, comm, stride: int = 1) -> torch.Tensor:
     import torch.distributed as dist
+
+    from ..parallel.split import join_parts
     pieces = [torch.empty_like(shard) for _ in range(comm.size)]
     dist.all_gather(pieces, shard.contiguous(), group=comm.group)
-    return torch.cat(pieces, dim=dim)
+    return join_parts(pieces, dim, stride)
