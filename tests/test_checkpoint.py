@@ -60,6 +60,7 @@ def test_exact_resume_is_bit_for_bit(tmp_path):
     ((8, 1, 2, 2, True), (1, 0, 1, 1, True)),     # 3D with ZeRO-1 -> one process
     ((4, 3, 1, 1, False), (2, 1, 1, 1, False)),   # ZeRO-3 on 4 ranks -> ZeRO-1 on 2
     ((2, 0, 2, 1, False), (4, 2, 4, 1, False)),   # TP 2 -> TP 4 (with ZeRO-2)
+    ((4, 1, 1, 2, True), (2, 2, 1, 1, False)),    # a pipeline of the GPT -> the plain GPT (same names)
 ])
 def test_any_topology_loads_any_other(tmp_path, save, load):
     d = str(tmp_path / "ck")

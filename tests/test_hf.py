@@ -29,8 +29,8 @@ def make(kind, **extra):
     return AutoModelForCausalLM.from_config(cfg)
 
 
-def reference(kind, rows=4):
-    model = make(kind)
+def reference(kind, rows=4, **extra):
+    model = make(kind, **extra)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1, fused=True)
     losses = []
     for x, _ in global_batches(STEPS, rows):
@@ -206,3 +206,29 @@ def test_convert_writes_a_hugging_face_directory(tmp_path):
     with torch.no_grad():
         want = reloaded(input_ids=global_batches(1, 2, seed=9)[0][0]).logits
     assert torch.allclose(logits, want, atol=1e-5, rtol=0)
+
+
+# ---- pipeline parallelism ------------------------------------------------------------------------------
+def _pipeline(kind, tie, stage, tp, gas=4):
+    import torch.distributed as dist
+    model = make(kind, **({} if kind == "gpt2" else {"tie_word_embeddings": tie}))
+    module = zerotron.hf.to_pipeline(model, 2)
+    dp = dist.get_world_size() // (2 * tp)
+    config = ds_config(4 // (dp * gas) or 1, gas, zero_optimization={"stage": stage},
+                       tensor_parallel={"autotp_size": tp})
+    engine, *_ = zerotron.initialize(model=module, config=config)
+    losses = []
+    for x, _ in global_batches(STEPS, 4):
+        mine = x.chunk(dp)[engine.coords.dp]
+        losses.append(engine.train_batch(iter([(m, m) for m in mine.chunk(gas)])).item())
+    return losses
+
+
+@pytest.mark.parametrize("kind,tie,world,stage,tp", [("llama", False, 2, 0, 1), ("qwen2", True, 2, 1, 1),
+                                                     ("gpt2", True, 2, 0, 1), ("llama", False, 4, 0, 2),
+                                                     ("gpt2", True, 4, 1, 2)])
+def test_pipeline_parity(kind, tie, world, stage, tp):
+    """GPT-2 ties its embeddings by default; the Llama-family cases choose."""
+    ref = reference(kind, **({} if kind == "gpt2" else {"tie_word_embeddings": tie}))
+    for losses in run_ranks(_pipeline, world, kind, tie, stage, tp, timeout=120):
+        assert_losses_close(losses, ref, rtol=1e-5)

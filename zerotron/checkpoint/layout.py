@@ -62,14 +62,15 @@ def full_shape(param) -> tuple:
 
 
 def rank_pieces(engine):
-    """(Piece, master tensor, offset in it) for every trainable-parameter piece this rank stores."""
+    """(Piece, parameter, master tensor, offset in it) for every trainable-parameter piece this rank stores."""
     names = {}
+    source = getattr(engine.module, "source_names", {})  # a pipeline of an existing model: its names
     for name, p in engine.module.named_parameters():
-        names.setdefault(id(p), name)
+        names.setdefault(id(p), source.get(name, name))
     for param, start, length, master, offset in engine.states.pieces():
         dim, rank, size = tensor_parallel_of(param)
         yield Piece(names[id(param)], full_shape(param), dim, rank, size, start, start + length,
-                    stride_of(param)), master, offset
+                    stride_of(param)), param, master, offset
 
 
 def assemble(pieces: list[tuple[Piece, torch.Tensor]], name: str) -> torch.Tensor:

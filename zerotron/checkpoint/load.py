@@ -106,12 +106,11 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     saved = SavedPieces(directory, meta)
 
     want_states = load_optimizer_states and not load_module_only
-    for piece, master, offset in rank_pieces(engine):
+    for piece, param, master, offset in rank_pieces(engine):
         found = saved.by_name.get(piece.name)
         if found and tuple(found[0][2].shape) != tuple(piece.shape):
             raise CheckpointError(f"parameter {piece.name!r} has shape {tuple(found[0][2].shape)} in {directory} but "
                                   f"{tuple(piece.shape)} in this model: the checkpoint is from a different model")
-        param = next(p for p in _params_of(engine, piece.name))
         n = piece.hi - piece.lo
         master.reshape(-1)[offset:offset + n].copy_(my_slice(saved.full(piece.name, "master"), param, piece.lo, n))
         if want_states:
@@ -138,12 +137,6 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
         _load_rng(saved, meta)
     dist.barrier()
     return str(directory), meta["client_state"]
-
-
-def _params_of(engine, name):
-    for n, p in engine.module.named_parameters(remove_duplicate=False):
-        if n == name:
-            yield p
 
 
 def _state_keys(saved: SavedPieces, found) -> list[str]:

@@ -91,7 +91,7 @@ def _rank_tensors(engine):
     tensors, pieces, scalars = {}, {}, {}
     states = engine.states
     if not states.replicated or engine.coords.dp == 0:
-        for piece, master, offset in rank_pieces(engine):
+        for piece, _, master, offset in rank_pieces(engine):
             key = f"{piece.name}@{piece.tp_rank}:{piece.lo}"
             n = piece.hi - piece.lo
             pieces[key] = piece.to_json()

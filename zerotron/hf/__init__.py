@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .io import load_hf_weights, save_hf_pretrained  # noqa: F401
+from .pipeline import to_pipeline  # noqa: F401
 
 # Transformers' tensor-parallel styles -> zerotron's (zerotron/parallel/tensor.py).
 _STYLES = {"colwise": "column", "rowwise": "row", "embedding_rowwise": "vocab",

@@ -70,11 +70,10 @@ def load_hf_weights(engine, directory) -> None:
             handles[path] = safe_open(str(path), framework="pt")
         return handles[path]
 
-    params = dict(engine.module.named_parameters(remove_duplicate=False))
-    for piece, master, offset in rank_pieces(engine):
+    for piece, param, master, offset in rank_pieces(engine):
         if piece.name not in files:
             raise KeyError(f"{directory} has no tensor {piece.name!r}: it is a checkpoint of a different model")
-        values = _read_piece(handle(files[piece.name]), piece.name, params[piece.name], piece.lo, piece.hi)
+        values = _read_piece(handle(files[piece.name]), piece.name, param, piece.lo, piece.hi)
         master.reshape(-1)[offset:offset + piece.hi - piece.lo].copy_(values)
     for name, p in engine.module.named_parameters():
         if not p.requires_grad and name in files:  # frozen parameters: whole (their tensor-parallel cut)

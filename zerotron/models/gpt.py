@@ -251,7 +251,7 @@ class GPT(nn.Module):
             last = [LayerSpec(_Head, self.norm, self.lm_head)]
         return PipelineModule([first, *blocks, *last], num_stages=num_stages, loss_fn=self.loss_fn,
                               partition_method=partition_method, tensor_parallel_plan=self.tensor_parallel_plan,
-                              **kwargs)
+                              source_module=self, **kwargs)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -56,7 +56,7 @@ class PipelineModule(nn.Module):
                  seed_fn=None, base_seed: int = 1234, partition_method: str = "parameters",
                  activation_checkpoint_interval: int = 0, activation_checkpoint_func=None,
                  checkpointable_layers=None, num_virtual_stages: int = 1, tensor_parallel_plan=None,
-                 stage_id: int | None = None):
+                 stage_id: int | None = None, source_module: nn.Module | None = None):
         super().__init__()
         if topology is not None:
             num_stages = getattr(topology, "pp", None) or topology.get_dim("pipe")
@@ -96,6 +96,13 @@ class PipelineModule(nn.Module):
             for idx in range(self.parts[part], self.parts[part + 1]):
                 funcs.append((idx, self._build(idx, seed_layers, seed_fn, base_seed)))
             self.chunks.append(funcs)
+        # Layers taken from an existing model: checkpoints use that model's parameter names, so they
+        # load into it (or into a pipeline of any other depth) unchanged.
+        self.source_names: dict[str, str] = {}
+        if source_module is not None:
+            original = {id(p): n for n, p in source_module.named_parameters(remove_duplicate=False)}
+            self.source_names = {n: original[id(p)] for n, p in self.named_parameters(remove_duplicate=False)
+                                 if id(p) in original}
 
     # ---- construction -------------------------------------------------------------------------
     def _my_stage(self) -> int:
