@@ -99,6 +99,17 @@ def test_bad_config_fails_before_training_with_the_key_named(tmp_path):
     assert "gradient_clipping" in out.stderr
 
 
+def test_hugging_face_example_fine_tunes_and_saves(tmp_path):
+    out = _zerotron("run", "-n", "2", "examples/hf_causal_lm.py", "--deepspeed_config", "examples/hf_ds_config.json",
+                    "--steps", "20", "--save", str(tmp_path / "hf"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(l for l in out.stdout.splitlines() if l.startswith("done:"))
+    first, last = (float(v) for v in line.split("loss ")[1].split(" -> "))
+    assert "ZeRO-3" in line and last < first - 1.0, line
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # a directory Transformers loads
+
+
 def test_run_names_a_missing_script():
     out = _zerotron("run", "-n", "2", "no_such_script.py")
     assert out.returncode == 2 and "no such script" in out.stderr
