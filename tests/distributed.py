@@ -15,7 +15,10 @@ import traceback
 
 _ctx = mp.get_context("forkserver")
 # torch._dynamo is imported by the first torch optimizer (seconds); pay that once, here.
-_ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zerotron"])
+# Imported once in the fork server, not in every rank (Transformers' model modules take seconds).
+_ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zerotron", "transformers",
+                             "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
+                             "transformers.models.mistral.modeling_mistral", "transformers.models.qwen2.modeling_qwen2"])
 
 
 def free_port() -> int:

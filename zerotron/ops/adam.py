@@ -47,8 +47,11 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Work items of about chunk_numel elements: slices of large tensors, or several small tensors
+        # together (one kernel call over a list), so neither huge tensors nor many small ones starve threads.
         work = []
         for group in self.param_groups:
+            batch, size = [], 0
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -63,17 +66,25 @@ class CPUAdam(torch.optim.Optimizer):
                         state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
                 flat = [t.view(-1) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
-                flat.append(state["max_exp_avg_sq"].view(-1) if group["amsgrad"] else None)
+                vmax = state["max_exp_avg_sq"].view(-1) if group["amsgrad"] else None
                 out = self.copy_out.get(p)
                 out = None if out is None else out.view(-1)
                 for start in range(0, p.numel(), self.chunk_numel):
-                    work.append((group, state["step"], flat, out, start))
+                    end = start + self.chunk_numel
+                    batch.append(([t[start:end] for t in flat], None if vmax is None else vmax[start:end],
+                                  state["step"], None if out is None else out[start:end]))
+                    size += min(end, p.numel()) - start
+                    if size >= self.chunk_numel:
+                        work.append((group, batch))
+                        batch, size = [], 0
+            if batch:
+                work.append((group, batch))
         if self._pool is None:
             for item in work:
                 self._update(*item)
         else:
             threads = torch.get_num_threads()
-            torch.set_num_threads(1)  # parallel over chunks, not inside each kernel
+            torch.set_num_threads(1)  # parallel over work items, not inside each kernel
             try:
                 for future in [self._pool.submit(self._update, *item) for item in work]:
                     future.result()
@@ -82,16 +93,16 @@ class CPUAdam(torch.optim.Optimizer):
         return loss
 
     @torch.no_grad()  # grad mode is per thread: pool threads need it too
-    def _update(self, group, step, flat, out, start):
-        end = start + self.chunk_numel
-        p, g, m, v, vmax = (t[start:end] if t is not None else None for t in flat)
+    def _update(self, group, batch):
         kernel = torch._fused_adamw_ if self.adamw_mode else torch._fused_adam_
         beta1, beta2 = group["betas"]
-        kernel([p], [g], [m], [v], [vmax] if vmax is not None else [], [step], lr=group["lr"], beta1=beta1,
-               beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=group["amsgrad"],
-               maximize=False)
-        if out is not None:
-            out[start:end].copy_(p)
+        kernel([b[0][0] for b in batch], [b[0][1] for b in batch], [b[0][2] for b in batch],
+               [b[0][3] for b in batch], [b[1] for b in batch] if group["amsgrad"] else [],
+               [b[2] for b in batch], lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+               eps=group["eps"], amsgrad=group["amsgrad"], maximize=False)
+        for (p, *_), _, _, out in batch:
+            if out is not None:
+                out.copy_(p)
 
 
 DeepSpeedCPUAdam = CPUAdam  # the name DeepSpeed scripts import

@@ -1,0 +1,326 @@
+"""CPU optimizer step for offloaded fp32 master weights: zerotron's CPUAdam vs torch AdamW and DeepSpeedCPUAdam.
+
+    python bench/cpu_adam.py                          # flat shards of 2^24 and 2^26 elements + the GPT layout
+    python bench/cpu_adam.py --layout flat --numel 2^24 --rounds 20
+    python bench/cpu_adam.py --layout gpt             # per-parameter: the tensors of a 124M GPT
+    python bench/cpu_adam.py --no-deepspeed
+
+One process, every system on all cores (torch.set_num_threads(os.cpu_count()); OMP_NUM_THREADS likewise,
+which DeepSpeed's OpenMP loop shares with torch). The workload is what ZeRO-Offload runs on the host:
+fp32 master weights with a fresh gradient each step and AdamW (lr 1e-3, betas 0.9/0.95, eps 1e-8,
+weight decay 0.1), either
+
+  flat   one flat fp32 master shard of N elements (--numel, default 2^24 and 2^26), or
+  gpt    one tensor per parameter of zerotron's GPT "125m" with a 50304-token vocabulary and tied
+         embeddings (12 layers, d 768: 124M elements in 110 tensors), every system over that list.
+
+Systems:
+
+  zt              zerotron.ops.adam.CPUAdam (torch's fused AdamW kernel on 2^18-element chunks over a
+                  thread pool); bf16 copy fused: opt.copy_out[master] = bf16 tensor
+  torch_foreach   torch.optim.AdamW(foreach=True); bf16 copy after the step
+  torch_fused     torch.optim.AdamW(fused=True); bf16 copy after the step. Baseline for the check.
+  ds              deepspeed.ops.adam.DeepSpeedCPUAdam (C++/AVX, OpenMP); its step() has no bf16 output
+                  (0.19.8: step(closure) only), so the bf16 copy is after the step as well. Skipped,
+                  with the reason, when deepspeed is missing or its cpu_adam op does not build.
+
+Each system is timed in two modes: `step` (optimizer.step() alone) and `step+bf16` (the step and a bf16
+copy of the updated masters, what the host must produce for the low-precision model; "after the step" is
+`bf16.copy_(master)` for a flat shard and one torch._foreach_copy_ over the list for the GPT layout). The
+system x mode entries run in rounds, the order rotating each round; both modes of a system share one
+optimizer, and every optimizer takes the same number of steps on the same gradient sequence (--grads
+random gradients, reused in turn). The gradient is assigned before the clock starts.
+
+Check: after the warm-up and again at the end, every system takes one more (untimed) step+bf16 step;
+their masters are compared with torch_fused's (max |difference|, absolute and relative to max |master|,
+and whether bit-identical), and each bf16 output with its own master rounded to bf16.
+
+Output: per case, median ms per step, elements/s, and zerotron / peer ratios of the medians and `paired`
+(median of the per-round ratios; prefer it on a shared machine). < 1: zerotron is faster.
+Results: bench/results/cpu_adam.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from bench import common  # noqa: E402
+
+ADAMW = common.ADAMW
+BASELINE = "torch_fused"
+MODES = ("step", "step+bf16")
+ALL_SYSTEMS = ("zt", "torch_foreach", "torch_fused", "ds")
+
+
+def parse_numel(text: str) -> int:
+    text = text.strip()
+    if "^" in text:
+        base, exp = text.split("^")
+        return int(base) ** int(exp)
+    return int(float(text))
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layout", choices=("flat", "gpt", "both"), default="both")
+    p.add_argument("--numel", default="2^24,2^26", help="flat shard sizes, comma-separated (2^24, 16777216, 1.6e7)")
+    p.add_argument("--gpt-size", default="125m", help="zerotron.models.gpt size for --layout gpt")
+    p.add_argument("--vocab", type=int, default=50304, help="vocabulary of the GPT layout")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per system and mode per round")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per system and mode first")
+    p.add_argument("--grads", type=int, default=3, help="distinct random gradients, used in turn")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--systems", default=",".join(ALL_SYSTEMS))
+    p.add_argument("--no-deepspeed", action="store_true")
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args()
+
+
+# ---- systems ----------------------------------------------------------------------------------------
+def deepspeed_status() -> tuple[type | None, str]:
+    """(DeepSpeedCPUAdam, "") when its op loads, else (None, why not)."""
+    try:
+        import deepspeed  # noqa: F401
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+    except Exception as e:  # ImportError, or deepspeed failing to initialise its accelerator
+        return None, f"deepspeed not importable: {type(e).__name__}: {e}"
+    try:
+        builder = CPUAdamBuilder()
+        if not builder.is_compatible(verbose=False):
+            return None, "CPUAdamBuilder().is_compatible() is False on this machine"
+        t0 = time.perf_counter()
+        builder.load(verbose=False)  # JIT build (minutes the first time; cached in ~/.cache/torch_extensions)
+        print(f"DeepSpeed cpu_adam op loaded in {time.perf_counter() - t0:.1f} s")
+    except Exception as e:
+        return None, f"cpu_adam op did not build/load: {type(e).__name__}: {str(e).strip().splitlines()[-1:]}"
+    return DeepSpeedCPUAdam, ""
+
+
+class System:
+    """One optimizer over its own copy of the masters, with a bf16 tensor per master."""
+
+    def __init__(self, name: str, init: list[torch.Tensor], grads: list[list[torch.Tensor]], ds_cls=None):
+        self.name, self.grads, self.n = name, grads, 0
+        self.params = [torch.nn.Parameter(t.clone()) for t in init]
+        self.bf16 = [torch.empty_like(t, dtype=torch.bfloat16) for t in init]
+        kw = dict(lr=ADAMW["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"], weight_decay=ADAMW["weight_decay"])
+        if name == "zt":
+            from zerotron.ops.adam import CPUAdam
+            self.opt = CPUAdam(self.params, **kw)
+        elif name == "torch_foreach":
+            self.opt = torch.optim.AdamW(self.params, foreach=True, **kw)
+        elif name == "torch_fused":
+            self.opt = torch.optim.AdamW(self.params, fused=True, **kw)
+        elif name == "ds":
+            self.opt = ds_cls(self.params, adamw_mode=True, **kw)
+        else:
+            raise ValueError(name)
+
+    def prepare(self, mode: str) -> None:
+        """Untimed: this step's gradient (and, for zerotron, whether to copy out)."""
+        for p, g in zip(self.params, self.grads[self.n % len(self.grads)]):
+            p.grad = g
+        if self.name == "zt":
+            self.opt.copy_out = dict(zip(self.params, self.bf16)) if mode == "step+bf16" else {}
+
+    def step(self, mode: str) -> None:
+        self.opt.step()
+        if mode == "step+bf16" and self.name != "zt":
+            if len(self.params) == 1:
+                self.bf16[0].copy_(self.params[0])
+            else:
+                torch._foreach_copy_(self.bf16, self.params)
+        self.n += 1
+
+    def timed(self, mode: str) -> float:
+        self.prepare(mode)
+        t0 = time.perf_counter()
+        self.step(mode)
+        return (time.perf_counter() - t0) * 1e3
+
+
+# ---- workloads --------------------------------------------------------------------------------------
+def gpt_shapes(size: str, vocab: int) -> tuple[list[torch.Size], str]:
+    from zerotron.models.gpt import GPT, config_for
+    cfg = config_for(size, vocab_size=vocab, tie_embeddings=True)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    shapes = [p.shape for p in model.parameters()]  # tied weights appear once
+    desc = (f"zerotron GPT {size!r}: {cfg.n_layer} layers, d_model {cfg.d_model}, ffn {cfg.ffn}, vocab {vocab}, "
+            f"tied embeddings")
+    return shapes, desc
+
+
+def make_tensors(shapes, n_grads: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    init = [torch.randn(s, generator=g).mul_(0.02) for s in shapes]
+    grads = [[torch.randn(s, generator=g).mul_(1e-2) for s in shapes] for _ in range(n_grads)]
+    return init, grads
+
+
+def compare(systems: dict[str, System]) -> dict:
+    """Masters vs the baseline's; each bf16 output vs its own master rounded."""
+    ref = systems[BASELINE]
+    ref_max = max(p.detach().abs().max().item() for p in ref.params)
+    out = {}
+    for name, s in systems.items():
+        diff = max((a.detach() - b.detach()).abs().max().item() for a, b in zip(s.params, ref.params))
+        identical = all(torch.equal(a.detach(), b.detach()) for a, b in zip(s.params, ref.params))
+        bf16_ok = all(torch.equal(o, p.detach().to(torch.bfloat16)) for o, p in zip(s.bf16, s.params))
+        bf16_vs_ref = sum(int((o != r).sum()) for o, r in zip(s.bf16, ref.bf16))
+        out[name] = {"steps": s.n, "max_abs_diff": diff, "max_rel_diff": diff / ref_max, "bit_identical": identical,
+                     "bf16_equals_own_master": bf16_ok, "bf16_elements_differing_from_baseline": bf16_vs_ref}
+    return out
+
+
+def check(systems: dict[str, System]) -> dict:
+    for s in systems.values():
+        s.prepare("step+bf16")
+        s.step("step+bf16")
+    return compare(systems)
+
+
+def run_case(label: str, shapes, args, names: list[str], ds_cls) -> dict:
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    print(f"\n== {label}: {numel:,} elements in {len(shapes)} tensor(s) ==", flush=True)
+    init, grads = make_tensors(shapes, args.grads)
+    systems = {n: System(n, init, grads, ds_cls) for n in names}
+    del init
+    entries = [(n, m) for n in names for m in MODES]
+    for n, m in entries:
+        for _ in range(args.warmup):
+            systems[n].prepare(m)
+            systems[n].step(m)
+    check_warmup = check(systems)
+    ms = {e: [] for e in entries}
+    round_ms = {e: [] for e in entries}
+    round_load = []  # 1-minute load average after each round: this one process accounts for ~threads of it
+    for r in range(args.rounds):
+        k = r % len(entries)
+        for e in entries[k:] + entries[:k]:
+            t = [systems[e[0]].timed(e[1]) for _ in range(args.steps)]
+            ms[e] += t
+            round_ms[e].append(statistics.median(t))
+        round_load.append(os.getloadavg()[0])
+        print(f"round {r + 1}/{args.rounds} (load {round_load[-1]:.1f}): "
+              + ", ".join(f"{n}/{m} {round_ms[(n, m)][-1]:.1f}" for n, m in entries), flush=True)
+    check_end = check(systems)
+
+    rows, pairs = [], []
+    for n, m in entries:
+        med = statistics.median(ms[(n, m)])
+        rows.append({"system": n, "mode": m, "median_ms": med, "elements_per_s": numel / (med / 1e3),
+                     "min_ms": min(ms[(n, m)]), "ms": ms[(n, m)], "round_ms": round_ms[(n, m)]})
+    med = {(r["system"], r["mode"]): r["median_ms"] for r in rows}
+    if "zt" in names:
+        for peer in names:
+            if peer == "zt":
+                continue
+            for m in MODES:
+                paired = statistics.median(a / b for a, b in zip(round_ms[("zt", m)], round_ms[(peer, m)]))
+                pairs.append({"pair": f"zt/{peer}", "mode": m, "ratio": med[("zt", m)] / med[(peer, m)],
+                              "paired": paired})
+
+    print(f"\n{label}: {numel:,} elements, {len(shapes)} tensor(s), {args.threads} threads")
+    common.print_table([{**r, "meps": r["elements_per_s"] / 1e6} for r in rows],
+                       [("system", "system", "{}"), ("mode", "mode", "{}"), ("median_ms", "median ms", "{:.2f}"),
+                        ("min_ms", "min ms", "{:.2f}"), ("meps", "M elem/s", "{:.0f}")])
+    if pairs:
+        print()
+        common.print_table(pairs, [("pair", "pair", "{}"), ("mode", "mode", "{}"), ("ratio", "ratio", "{:.3f}"),
+                                   ("paired", "paired", "{:.3f}")])
+    for when, c in (("after warm-up", check_warmup), ("at the end", check_end)):
+        print(f"\ncheck {when} (vs {BASELINE}, after {c[BASELINE]['steps']} steps):")
+        common.print_table([{"system": n, **v} for n, v in c.items()],
+                           [("system", "system", "{}"), ("max_abs_diff", "max|diff|", "{:.3g}"),
+                            ("max_rel_diff", "rel", "{:.3g}"), ("bit_identical", "identical", "{}"),
+                            ("bf16_equals_own_master", "bf16 ok", "{}"),
+                            ("bf16_elements_differing_from_baseline", "bf16 != base", "{}")])
+    result = {"case": label, "numel": numel, "tensors": len(shapes), "rows": rows, "pairs": pairs,
+              "round_load": round_load,
+              "check_after_warmup": check_warmup, "check_end": check_end}
+    del systems, grads
+    gc.collect()
+    return result
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    names = [n for n in args.systems.split(",") if n]
+    unknown = set(names) - set(ALL_SYSTEMS)
+    if unknown:
+        raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {', '.join(ALL_SYSTEMS)}")
+    if BASELINE not in names:
+        names.append(BASELINE)
+    ds_cls, ds_skip = None, ""
+    if "ds" in names:
+        if args.no_deepspeed:
+            ds_skip = "--no-deepspeed"
+        else:
+            ds_cls, ds_skip = deepspeed_status()
+        if ds_cls is None:
+            names.remove("ds")
+            print(f"DeepSpeedCPUAdam skipped: {ds_skip}")
+
+    import zerotron
+    env = {"torch": torch.__version__, "zerotron": getattr(zerotron, "__version__", "?"),
+           "deepspeed": getattr(sys.modules.get("deepspeed"), "__version__", None), "python": platform.python_version(),
+           "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+           "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+           "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": platform.machine(),
+           "platform": platform.platform(), "loadavg_start": os.getloadavg()[0]}
+    try:
+        import cpuinfo
+        env["cpu"] = cpuinfo.get_cpu_info().get("brand_raw")
+    except Exception:
+        pass
+    print(f"systems: {', '.join(names)}; {args.threads} threads; torch {torch.__version__}")
+
+    cases = []
+    if args.layout in ("flat", "both"):
+        for text in args.numel.split(","):
+            n = parse_numel(text)
+            cases.append((f"flat 2^{n.bit_length() - 1}" if n & (n - 1) == 0 else f"flat {n}", [torch.Size([n])], None))
+    if args.layout in ("gpt", "both"):
+        shapes, desc = gpt_shapes(args.gpt_size, args.vocab)
+        cases.append((f"gpt {args.gpt_size}", shapes, desc))
+    results = []
+    for label, shapes, desc in cases:
+        try:
+            res = run_case(label, shapes, args, list(names), ds_cls)
+        except Exception:
+            traceback.print_exc()
+            res = {"case": label, "error": traceback.format_exc()}
+        if desc:
+            res["layout"] = desc
+        results.append(res)
+
+    path = common.write_json("cpu_adam", {
+        "benchmark": "cpu_adam", "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "adamw": {**ADAMW, "betas": list(ADAMW["betas"])}, "baseline": BASELINE, "systems": names,
+        "deepspeed_skipped": ds_skip or None, "environment": {**env, "loadavg_end": os.getloadavg()[0]},
+        "results": results}, args.out)
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
