@@ -91,15 +91,20 @@ class PipelineEngine(Engine):
         batches = self._read(data_iter)
         losses = self._run(build_schedule(self.schedule_name, self.stages, len(batches), self.chunks)[self.stage],
                            batches, train=True)
+        # The loss travels from the last stage while the step runs: no stage waits for another to
+        # finish its last backward before updating its own weights.
+        loss, arrival = self._send_mean_loss(losses)
         self.states.reduce_accumulated()
         for comm, params in self.tie_groups:
             for grad in self.states.reduced_grads(params):
                 comm.all_reduce(grad)
-        loss = self._mean_loss(losses)
+        if self.monitor.enabled or (self.global_steps + 1) % self.config.steps_per_print == 0:
+            arrival.wait()  # the step logs the loss
         self._micro_losses = [loss]
         self._take_model_step(None)
         self.micro_steps += len(batches)
-        return loss
+        arrival.wait()
+        return self._mean_over_dp(loss)
 
     @torch.no_grad()
     def eval_batch(self, data_iter=None, num_micro_batches: int | None = None) -> torch.Tensor:
@@ -207,9 +212,20 @@ class PipelineEngine(Engine):
                              "(output, labels) -> loss, or make the last layer return the loss")
         return loss
 
+    def _send_mean_loss(self, losses: list[torch.Tensor]):
+        """The mean over micro-batches, broadcast from the last stage: (tensor, work to wait for)."""
+        value = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
+        if self.stages == 1:
+            return value, _Done()
+        return value, self.pp_comm.broadcast(value, src_group_rank=self.stages - 1, async_op=True)
+
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean over micro-batches on the last stage, sent to every stage, averaged over data parallel."""
-        value = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
-        if self.stages > 1:
-            self.pp_comm.broadcast(value, src_group_rank=self.stages - 1)
+        value, arrival = self._send_mean_loss(losses)
+        arrival.wait()
         return self._mean_over_dp(value)
+
+
+class _Done:
+    def wait(self):
+        pass
