@@ -212,3 +212,24 @@ def test_convert_command_line(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "zerotron.cli", "convert", str(tmp_path / "nothing"),
                           str(tmp_path / "o2")], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "neither a checkpoint" in bad.stderr
+
+
+def _frozen_embedding(directory, stage, load):
+    model = make_model(n_kv_head=4)
+    model.tok_emb.weight.requires_grad_(False)  # frozen: under ZeRO-3 it still lives in a partitioned unit
+    config = ds_config(2, 1, zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0})
+    engine, *_ = zerotron.initialize(model=model, config=config)
+    if load:
+        engine.load_checkpoint(directory)
+    else:
+        for b in global_batches(2, 4):
+            engine.train_batch(iter(micro_batches(b, engine.coords.dp, 2, 1)))
+        engine.save_checkpoint(directory)
+    return zerotron.zero.consolidated_state_dict(engine.module)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_frozen_parameters_are_saved_and_restored(tmp_path, stage):
+    saved = run_ranks(_frozen_embedding, 2, str(tmp_path), stage, False)[0]
+    loaded = run_ranks(_frozen_embedding, 2, str(tmp_path), stage, True)[0]
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)

@@ -103,7 +103,8 @@ def _rank_tensors(engine):
                     scalars[name] = value.item() if torch.is_tensor(value) else value
         if engine.coords.dp == 0:
             for name, p in engine.module.named_parameters():
-                if not p.requires_grad:
+                # (frozen parameters in ZeRO-3's partitioned units are in the master pieces already)
+                if not p.requires_grad and not hasattr(p, "zt_unit"):
                     dim, r, _ = tensor_parallel_of(p)
                     tensors[f"frozen/{name}@{r}"] = p.detach().clone()
             for name, b in engine.module.named_buffers():
