@@ -8,6 +8,7 @@ torch.optim.AdamW (foreach and fused) and DeepSpeed's C++ DeepSpeedCPUAdam.
 """
 from __future__ import annotations
 
+import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -85,8 +86,17 @@ class CPUAdam(torch.optim.Optimizer):
         else:
             threads = torch.get_num_threads()
             torch.set_num_threads(1)  # parallel over work items, not inside each kernel
+            # Each thread takes the next item as it frees up: balanced even when another process
+            # takes a core, with one task per thread rather than one per item.
+            claim = itertools.count()
+
+            def drain():
+                for i in iter(lambda: next(claim), None):
+                    if i >= len(work):
+                        return
+                    self._update(*work[i])
             try:
-                for future in [self._pool.submit(self._update, *item) for item in work]:
+                for future in [self._pool.submit(drain) for _ in range(self.threads)]:
                     future.result()
             finally:
                 torch.set_num_threads(threads)
