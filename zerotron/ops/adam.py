@@ -36,10 +36,12 @@ class CPUAdam(torch.optim.Optimizer):
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="zerotron-cpu-adam") if self.threads > 1 \
             else None
         self.copy_out: dict[torch.Tensor, torch.Tensor] = {}
+        self._plan = None
 
     def __getstate__(self):
         state = super().__getstate__()
         state.pop("_pool", None)
+        state.pop("_plan", None)
         return state
 
     @torch.no_grad()
@@ -48,11 +50,8 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Work items of about chunk_numel elements: slices of large tensors, or several small tensors
-        # together (one kernel call over a list), so neither huge tensors nor many small ones starve threads.
-        work = []
+        signature = []
         for group in self.param_groups:
-            batch, size = [], 0
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -66,20 +65,13 @@ class CPUAdam(torch.optim.Optimizer):
                     if group["amsgrad"]:
                         state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
-                flat = [t.view(-1) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
-                vmax = state["max_exp_avg_sq"].view(-1) if group["amsgrad"] else None
                 out = self.copy_out.get(p)
-                out = None if out is None else out.view(-1)
-                for start in range(0, p.numel(), self.chunk_numel):
-                    end = start + self.chunk_numel
-                    batch.append(([t[start:end] for t in flat], None if vmax is None else vmax[start:end],
-                                  state["step"], None if out is None else out[start:end]))
-                    size += min(end, p.numel()) - start
-                    if size >= self.chunk_numel:
-                        work.append((group, batch))
-                        batch, size = [], 0
-            if batch:
-                work.append((group, batch))
+                signature.append((id(p), p.grad.data_ptr(), None if out is None else out.data_ptr()))
+        # The work items (slices and their argument lists) are built once and reused while the
+        # tensors stay the same: per-item Python work would otherwise rival the kernels' time.
+        if self._plan is None or self._plan[0] != signature:
+            self._plan = (signature, self._plan_work())
+        work = self._plan[1]
         if self._pool is None:
             for item in work:
                 self._update(*item)
@@ -102,17 +94,46 @@ class CPUAdam(torch.optim.Optimizer):
                 torch.set_num_threads(threads)
         return loss
 
+    def _plan_work(self) -> list:
+        """Work items of about chunk_numel elements: slices of large tensors, or several small
+        tensors together (one kernel call over lists), so neither huge tensors nor many small ones
+        leave threads idle. Each item: (group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, outs)."""
+        work = []
+        for group in self.param_groups:
+            item, size = None, 0
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                tensors = [p, p.grad, state["exp_avg"], state["exp_avg_sq"],
+                           state["max_exp_avg_sq"] if group["amsgrad"] else None, self.copy_out.get(p)]
+                flat = [None if t is None else t.view(-1) for t in tensors]
+                for start in range(0, p.numel(), self.chunk_numel):
+                    if item is None:
+                        item = (group, [], [], [], [], [], [], [])
+                    end = start + self.chunk_numel
+                    for lst, t in zip(item[1:6], flat[:5]):
+                        if t is not None:
+                            lst.append(t[start:end])
+                    item[6].append(state["step"])
+                    item[7].append(None if flat[5] is None else (flat[0][start:end], flat[5][start:end]))
+                    size += min(end, p.numel()) - start
+                    if size >= self.chunk_numel:
+                        work.append(item)
+                        item, size = None, 0
+            if item is not None:
+                work.append(item)
+        return work
+
     @torch.no_grad()  # grad mode is per thread: pool threads need it too
-    def _update(self, group, batch):
+    def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, outs):
         kernel = torch._fused_adamw_ if self.adamw_mode else torch._fused_adam_
         beta1, beta2 = group["betas"]
-        kernel([b[0][0] for b in batch], [b[0][1] for b in batch], [b[0][2] for b in batch],
-               [b[0][3] for b in batch], [b[1] for b in batch] if group["amsgrad"] else [],
-               [b[2] for b in batch], lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-               eps=group["eps"], amsgrad=group["amsgrad"], maximize=False)
-        for (p, *_), _, _, out in batch:
-            if out is not None:
-                out.copy_(p)
+        kernel(params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, lr=group["lr"], beta1=beta1, beta2=beta2,
+               weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=group["amsgrad"], maximize=False)
+        for pair in outs:  # the updated slice, still in cache, into its model-dtype copy
+            if pair is not None:
+                pair[1].copy_(pair[0])
 
 
 DeepSpeedCPUAdam = CPUAdam  # the name DeepSpeed scripts import
