@@ -21,7 +21,23 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     convert.add_argument("--max-shard-size", type=float, default=5 * 2**30,
                          help="bytes per safetensors file; larger models get shards and an index (default 5 GiB)")
+    estimate = sub.add_parser("estimate", help="model-state memory per GPU for each ZeRO stage")
+    estimate.add_argument("--model", default="1.3b", help="reference GPT size (tiny ... 13b)")
+    estimate.add_argument("--dp", type=int, default=8)
+    estimate.add_argument("--tp", type=int, default=1)
+    estimate.add_argument("--pp", type=int, default=1)
+    estimate.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
+    estimate.add_argument("--offload-optimizer", action="store_true")
+    estimate.add_argument("--offload-param", action="store_true")
+    estimate.add_argument("--persistence-threshold", type=int, default=100_000)
     args = parser.parse_args(argv)
+    if args.command == "estimate":
+        from .models.gpt import config_for
+        from .planner import ModelShape
+        from .planner.memory import estimate_table
+        print(estimate_table(ModelShape.of_gpt(config_for(args.model)), args.dp, args.tp, args.pp, args.precision,
+                             args.offload_optimizer, args.offload_param, args.persistence_threshold))
+        return 0
     from .checkpoint import CheckpointError
     from .errors import ConfigError
     try:
