@@ -55,3 +55,33 @@ def test_estimate_command():
     assert len(device) == 4 and device == sorted(device, reverse=True)  # each ZeRO stage holds less
     shape = ModelShape.of_gpt(__import__("zerotron.models.gpt", fromlist=["config_for"]).config_for("7b"))
     assert device[3] == pytest.approx(16 * shape.parameters / 8 / 2**30, rel=0.01)  # stage 3 in bf16: 16Ψ/N
+
+
+def _saved_for_backward(model, tokens) -> int:
+    """Bytes of the distinct non-parameter tensors autograd keeps from one forward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in params:
+            seen[key] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(tokens, tokens)
+    loss.backward()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("size,batch,seq", [("small", 8, 128), ("medium", 4, 64), ("large", 2, 128)])
+@pytest.mark.parametrize("policy", ["none", "every_block", "every_k"])
+def test_activation_memory_matches_what_backward_keeps(size, batch, seq, policy):
+    from zerotron import checkpointing
+    from zerotron.models.gpt import GPT, config_for
+    from zerotron.planner import activation_bytes
+    cfg = config_for(size, max_seq_len=seq)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    checkpointing.apply_policy(model, policy, every=2)
+    measured = _saved_for_backward(model, torch.randint(0, cfg.vocab_size, (batch, seq)))
+    assert activation_bytes(ModelShape.of_gpt(cfg), batch, seq, policy) == pytest.approx(measured, rel=0.01)
