@@ -88,14 +88,14 @@ def start(args):
     return rank, world, log, gpt_config(args)
 
 
-def zerotron_step(model, per_rank: int, clip: float, **config):
+def zerotron_step(model, per_rank: int, clip: float, adamw: dict = ADAMW, **config):
     """A zerotron engine on `model` (AdamW as every system) and its one-step function; `config`
     adds or overrides sections of the DeepSpeed config."""
     import zerotron
     engine, *_ = zerotron.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": per_rank, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
         "zero_optimization": {"stage": 0}, "gradient_clipping": clip,
-        "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}}, **config})
+        "optimizer": {"type": "AdamW", "params": {**adamw, "betas": list(adamw["betas"])}}, **config})
 
     def step(tokens, targets):
         loss = engine(tokens, targets)

@@ -401,18 +401,10 @@ def make_batches(n: int, micro_batch: int, seq: int, vocab: int, device, seed: i
 
 
 def zerotron_engine(model, micro_batch: int, clip: float, **sections):
-    import zerotron
-    config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
-              "steps_per_print": 10 ** 9, "bf16": {"enabled": True}, "zero_optimization": {"stage": 0},
-              "gradient_clipping": clip, "optimizer": {"type": "AdamW", "params": dict(ADAMW)}, **sections}
-    engine, *_ = zerotron.initialize(model=model, config=config)
-
-    def step(x, y):
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
-    return engine, step
+    """zerotron in bf16 with this script's AdamW (the shared set-up in bench/common.py)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench import common
+    return common.zerotron_step(model, micro_batch, clip, adamw=ADAMW, **{"bf16": {"enabled": True}, **sections})
 
 
 def plain_bf16(model, clip: float):
