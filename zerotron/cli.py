@@ -1,5 +1,6 @@
-"""`zerotron train` (the reference job), `zerotron run` (launch any script through torchrun) and
-`zerotron convert` (a checkpoint to consolidated safetensors weights)."""
+"""`zerotron train` (the reference job), `zerotron run` (launch any script through torchrun),
+`zerotron convert` (a checkpoint to consolidated safetensors weights), and the planner's
+`zerotron estimate` / `zerotron plan`."""
 from __future__ import annotations
 
 import argparse
@@ -21,23 +22,17 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     convert.add_argument("--max-shard-size", type=float, default=5 * 2**30,
                          help="bytes per safetensors file; larger models get shards and an index (default 5 GiB)")
-    estimate = sub.add_parser("estimate", help="model-state memory per GPU for each ZeRO stage")
-    estimate.add_argument("--model", default="1.3b", help="reference GPT size (tiny ... 13b)")
-    estimate.add_argument("--dp", type=int, default=8)
-    estimate.add_argument("--tp", type=int, default=1)
-    estimate.add_argument("--pp", type=int, default=1)
-    estimate.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
-    estimate.add_argument("--offload-optimizer", action="store_true")
-    estimate.add_argument("--offload-param", action="store_true")
-    estimate.add_argument("--persistence-threshold", type=int, default=100_000)
+    from .planner.commands import add_estimate_arguments, add_plan_arguments
+    add_estimate_arguments(sub.add_parser("estimate", help="memory per GPU for each ZeRO stage"))
+    add_plan_arguments(sub.add_parser("plan", help="search the parallel layouts that fit; rank them by predicted speed"))
     args = parser.parse_args(argv)
-    if args.command == "estimate":
-        from .models.gpt import config_for
-        from .planner import ModelShape
-        from .planner.memory import estimate_table
-        print(estimate_table(ModelShape.of_gpt(config_for(args.model)), args.dp, args.tp, args.pp, args.precision,
-                             args.offload_optimizer, args.offload_param, args.persistence_threshold))
-        return 0
+    if args.command in ("estimate", "plan"):
+        from .planner.commands import estimate, plan_command
+        try:
+            return estimate(args) if args.command == "estimate" else plan_command(args)
+        except (ValueError, FileNotFoundError, RuntimeError) as e:
+            print(f"zerotron: {e}", file=sys.stderr)
+            return 2
     from .checkpoint import CheckpointError
     from .errors import ConfigError
     try:
@@ -68,7 +63,8 @@ def _train(args, argv: list[str]) -> int:
         train(args)
         return 0
     from .config import Config
-    from .train import build_config, world_size_of
+    from .train import adopt_config_layout, build_config, world_size_of
+    adopt_config_layout(args)
     nproc = world_size_of(args, default_nproc())
     Config.load(build_config(args, torch.cuda.is_available()), world_size=nproc,  # fail fast, before launching
                 pipeline_stages=args.pp)

@@ -50,6 +50,7 @@ class Engine(nn.Module):
         params = [p for p in self.module.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no parameters that require gradients; nothing to train")
+        self._param_numels = [p.numel() for p in params]  # before ZeRO-3 partitions them (memory prediction)
         self.optimizer = self._make_optimizer(optimizer, model_parameters, params)
         # Gradient reduction, master weights and parameter updates, for the configured ZeRO stage.
         self.states = make_model_states(self.module, self.optimizer, config, self.grad_comm, self.dp_comm,
@@ -205,7 +206,28 @@ class Engine(nn.Module):
         self.states.zero_grads()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+        if self.global_steps == 1:  # optimizer states exist from the first step on
+            self._log_memory_prediction()
         self._report()
+
+    def predicted_memory(self) -> dict[str, int]:
+        """The planner's model-state bytes for this rank (zerotron.planner.memory), from the
+        parameters it trains and the configured ZeRO stage, precision and offload."""
+        from .planner.memory import rank_state_bytes
+        z = self.config.zero_optimization
+        return rank_state_bytes(self._param_numels, dp=self.grad_comm.size, stage=z.stage,
+                                dtype={torch.float32: "fp32", torch.bfloat16: "bf16"}.get(self.dtype, "fp16"),
+                                offload_optimizer=z.offload_optimizer is not None and z.offload_optimizer.device == "cpu",
+                                offload_param=z.offload_param is not None and z.offload_param.device == "cpu",
+                                persistence_threshold=z.stage3_param_persistence_threshold)
+
+    def _log_memory_prediction(self):
+        predicted, measured = self.predicted_memory(), self.memory_report()
+        mib = 2 ** 20
+        logger.info(f"rank {self.global_rank} model states: predicted {predicted['total'] / mib:.1f} MiB, measured "
+                    f"{measured['total'] / mib:.1f} MiB (" + ", ".join(
+                        f"{k} {predicted[k] / mib:.1f}/{measured.get(k, 0) / mib:.1f}"
+                        for k in ("params", "grads", "master_weights", "optimizer")) + ")")
 
     def _norm_groups(self) -> list:
         """The groups over which squared gradient norms are summed: the ZeRO shards (if any), and

@@ -80,6 +80,20 @@ def build_config(args, gpu: bool) -> dict:
     return cfg
 
 
+def adopt_config_layout(args) -> None:
+    """A --config may carry the layout (`zerotron plan` writes one): tensor and pipeline sizes come
+    from it unless --tp / --pp give them, so the model is built (and split) to match."""
+    if not args.config:
+        return
+    from .config import read_raw
+    raw = read_raw(args.config)
+    tp, stages = raw.get("tensor_parallel", {}).get("autotp_size"), raw.get("pipeline", {}).get("stages")
+    if args.tp is None and isinstance(tp, int):
+        args.tp = tp
+    if args.pp is None and isinstance(stages, int):
+        args.pp = stages
+
+
 def world_size_of(args, default: int) -> int:
     """Processes for the job: --dp x --tp x --pp when --dp is given, else --nproc (or `default`,
     raised to the model-parallel size when that does not divide it)."""
@@ -124,6 +138,7 @@ def train(args) -> None:
     from .models.gpt import GPT, config_for
 
     zerotron.init_distributed()
+    adopt_config_layout(args)
     gpu = torch.cuda.is_available()
     torch.manual_seed(args.seed)
     model = GPT(config_for(args.model, max_seq_len=args.seq_len))

@@ -20,7 +20,9 @@ def _all_gather(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((comm.size * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
     comm.all_gather_flat(out, x)
-    return out.movedim(0, dim)
+    # Contiguous once here: otherwise each linear that consumes it (q, k and v) copies it for its
+    # matmul and keeps its own copy for backward.
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
@@ -29,7 +31,7 @@ def _reduce_scatter(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
         raise ValueError(f"dimension of size {x.shape[0]} does not split over {comm.size} tensor-parallel ranks")
     out = torch.empty((x.shape[0] // comm.size,) + x.shape[1:], dtype=x.dtype, device=x.device)
     comm.reduce_scatter_flat(out, x)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def _own_slice(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:

@@ -1,30 +1,80 @@
-"""Activation memory: the bytes a forward keeps for backward, for the reference GPT in fp32.
+"""Activation memory: the bytes one micro-batch's forward keeps for backward, per rank.
 
-Counted from what autograd saves, op by op (tests/test_planner.py checks the count against the
-tensors a real forward saves). Per block, with B sequences of s tokens, hidden d, ffn f, h heads:
-the block input and the two norms' inputs/outputs, q, k, v (k and v repeated to h heads for
-grouped-query attention) and the attention output, the MLP's three f-wide tensors and its
-product — 11·d + 4·f values per token — plus the norms' per-token statistics (2) and attention's
-log-sum-exp (h). Once per model: the rotary tables, the token ids, the final norm, the logits
-and the loss's log-softmax.
+Counted as an inventory of what autograd saves, op by op, in the reference GPT as zerotron runs it
+(tests/test_planner.py checks each case against the tensors a real forward saves, on one process
+and under tensor / sequence parallelism). Per block and token, with hidden d, ffn f, h heads, a
+bytes per activation (4 in fp32, 2 in bf16/fp16) and tensor-parallel size t:
 
-With checkpointing a checkpointed block keeps only its input (d per token). Not modelled yet:
-selective checkpointing, tensor / sequence parallelism, bf16 (issue 8).
+    each RMSNorm (2)        its input and normalised input in fp32, and 1/rms   8d + 4
+    linear inputs           the two norms' outputs (gathered whole under          2·a·d
+                            sequence parallelism)
+    attention               q, k, v (k, v repeated to h heads), the output in     5·a·d / t
+                            head and token layouts; log-sum-exp in fp32           + 4h / t
+    MLP                     gate, silu(gate), up, their product                   4·a·f / t
+
+Sequence parallelism splits the norms by t. Once per micro-batch: token ids and targets, the
+rotary tables (fp32), the final norm, the head's input, the logits in fp32 (split by t under a
+vocabulary-parallel loss, which also keeps a mask and the targets).
+
+Checkpointing: a checkpointed block keeps only its input (a·d per token, split by t with
+`partition_activations` or sequence parallelism); `selective` keeps the block input and every
+matmul output (q, k, v before rotary and repetition, the two row projections' partial sums, gate
+and up) and recomputes the rest.
 """
 from __future__ import annotations
 
 from .memory import ModelShape
 
+POLICIES = ("none", "every_block", "every_k", "selective")
 
-def activation_bytes(shape: ModelShape, micro_batch: int, seq: int, policy: str = "none", every: int = 2) -> int:
-    if policy not in ("none", "every_block", "every_k"):
-        raise ValueError(f"activation memory is modelled for policies none, every_block, every_k, not {policy!r}")
+
+def bytes_per_activation(dtype: str) -> int:
+    return 4 if dtype == "fp32" else 2
+
+
+def block_bytes_per_token(shape: ModelShape, dtype: str = "fp32", tp: int = 1, sp: bool = False) -> dict[str, float]:
+    """What one un-checkpointed block keeps per token, by part."""
+    a, d, f, h = bytes_per_activation(dtype), shape.hidden, shape.ffn, shape.heads
+    sp = sp and tp > 1
+    return {"norms": 2 * (8 * d + 4) / (tp if sp else 1),
+            "linear inputs": 2 * a * d,
+            "attention": (5 * a * d + 4 * h) / tp,
+            "mlp": (4 if shape.gated else 2) * a * f / tp}  # two-matrix MLPs: input and activation
+
+
+def selective_bytes_per_token(shape: ModelShape, dtype: str = "fp32", tp: int = 1) -> float:
+    """What a block under selective checkpointing keeps per token besides its input: the matmul outputs."""
+    a, d, f = bytes_per_activation(dtype), shape.hidden, shape.ffn
+    kv = d // shape.heads * shape.kv_heads
+    return a * ((d + 2 * kv + (2 if shape.gated else 1) * f) / tp + 2 * d)  # column outputs split, row outputs whole (before all-reduce)
+
+
+def activation_bytes(shape: ModelShape, micro_batch: int, seq: int, policy: str = "none", every: int = 2, *,
+                     dtype: str = "fp32", tp: int = 1, sp: bool = False, partition_activations: bool = False,
+                     layers: int | None = None, first_stage: bool = True, last_stage: bool = True) -> int:
+    """Bytes one micro-batch keeps for backward on one rank. `layers`: the blocks this rank runs
+    (all of them by default); `first_stage`/`last_stage`: whether it runs the embedding / head."""
+    if policy not in POLICIES:
+        raise ValueError(f"activation memory is modelled for policies {', '.join(POLICIES)}, not {policy!r}")
     tokens = micro_batch * seq
-    d, f, h = shape.hidden, shape.ffn, shape.heads
-    full_block = 4 * tokens * (11 * d + 4 * f + 2 + h)
-    kept_block = 4 * tokens * d
-    checkpointed = {"none": 0, "every_block": shape.layers, "every_k": len(range(0, shape.layers, every))}[policy]
-    blocks = (shape.layers - checkpointed) * full_block + checkpointed * kept_block
-    rotary = 4 * seq * (d // h)  # cos and sin, fp32, once per forward (checkpointed blocks keep them as inputs)
-    outside = 8 * tokens + 4 * (3 * tokens * d + tokens + tokens * shape.vocab) + 4  # ids, final norm, logits, loss
-    return blocks + rotary + outside
+    a, d = bytes_per_activation(dtype), shape.hidden
+    layers = shape.layers if layers is None else layers
+    sp = sp and tp > 1
+    full = sum(block_bytes_per_token(shape, dtype, tp, sp).values())
+    kept_input = a * d / (tp if (sp or partition_activations) else 1)
+    per_block = {"none": [full] * layers,
+                 "every_block": [kept_input] * layers,
+                 "every_k": [kept_input if i % every == 0 else full for i in range(layers)],
+                 "selective": [kept_input + selective_bytes_per_token(shape, dtype, tp)] * layers}[policy]
+    total = tokens * sum(per_block)
+    if layers:
+        total += 4 * seq * (d // shape.heads)  # rotary cos and sin, shared by the blocks (and kept as checkpoint inputs)
+    if first_stage and tp > 1:
+        total += tokens  # the vocabulary-parallel embedding's mask
+    if last_stage:
+        total += 8 * tokens  # targets
+        total += tokens * ((8 * d + 4) / (tp if sp else 1) + a * d + 4 * shape.vocab / tp)  # final norm, head, logits
+        total += tokens * (8 + 2) if tp > 1 else 0  # the vocabulary-parallel loss: targets again, two masks
+    if first_stage:
+        total += 8 * tokens  # token ids
+    return int(total)

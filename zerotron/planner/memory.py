@@ -15,45 +15,14 @@ under `stage3_param_persistence_threshold` whole on every rank.
 """
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+
+from .model import ModelShape
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """A decoder-only transformer by its shape (the reference GPT, Llama-style models)."""
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-    tied: bool = False
-
-    @classmethod
-    def of_gpt(cls, cfg) -> "ModelShape":
-        return cls(cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.ffn, cfg.vocab_size, cfg.tie_embeddings)
-
-    def tensors(self) -> list[tuple[str, int, bool]]:
-        """(where, elements, split by tensor parallelism) for every parameter tensor, in order:
-        where is "embed", "block" or "head"."""
-        d, hd = self.hidden, self.hidden // self.heads
-        block = [(d, False), (d * d, True), (d * self.kv_heads * hd, True), (d * self.kv_heads * hd, True),
-                 (d * d, True), (d, False), (d * self.ffn, True), (d * self.ffn, True), (self.ffn * d, True)]
-        out = [("embed", self.vocab * d, True)]
-        for _ in range(self.layers):
-            out += [("block", n, split) for n, split in block]
-        out.append(("head", d, False))  # final norm
-        if not self.tied:
-            out.append(("head", self.vocab * d, True))
-        return out
-
-    @property
-    def parameters(self) -> int:
-        return sum(n for _, n, _ in self.tensors())
-
-
-def stage_tensors(shape: ModelShape, pp: int, stage: int) -> list[tuple[int, bool]]:
+@functools.lru_cache(maxsize=1024)
+def stage_tensors(shape: ModelShape, pp: int, stage: int) -> tuple[tuple[int, bool], ...]:
     """The tensors of one pipeline stage when blocks are split evenly (embedding with the first
     stage, norm and head with the last, a tied embedding on both)."""
     per = [shape.layers // pp + (s < shape.layers % pp) for s in range(pp)]
@@ -63,13 +32,13 @@ def stage_tensors(shape: ModelShape, pp: int, stage: int) -> list[tuple[int, boo
         if where == "embed" and (stage == 0 or (shape.tied and stage == pp - 1)):
             tensors.append((n, split))
         elif where == "block":
-            layer = block // 9
+            layer = block // shape.tensors_per_block
             block += 1
             if first <= layer < first + per[stage]:
                 tensors.append((n, split))
         elif where == "head" and stage == pp - 1:
             tensors.append((n, split))
-    return tensors
+    return tuple(tensors)
 
 
 def model_state_bytes(shape: ModelShape, *, dp: int = 1, tp: int = 1, pp: int = 1, stage: int = 0,
@@ -78,38 +47,45 @@ def model_state_bytes(shape: ModelShape, *, dp: int = 1, tp: int = 1, pp: int = 
     """Bytes of params, grads, master_weights and optimizer states on one rank (the keys of
     engine.memory_report()), plus "host" for offloaded states. `pipeline_stage`: which stage (the
     largest one when None)."""
+    stages = [pipeline_stage] if pipeline_stage is not None else range(pp)
+    reports = [rank_state_bytes([(math.ceil(n / tp) if split else n) for n, split in stage_tensors(shape, pp, s)],
+                                dp=dp, stage=stage, dtype=dtype, offload_optimizer=offload_optimizer,
+                                offload_param=offload_param, persistence_threshold=persistence_threshold)
+               for s in stages]
+    return max(reports, key=lambda r: r["total"])
+
+
+def rank_state_bytes(tensors: list[int], *, dp: int = 1, stage: int = 0, dtype: str = "fp32",
+                     offload_optimizer: bool = False, offload_param: bool = False,
+                     persistence_threshold: int = 100_000) -> dict[str, int]:
+    """The same for one rank from the element counts of the parameter tensors it trains (after
+    tensor and pipeline parallelism): what the engine predicts for its own model at start-up."""
     if stage not in (0, 1, 2, 3):
         raise ValueError("ZeRO stage must be 0, 1, 2 or 3")
     b = 4 if dtype == "fp32" else 2
-    stages = [pipeline_stage] if pipeline_stage is not None else range(pp)
-    best = None
-    for s in stages:
-        tensors = [(math.ceil(n / tp) if split else n) for n, split in stage_tensors(shape, pp, s)]
-        psi = sum(tensors)
-        small = sum(n for n in tensors if n < persistence_threshold) if stage == 3 else 0
-        shard = math.ceil(psi / dp)
-        out = {"params": b * (psi if stage < 3 else math.ceil((psi - small) / dp) + small)}
-        out["grads"] = b * (psi if stage < 2 else shard)
-        separate = dtype != "fp32"
-        if stage == 0:
-            out["master_weights"] = 4 * psi if separate else 0
-            out["grads"] += 4 * psi if separate else 0
-            out["optimizer"] = 8 * psi
-        else:
-            out["master_weights"] = 4 * shard if (separate or offload_optimizer) else 0
-            out["optimizer"] = 8 * shard
-        host = 0
-        if offload_optimizer and stage > 0:
-            out["grads"] += 4 * shard  # the masters' fp32 gradients, on the host
-            host += 4 * shard + 4 * shard + b * shard + out["optimizer"]  # masters, grads, staging, Adam
-        if offload_param and stage == 3:
-            host += b * math.ceil((psi - small) / dp)
-        out["total"] = sum(v for k, v in out.items())
-        if host:
-            out["host"] = host
-        if best is None or out["total"] > best["total"]:
-            best = out
-    return best
+    psi = sum(tensors)
+    small = sum(n for n in tensors if n < persistence_threshold) if stage == 3 else 0
+    shard = math.ceil(psi / dp)
+    out = {"params": b * (psi if stage < 3 else math.ceil((psi - small) / dp) + small)}
+    out["grads"] = b * (psi if stage < 2 else shard)
+    separate = dtype != "fp32"
+    if stage == 0:
+        out["master_weights"] = 4 * psi if separate else 0
+        out["grads"] += 4 * psi if separate else 0
+        out["optimizer"] = 8 * psi
+    else:
+        out["master_weights"] = 4 * shard if (separate or offload_optimizer) else 0
+        out["optimizer"] = 8 * shard
+    host = 0
+    if offload_optimizer and stage > 0:
+        out["grads"] += 4 * shard  # the masters' fp32 gradients, on the host
+        host += 4 * shard + 4 * shard + b * shard + out["optimizer"]  # masters, grads, staging, Adam
+    if offload_param and stage == 3:
+        host += b * math.ceil((psi - small) / dp)
+    out["total"] = sum(out.values())
+    if host:
+        out["host"] = host
+    return out
 
 
 def estimate_table(shape: ModelShape, dp: int, tp: int, pp: int, dtype: str, offload_optimizer: bool = False,

@@ -1,0 +1,180 @@
+"""The planner's step-time model against measured steps on this machine: ratios, not absolute times.
+
+First the machine is calibrated the way `zerotron plan` describes hardware: the peak matmul rate
+of one core and how it falls for narrow matmuls (two matmul widths), the model's efficiency (one
+single-process training step), gloo's all-reduce latency and bandwidth between the two ranks
+(a small and a large message), and the optimizer's memory bandwidth (one AdamW step). Then
+several layouts of the same GPT on the same 2 ranks (DP with ZeRO 0-3, TP with and without
+sequence parallelism, a 2-stage pipeline, checkpointing) train side by side in alternating
+rounds; each layout's median step time relative to DP 2 / ZeRO-1 is compared with the ratio the
+planner predicts from the calibrated hardware.
+
+    python bench/planner.py            # 2 ranks (relaunches itself under torchrun)
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.distributed as dist
+
+from bench import common
+from bench.common import ADAMW
+
+BASE = "dp2 zero1"
+# name: (dp, tp, pp, zero, checkpoint, sequence_parallel)
+SYSTEMS = {
+    "dp2 zero1": (2, 1, 1, 1, "none", False),
+    "dp2 zero0": (2, 1, 1, 0, "none", False),
+    "dp2 zero2": (2, 1, 1, 2, "none", False),
+    "dp2 zero3": (2, 1, 1, 3, "none", False),
+    "dp2 zero1 every_block": (2, 1, 1, 1, "every_block", False),
+    "dp2 zero1 selective": (2, 1, 1, 1, "selective", False),
+    "tp2": (1, 2, 1, 0, "none", False),
+    "tp2 sp": (1, 2, 1, 0, "none", True),
+    "pp2 1f1b": (1, 1, 2, 0, "none", False),
+}
+
+
+def parse_args():
+    p = common.base_parser(__doc__, steps=1, rounds=8)
+    p.set_defaults(layers=4, d_model=512, heads=8, seq=256, batch=8)
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step in the pipeline layout")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    return p.parse_args()
+
+
+# ---- calibration ----------------------------------------------------------------------------------
+def _timed(fn, repeat: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def calibrate(cfg, args, rank: int) -> dict:
+    """The `cpu` hardware fields, measured; every rank measures alike (the cores are shared)."""
+    from zerotron.planner.model import ModelShape
+    tokens = args.batch // 2 * args.seq
+    d = cfg.d_model
+
+    def matmul_rate(width):
+        x, w = torch.randn(tokens, d), torch.randn(d, width)
+        return 2 * tokens * d * width / _timed(lambda: x @ w)
+    r_full, r_half = matmul_rate(4 * d), matmul_rate(2 * d)
+    # rate(w) = R * w / (w + knee), with w the hidden width per rank: d and d / 2.
+    knee = max(1.0, (r_full - r_half) / (2 * r_half / d - r_full / d))
+    peak = r_full * (d + knee) / d
+
+    model = common.build_gpt(cfg)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW, fused=True)
+    x = torch.randint(0, 256, (args.batch // 2, args.seq))
+
+    def train_step():
+        model(x, x).backward()
+    step_s = _timed(train_step, 3)
+    shape = ModelShape.of_gpt(cfg)
+    efficiency = tokens * shape.flops_per_token(args.seq) / step_s / (peak * d / (d + knee))
+    adam_s = _timed(lambda: opt.step(), 5)
+    hbm = (4 * 4 + 4 * 2 + 4) * shape.parameters / adam_s / 1e9
+
+    def all_reduce_s(n):
+        t = torch.zeros(n)
+        dist.barrier()
+        return _timed(lambda: dist.all_reduce(t), 10)
+    small, large = all_reduce_s(256), all_reduce_s(4 * 2 ** 20)  # 1 KiB, 16 MiB
+    latency_us = small / 2 * 1e6                   # two ring steps for 2 ranks
+    bandwidth = 16 * 2 ** 20 / max(large - small, 1e-9) / 1e9  # (n-1)/n * 2 passes = 1 for 2 ranks
+    return {"peak_tflops": peak / 1e12, "knee": knee, "efficiency": min(efficiency, 1.0), "hbm_gbps": hbm,
+            "intra_gbps": bandwidth, "inter_gbps": bandwidth, "intra_latency_us": latency_us,
+            "inter_latency_us": latency_us, "model_step_s": step_s}
+
+
+# ---- the layouts ----------------------------------------------------------------------------------
+def system(cfg, args, spec, rank):
+    import zerotron
+    dp, tp, pp, zero, ckpt, sp = spec
+    model = common.build_gpt(cfg)
+    per_rank = args.batch // dp
+    config = {"train_micro_batch_size_per_gpu": per_rank, "gradient_accumulation_steps": 1,
+              "steps_per_print": 10 ** 9, "zero_optimization": {"stage": zero}, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
+              "tensor_parallel": {"autotp_size": tp},
+              "zerotron": {"checkpoint_policy": ckpt, "sequence_parallel": sp}}
+    if pp > 1:
+        m = args.micro_batches
+        config.update(train_micro_batch_size_per_gpu=args.batch // m, gradient_accumulation_steps=m)
+        engine, *_ = zerotron.initialize(model=model.to_pipeline(pp, partition_method="type:_PipeBlock"), config=config)
+        return lambda x, y: engine.train_batch(iter(zip(x.tensor_split(m), y.tensor_split(m)))).item()
+    engine, *_ = zerotron.initialize(model=model, config=config)
+    lo = (rank % dp) * per_rank if dp > 1 else 0
+
+    def step(x, y):
+        loss = engine(x[lo:lo + per_rank], y[lo:lo + per_rank])
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+    return step
+
+
+def predicted(cfg, args, spec, hw) -> float:
+    from zerotron.planner.cost import Layout, step_time
+    from zerotron.planner.model import ModelShape
+    dp, tp, pp, zero, ckpt, sp = spec
+    m = args.micro_batches if pp > 1 else 1
+    layout = Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=args.batch // dp // m, grad_accum=m,
+                    checkpoint=ckpt, sequence_parallel=sp)
+    return step_time(ModelShape.of_gpt(cfg), layout, args.seq, hw, dtype="fp32")
+
+
+def main():
+    args = parse_args()
+    rank, world, log, cfg = common.start(args)
+    if world != 2:
+        raise SystemExit("bench/planner.py compares layouts of 2 ranks; run it with --nproc 2")
+    from zerotron.planner.hardware import hardware
+    fields = calibrate(cfg, args, rank)
+    hw = hardware("cpu", **{k: v for k, v in fields.items() if k != "model_step_s"})
+    log("calibrated: " + ", ".join(f"{k} {v:.4g}" for k, v in fields.items()))
+
+    names = [n.strip() for n in args.systems.split(",") if n.strip()]
+    systems = {n: system(cfg, args, SYSTEMS[n], rank) for n in names}
+    g = torch.Generator().manual_seed(1234)
+    n_batches = args.warmup + args.rounds * args.steps
+    data = [torch.randint(0, 256, (args.batch, args.seq + 1), generator=g) for _ in range(n_batches)]
+    batches = [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in data]
+    res = common.run_rounds(systems, batches, args.warmup, args.steps, args.rounds, log)
+
+    rows = []
+    for n in names:
+        t = predicted(cfg, args, SYSTEMS[n], hw)
+        rows.append({"layout": n, "median_ms": res[n]["median_ms"], "predicted_ms": t["total"] * 1e3,
+                     "measured_ratio": common.paired_ratio(res, n, BASE) if BASE in res else None,
+                     "parts_ms": {k: v * 1e3 for k, v in t.items()}})
+    base = next(r for r in rows if r["layout"] == BASE)
+    for r in rows:
+        r["predicted_ratio"] = r["predicted_ms"] / base["predicted_ms"]
+        r["ratio_error"] = r["predicted_ratio"] / r["measured_ratio"] - 1
+    if rank == 0:
+        common.print_table(rows, [("layout", "layout", "{}"), ("median_ms", "measured ms", "{:.1f}"),
+                                  ("predicted_ms", "predicted ms", "{:.1f}"),
+                                  ("measured_ratio", f"measured / {BASE}", "{:.3f}"),
+                                  ("predicted_ratio", "predicted ratio", "{:.3f}"), ("ratio_error", "error", "{:+.1%}")])
+        errors = [abs(r["ratio_error"]) for r in rows if r["layout"] != BASE]
+        log(f"ratio error: median {statistics.median(errors):.1%}, worst {max(errors):.1%}")
+        common.write_json("planner", {"environment": common.environment(), "args": vars(args) | {"out": None},
+                                      "calibration": fields, "rows": rows,
+                                      "median_abs_ratio_error": statistics.median(errors),
+                                      "worst_abs_ratio_error": max(errors)}, args.out)
+
+
+if __name__ == "__main__":
+    main()

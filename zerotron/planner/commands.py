@@ -1,0 +1,95 @@
+"""`zerotron estimate` (memory per GPU for each ZeRO stage) and `zerotron plan` (search, rank,
+write the best config)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .hardware import PRESETS, hardware
+
+HARDWARE_FIELDS = ("memory_gib", "peak_tflops", "intra_gbps", "inter_gbps", "host_gib", "efficiency", "pcie_gbps")
+
+
+def _model_argument(p, default: str):
+    p.add_argument("--model", default=default, help="a zerotron size (1.3b), an architecture (llama3-8b), a config.json "
+                                                    "path, or layers=..,hidden=..,heads=..,vocab=..")
+
+
+def add_estimate_arguments(p):
+    _model_argument(p, "1.3b")
+    p.add_argument("--dp", type=int, default=8)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
+    p.add_argument("--offload-optimizer", action="store_true")
+    p.add_argument("--offload-param", action="store_true")
+    p.add_argument("--persistence-threshold", type=int, default=100_000)
+    p.add_argument("--seq", type=int, default=None, help="with --micro-batch: add the activations of one micro-batch")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--checkpoint", choices=["none", "every_block", "selective"], default="none")
+    p.add_argument("--sequence-parallel", action="store_true")
+
+
+def add_plan_arguments(p):
+    _model_argument(p, "llama3-8b")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="default: the hardware's (8)")
+    p.add_argument("--hardware", default="h100", choices=sorted(PRESETS))
+    for name in HARDWARE_FIELDS:
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=None, help="override the preset's " + name)
+    p.add_argument("--seq", type=int, default=4096, help="sequence length")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
+    p.add_argument("--max-micro-batch", type=int, default=16)
+    p.add_argument("--zero", type=int, nargs="*", default=[0, 1, 2, 3], help="ZeRO stages to consider")
+    p.add_argument("--no-offload", action="store_true", help="do not consider CPU offload")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--out", default="plan.json", help="where to write the best layout's DeepSpeed config")
+    p.add_argument("--plot", default=None, metavar="PNG", help="draw the top layouts' memory breakdown here")
+
+
+def estimate(args) -> int:
+    from .activations import activation_bytes
+    from .memory import estimate_table
+    from .model import ModelShape
+    shape = ModelShape.parse(args.model)
+    print(estimate_table(shape, args.dp, args.tp, args.pp, args.precision, args.offload_optimizer,
+                         args.offload_param, args.persistence_threshold))
+    if args.seq:
+        act = activation_bytes(shape, args.micro_batch, args.seq, args.checkpoint, dtype=args.precision, tp=args.tp,
+                               sp=args.sequence_parallel, partition_activations=args.checkpoint != "none" and args.tp > 1,
+                               layers=-(-shape.layers // args.pp))
+        print(f"activations of one micro-batch ({args.micro_batch} x {args.seq} tokens, checkpointing "
+              f"{args.checkpoint}): {act / 2**30:.2f} GiB per GPU")
+    return 0
+
+
+def plan_command(args) -> int:
+    from .model import ModelShape
+    from .report import plot, table
+    from .search import deepspeed_config, plan
+    shape = ModelShape.parse(args.model)
+    overrides = {k: getattr(args, k) for k in HARDWARE_FIELDS}
+    hw = hardware(args.hardware, **overrides, gpus_per_node=args.gpus_per_node)
+    candidates = plan(shape, args.gpus, hw, args.seq, args.global_batch, args.precision,
+                      max_micro_batch=args.max_micro_batch, zero_stages=tuple(args.zero), offload=not args.no_offload)
+    print(f"{args.model}: {shape.parameters / 1e9:.2f}B parameters, {args.gpus} x {hw.name}, seq {args.seq}, "
+          f"global batch {args.global_batch} sequences, {args.precision}")
+    print(table(candidates, hw, args.top))
+    best = candidates[0]
+    if best.rejected is not None:
+        print("\nnothing fits: add GPUs, shorten the sequence, or allow offload / more ZeRO stages")
+        return 3
+    config = deepspeed_config(best.layout, args.global_batch, args.precision)
+    Path(args.out).write_text(json.dumps(config, indent=2) + "\n")
+    from ..models.gpt import SIZES
+    extra = f" --virtual-stages {best.layout.chunks}" if best.layout.chunks > 1 else ""
+    if args.model in SIZES:
+        how = f"zerotron train --model {args.model} --seq-len {args.seq} --config {args.out} --nproc {args.gpus}{extra}"
+    else:
+        how = f"zerotron.initialize(config='{args.out}') in your script ({args.gpus} processes: zerotron run)"
+    print(f"\nwrote {args.out}; run it with  {how}")
+    if args.plot:
+        plot(candidates, args.plot, hw, title=f"{args.model} on {args.gpus} x {hw.name}, seq {args.seq}")
+        print(f"drew {args.plot}")
+    return 0

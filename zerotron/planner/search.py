@@ -1,0 +1,120 @@
+"""The search: every valid layout for a model on N GPUs, costed, ranked by predicted tokens/s.
+
+Valid means what the engine runs: tensor parallelism inside a node and dividing the heads,
+pipeline stages no more than layers (and without ZeRO-3 or sequence parallelism), the global
+batch split evenly over data-parallel ranks and micro-batches, offload only with ZeRO.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cost import Layout, fits, memory, throughput
+from .hardware import Hardware
+from .model import ModelShape
+
+CHECKPOINTS = ("none", "selective", "every_block")
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    memory: dict[str, int]
+    speed: dict
+    rejected: str | None   # why it does not fit; None when it does
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.speed["tokens_per_s"]
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, global_batch: int, max_micro_batch: int = 16,
+            zero_stages=(0, 1, 2, 3), offload: bool = True):
+    for tp in _divisors(min(gpus, gpus_per_node)):
+        if gpus % tp or shape.heads % tp or shape.kv_heads % tp:
+            continue
+        for pp in _divisors(gpus // tp):
+            if pp > shape.layers:
+                continue
+            dp = gpus // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_rank = global_batch // dp
+            for micro in _divisors(per_rank):
+                if micro > max_micro_batch:
+                    break
+                accum = per_rank // micro
+                for zero in zero_stages:
+                    if pp > 1 and zero == 3:
+                        continue
+                    offloads = ["none"] + (["optimizer"] if offload and zero > 0 else []) + \
+                               (["optimizer+param"] if offload and zero == 3 else [])
+                    schedules = [("1f1b", 1)] if pp == 1 else [("1f1b", 1)] + (
+                        [("interleaved", 2)] if accum % pp == 0 and shape.layers % (2 * pp) == 0 else [])
+                    for ckpt in CHECKPOINTS:
+                        for off in offloads:
+                            for schedule, chunks in schedules:
+                                yield Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=micro, grad_accum=accum,
+                                             checkpoint=ckpt, offload=off, schedule=schedule, chunks=chunks,
+                                             sequence_parallel=tp > 1 and pp == 1)
+
+
+def plan(shape: ModelShape, gpus: int, hw: Hardware, seq: int, global_batch: int, dtype: str = "bf16",
+         gpus_per_node: int | None = None, **options) -> list[Candidate]:
+    """Every valid layout, costed: those that fit first (fastest first), then the rest (fastest first)."""
+    if gpus < 1 or global_batch < 1 or seq < 1:
+        raise ValueError("gpus, global batch and sequence length must be positive")
+    per_node = gpus_per_node or hw.gpus_per_node
+    out = []
+    for layout in layouts(shape, gpus, per_node, global_batch, **options):
+        mem = memory(shape, layout, seq, dtype)
+        out.append(Candidate(layout, mem, throughput(shape, layout, seq, hw, dtype), fits(mem, hw, per_node)))
+    if not out:
+        raise ValueError(f"no layout splits a global batch of {global_batch} over {gpus} GPUs with this model "
+                         f"({shape.heads} heads, {shape.layers} layers); choose a batch divisible by the GPU count")
+    out.sort(key=lambda c: (c.rejected is not None, -c.tokens_per_s, c.memory["total"]))
+    return out
+
+
+def deepspeed_config(layout: Layout, global_batch: int, dtype: str = "bf16", lr: float = 3e-4) -> dict:
+    """The DeepSpeed-style JSON config that runs `layout` (zerotron train / initialize)."""
+    zero: dict = {"stage": layout.zero}
+    if layout.offload != "none":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if layout.offload == "optimizer+param":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config = {
+        "train_batch_size": global_batch,
+        "train_micro_batch_size_per_gpu": layout.micro_batch,
+        "gradient_accumulation_steps": layout.grad_accum,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+        "zero_optimization": zero,
+        "tensor_parallel": {"autotp_size": layout.tp},
+        "zerotron": {"sequence_parallel": layout.sequence_parallel, "checkpoint_policy": layout.checkpoint},
+    }
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif dtype == "fp16":
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    if layout.pp > 1:
+        config["pipeline"] = {"stages": layout.pp, "schedule": layout.schedule}
+    if layout.checkpoint != "none" and layout.tp > 1:
+        config["activation_checkpointing"] = {"partition_activations": True}
+    return config
+
+
+def train_flags(layout: Layout) -> str:
+    """The `zerotron train` flags that pick the same layout (the pipeline's virtual stages are a
+    property of the PipelineModule, so they travel as a flag, not in the config)."""
+    flags = [f"--dp {layout.dp}", f"--tp {layout.tp}", f"--pp {layout.pp}"]
+    if layout.pp > 1:
+        flags.append(f"--schedule {layout.schedule}")
+        if layout.chunks > 1:
+            flags.append(f"--virtual-stages {layout.chunks}")
+    if layout.checkpoint != "none":
+        flags.append(f"--checkpoint {layout.checkpoint}")
+    return " ".join(flags)
