@@ -78,9 +78,16 @@ def _saved_for_backward(model, tokens, targets, forward=None) -> int:
 def _kept_by_forward(model, tokens, targets) -> int:
     """Bytes a forward leaves allocated (the profiler's allocations minus frees): what selective
     checkpointing caches is kept outside autograd's saved tensors, so hooks do not see it."""
+    import gc
+
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss = model(tokens, targets)
+    gc.collect()  # earlier tests' garbage freed inside the window would count as negative allocations
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            loss = model(tokens, targets)
+    finally:
+        gc.enable()
     del loss
     return sum(e.self_cpu_memory_usage for e in prof.events())
 

@@ -22,7 +22,8 @@ def _train_tp(tp, micro, gas, steps, sequence_parallel=False, stage=0, model_ove
     for b in global_batches(steps, micro * gas * dp):
         engine.reset_comm_stats()
         losses.append(engine.train_batch(iter(micro_batches(b, dp_rank, dp, gas))).item())
-    return losses, zerotron.zero.consolidated_state_dict(engine.module), engine.tp_comm.stats()
+    stats = engine.tp_comm.stats()  # the last step's traffic (consolidating the weights below gathers too)
+    return losses, zerotron.zero.consolidated_state_dict(engine.module), stats
 
 
 @pytest.mark.parametrize("world,tp,gas,sp", [

@@ -14,13 +14,13 @@ import torch.distributed as dist
 from .comm import init_distributed, launched_by_torchrun, local_device
 from .config import Config, resolve_auto
 from .engine import Engine
-from .errors import ConfigError
+from .errors import BadBatchError, CollectiveMismatch, ConfigError, NonFiniteError
 from .topology import Topology
-from . import checkpointing, hf  # noqa: E402  (zerotron.checkpointing / zerotron.hf as DeepSpeed users expect)
+from . import checkpointing, hf, watchdog  # noqa: E402  (zerotron.checkpointing / zerotron.hf as DeepSpeed users expect)
 
 __version__ = "0.1.0"
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "Config", "ConfigError", "Engine",
-           "Topology", "resolve_auto", "__version__"]
+           "Topology", "resolve_auto", "BadBatchError", "CollectiveMismatch", "NonFiniteError", "__version__"]
 
 
 def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,

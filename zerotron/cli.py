@@ -68,11 +68,13 @@ def _train(args, argv: list[str]) -> int:
     nproc = world_size_of(args, default_nproc())
     Config.load(build_config(args, torch.cuda.is_available()), world_size=nproc,  # fail fast, before launching
                 pipeline_stages=args.pp)
-    # Relaunch ourselves under torchrun: one process per GPU (or `nproc` CPU processes). --nproc is
-    # dropped from the workers' arguments: torchrun would read it as its own --nproc-per-node.
-    worker_argv = [a for i, a in enumerate(argv) if not (a.startswith("--nproc") or
-                                                         (i and argv[i - 1] == "--nproc"))]
-    return _torchrun(["--standalone", f"--nproc-per-node={nproc}", "-m", "zerotron.cli", *worker_argv])
+    # Relaunch ourselves under torchrun: one process per GPU (or `nproc` CPU processes). --nproc and
+    # --max-restarts are torchrun's, dropped from the workers' arguments (torchrun would read
+    # --nproc as its own --nproc-per-node).
+    ours = ("--nproc", "--max-restarts")
+    worker_argv = [a for i, a in enumerate(argv) if not (a.startswith(ours) or (i and argv[i - 1] in ours))]
+    return _torchrun(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={args.max_restarts}",
+                      "-m", "zerotron.cli", *worker_argv])
 
 
 # ---- zerotron run -----------------------------------------------------------------------------
@@ -106,14 +108,25 @@ def _run(args) -> int:
 
 
 def _torchrun(argv: list[str]) -> int:
-    from torch.distributed.run import main as torchrun_main
+    """Run torchrun's agent in this process. Exit status: 0; or the first failed worker's status
+    when it is zerotron's (EXIT_PREEMPTED after a checkpoint on SIGTERM, EXIT_FAULT after a
+    collective timeout); EXIT_PREEMPTED when this launcher is signalled itself; else 1."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    from .errors import EXIT_FAULT, EXIT_PREEMPTED
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, _nproc_of(argv)))))
     try:
         torchrun_main(argv)
     except ChildFailedError as e:
-        print(f"zerotron: a worker process failed: {e}", file=sys.stderr)
-        return 1
+        code = e.get_first_failure()[1].exitcode  # the root cause; torchrun then stops the others
+        print(f"zerotron: a worker process failed (exit status {code}): {e}", file=sys.stderr)
+        return code if code in (EXIT_FAULT, EXIT_PREEMPTED) else 1
+    except SignalException as e:  # SIGTERM/SIGINT to the launcher: torchrun passed it on to the workers
+        print(f"zerotron: stopped by signal {e.sigval}; the workers checkpointed if they had a --save-dir",
+              file=sys.stderr)
+        return EXIT_PREEMPTED
     return 0
 
 

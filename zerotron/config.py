@@ -183,12 +183,21 @@ class ZerotronConfig:
     sequence_parallel: bool = False
     checkpoint_policy: str = "none"   # activation checkpointing the engine applies: none, every_block, every_k, selective
     checkpoint_every: int = 2         # with every_k: checkpoint one block in this many
+    # Fault tolerance (zerotron/watchdog.py, engine.py):
+    collective_timeout: Optional[float] = None  # seconds a collective may wait (None: $ZEROTRON_COLLECTIVE_TIMEOUT or 600)
+    collective_checks: bool = False   # debug: compare each collective's op/shape/dtype across ranks first
+    max_nonfinite_steps: int = 8      # bf16/fp32: stop after this many consecutive steps with NaN/Inf gradients
+    save_on_preemption: Optional[str] = None  # SIGTERM/SIGINT: finish the step, checkpoint here, exit 75
 
     def validate(self, p: str):
         from .checkpointing import POLICIES
         _check(self.checkpoint_policy in POLICIES, p + ".checkpoint_policy", self.checkpoint_policy,
                f"use one of {', '.join(POLICIES)}")
         _check(self.checkpoint_every >= 1, p + ".checkpoint_every", self.checkpoint_every, "use a positive integer")
+        _check(self.collective_timeout is None or self.collective_timeout > 0, p + ".collective_timeout",
+               self.collective_timeout, "use a positive number of seconds")
+        _check(self.max_nonfinite_steps >= 1, p + ".max_nonfinite_steps", self.max_nonfinite_steps,
+               "use a positive integer")
 
 
 @dataclass

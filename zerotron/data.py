@@ -263,8 +263,8 @@ class ResumableDistributedSampler(Sampler[int]):
         self.set_position(int(sd["epoch"]), int(sd["offset"]))
 
 
-def corpus_loaders(seq_len: int, micro_batch: int, num_replicas: int, rank: int,
-                   seed: int = 0, max_bytes: int | None = None) -> tuple[DataLoader, TokenWindows]:
+def corpus_loaders(seq_len: int, micro_batch: int, num_replicas: int, rank: int, seed: int = 0,
+                   max_bytes: int | None = None, global_batch: int | None = None) -> tuple[DataLoader, TokenWindows]:
     """(train_loader, val_dataset) over the stdlib corpus for this rank.
 
     The train loader never ends (infinite sampler) and yields (x, y) int64
@@ -276,6 +276,10 @@ def corpus_loaders(seq_len: int, micro_batch: int, num_replicas: int, rank: int,
         raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
     train, val = load_corpus(max_bytes)
     train_ds = TokenWindows(train, seq_len)
+    need = global_batch or micro_batch * num_replicas
+    if len(train_ds) < need:
+        raise ValueError(f"the training data holds {len(train_ds)} sequences of {seq_len} tokens, fewer than one global "
+                         f"batch ({need}): use more data (--corpus-bytes), a shorter --seq-len or a smaller batch")
     sampler = ResumableDistributedSampler(len(train_ds), num_replicas, rank, shuffle=True, seed=seed)
     loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, num_workers=0)
     return loader, TokenWindows(val, seq_len)

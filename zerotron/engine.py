@@ -7,9 +7,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .comm import Comm, local_device
+from . import preemption, watchdog
+from .comm import Comm, comm_for, local_device
 from .config import Config
-from .errors import ConfigError
+from .errors import EXIT_PREEMPTED, BadBatchError, ConfigError, NonFiniteError
 from .log import logger
 from .monitor import Monitor
 from .optim import build_optimizer
@@ -39,10 +40,10 @@ class Engine(nn.Module):
         self.dtype = model_dtype(config)
         self.module = self._place(module)
 
-        self.dp_comm = Comm(topology.group("dp"))
-        self.grad_comm = Comm(topology.group("dp_grad"))  # gradient reductions (see zero/sharded.py)
-        self.tp_comm = Comm(topology.group("tp"))
-        self.world_comm = Comm(None)
+        self.dp_comm = Comm(topology.group("dp"), "dp")
+        self.grad_comm = Comm(topology.group("dp_grad"), "dp_grad")  # gradient reductions (see zero/sharded.py)
+        self.tp_comm = Comm(topology.group("tp"), "tp")
+        self.world_comm = comm_for(None, "world")
         if topology.tp > 1:
             self._apply_tensor_parallel()
         self._configure_checkpointing()
@@ -66,6 +67,13 @@ class Engine(nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._global_grad_norm = None
+        self._nonfinite_streak = 0
+        self._bad_loss = None  # this step's micro-batch losses: any NaN/Inf?
+        self.preemption_requested = False
+        if config.zerotron.save_on_preemption:
+            preemption.install()
+        watchdog.configure(config.zerotron.collective_timeout, config.zerotron.collective_checks)
+        self._vocab_size = _vocab_size(self.module)
         self._micro_losses: list[torch.Tensor] = []
         self._boundary_override: bool | None = None
         self._step_start = time.perf_counter()
@@ -149,13 +157,18 @@ class Engine(nn.Module):
         if dataset is None:
             return None
         from .data import ResumableDistributedSampler
+        if len(dataset) < self.train_batch_size():
+            raise ValueError(f"training_data holds {len(dataset)} samples, fewer than one global batch "
+                             f"({self.train_batch_size()} = micro-batch x accumulation x data-parallel ranks): "
+                             "use more data or a smaller batch")
         sampler = ResumableDistributedSampler(len(dataset), num_replicas=self.topology.dp,
                                               rank=self.coords.dp, shuffle=True, infinite=False)
         return torch.utils.data.DataLoader(dataset, batch_size=self.train_micro_batch_size_per_gpu(),
-                                           sampler=sampler, collate_fn=collate_fn, drop_last=True)
+                                           sampler=sampler, collate_fn=collate_fn or _collate, drop_last=True)
 
     # ---- the training verbs -----------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self._check_inputs(args, kwargs)
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
@@ -165,6 +178,8 @@ class Engine(nn.Module):
             raise ValueError("engine.backward expects the scalar loss tensor of one micro-batch")
         boundary = self.is_gradient_accumulation_boundary()
         self._micro_losses.append(loss.detach())
+        bad = ~torch.isfinite(loss.detach())  # a tensor: no device sync per micro-batch
+        self._bad_loss = bad if self._bad_loss is None else self._bad_loss | bad
         gas_scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         scaled = gas_scaled.float() * self.loss_scaler.scale if self.loss_scaler.enabled else gas_scaled.float()
         self.states.begin_backward(boundary)
@@ -180,18 +195,22 @@ class Engine(nn.Module):
 
     def _take_model_step(self, lr_kwargs):
         scaled = self.loss_scaler.enabled
-        overflow = self.states.unscale_and_check(1.0 / self.loss_scaler.scale if scaled else None)
-        if scaled:  # every rank must agree to skip
-            flag = torch.tensor([float(overflow)], device=self.device)
-            self.world_comm.all_reduce(flag, op=dist.ReduceOp.MAX)
-            overflow = bool(flag.item())
+        nonfinite = self.states.unscale_and_check(1.0 / self.loss_scaler.scale if scaled else 1.0)
+        bad_ranks, bad_loss_ranks, preempting = self._agree(nonfinite)  # every rank skips, or none does
+        overflow = bool(bad_ranks or bad_loss_ranks)
+        if scaled:
             previous_scale = self.loss_scaler.scale
             self.loss_scaler.update(overflow)
         if overflow:
             self.skipped_steps += 1
-            logger.warning(f"step {self.global_steps}: fp16 gradients overflowed, step skipped; "
-                           f"loss scale {previous_scale:g} -> {self.loss_scaler.scale:g}")
+            if scaled:  # dynamic loss scaling: overflow is expected now and then
+                logger.warning(f"step {self.global_steps}: fp16 gradients overflowed, step skipped; "
+                               f"loss scale {previous_scale:g} -> {self.loss_scaler.scale:g}")
+            else:
+                self._nonfinite_streak += 1
+                self._check_nonfinite_streak(bad_ranks, bad_loss_ranks)
         else:
+            self._nonfinite_streak = 0
             if self.config.gradient_clipping > 0:
                 self._global_grad_norm = clip_by_global_norm(
                     self.states.master_grads(), self.config.gradient_clipping,
@@ -206,9 +225,61 @@ class Engine(nn.Module):
         self.states.zero_grads()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+        watchdog.set_step(self.global_steps)
         if self.global_steps == 1:  # optimizer states exist from the first step on
             self._log_memory_prediction()
         self._report()
+        self.preemption_requested = bool(preempting)
+        if self.preemption_requested and self.config.zerotron.save_on_preemption:
+            self.save_checkpoint(self.config.zerotron.save_on_preemption)
+            logger.warning(f"preempted (signal on rank(s) {preempting}): checkpoint saved at step "
+                           f"{self.global_steps} in {self.config.zerotron.save_on_preemption}; exiting {EXIT_PREEMPTED}")
+            raise SystemExit(EXIT_PREEMPTED)
+
+    # ---- faults (see also zerotron/watchdog.py) ------------------------------------------------------
+    def _agree(self, nonfinite: bool) -> tuple[list[int], list[int], list[int]]:
+        """One small all-gather per step, so that every rank takes the same decision: the ranks
+        whose gradients hold NaN/Inf, those whose loss did (after the gradient reduction every rank's
+        gradients are bad; the loss says where it started), and those that received SIGTERM/SIGINT."""
+        bad_loss = torch.zeros((), device=self.device) if self._bad_loss is None else self._bad_loss.float()
+        self._bad_loss = None
+        mine = torch.stack([torch.tensor(float(nonfinite), device=self.device), bad_loss.to(self.device).reshape(()),
+                            torch.tensor(float(preemption.requested() is not None), device=self.device)])
+        every = self.world_comm.all_gather_list(mine) if self.world_size > 1 else [mine]
+        flags = torch.stack(every).cpu()
+        return tuple(flags[:, i].nonzero().flatten().tolist() for i in range(3))
+
+    def _check_nonfinite_streak(self, bad_ranks: list[int], bad_loss_ranks: list[int]) -> None:
+        limit = self.config.zerotron.max_nonfinite_steps
+        where = (f"NaN/Inf loss on rank(s) {bad_loss_ranks}" if bad_loss_ranks else
+                 f"NaN/Inf gradients on rank(s) {bad_ranks}")
+        logger.warning(f"step {self.global_steps}: {where}; step skipped on every rank "
+                       f"({self._nonfinite_streak} in a row, stopping at {limit})")
+        if self._nonfinite_streak >= limit:
+            raise NonFiniteError(
+                f"training stopped at step {self.global_steps}: {limit} consecutive steps had NaN/Inf values "
+                f"(last: {where}). The weights are those of the last good step. Lower the learning rate, check "
+                "the data, or raise zerotron.max_nonfinite_steps.")
+
+    def _check_inputs(self, args, kwargs) -> None:
+        """Token ids outside the vocabulary, or an empty batch, named before the forward runs (an
+        out-of-range id would otherwise fail deep inside the embedding, or read garbage on GPUs)."""
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if not torch.is_tensor(tokens):
+            return
+        problem = None
+        if tokens.numel() == 0:
+            problem = f"an empty batch (shape {list(tokens.shape)}): every micro-batch needs at least one sequence"
+        elif not tokens.is_floating_point() and self._vocab_size:
+            low, high = tokens.min().item(), tokens.max().item()
+            if low < 0 or high >= self._vocab_size:
+                problem = (f"token id {high if high >= self._vocab_size else low} is outside the vocabulary "
+                           f"[0, {self._vocab_size}) (batch shape {list(tokens.shape)}): check the tokenizer "
+                           "against the model's vocab_size")
+        if problem:
+            message = f"bad input at step {self.global_steps} on rank {self.global_rank}: {problem}"
+            watchdog.abort(message)  # the other ranks stop with this message instead of waiting
+            raise BadBatchError(message)
 
     def predicted_memory(self) -> dict[str, int]:
         """The planner's model-state bytes for this rank (zerotron.planner.memory), from the
@@ -447,3 +518,23 @@ def _to_device(batch, device):
     if isinstance(batch, dict):
         return {k: _to_device(v, device) for k, v in batch.items()}
     return batch
+
+
+def _vocab_size(module: nn.Module) -> int | None:
+    """The vocabulary size the model declares (zerotron's GPT and Transformers models: config.vocab_size)."""
+    v = getattr(getattr(module, "config", None), "vocab_size", None)
+    return v if isinstance(v, int) and v > 0 else None
+
+
+def _collate(samples):
+    """torch's default collation, with ragged samples named instead of a bare stack error."""
+    try:
+        return torch.utils.data.default_collate(samples)
+    except RuntimeError as e:
+        if "equal size" not in str(e) and "same size" not in str(e):
+            raise
+        shapes = sorted({tuple(getattr(t, "shape", ())) for s in samples
+                         for t in (s if isinstance(s, (tuple, list)) else s.values() if isinstance(s, dict) else [s])})
+        raise BadBatchError(f"samples of different shapes cannot form one batch ({', '.join(map(str, shapes[:4]))}"
+                            f"{' ...' if len(shapes) > 4 else ''}): pad or cut them to one length, or pass a "
+                            "collate_fn that does (e.g. transformers.DataCollatorForLanguageModeling)") from e

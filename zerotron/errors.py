@@ -7,3 +7,21 @@ class ConfigError(ValueError):
     def __init__(self, key: str, value, fix: str):
         self.key, self.value, self.fix = key, value, fix
         super().__init__(f"config key '{key}' = {value!r}: {fix}")
+
+
+# Exit codes (sysexits.h): a job that stops on purpose says why through its status.
+EXIT_FAULT = 70       # EX_SOFTWARE: a collective timed out, or another rank stopped the job
+EXIT_PREEMPTED = 75   # EX_TEMPFAIL: SIGTERM/SIGINT; a checkpoint was saved; run again with --resume
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks called different collectives at the same point (collective checks, a debug mode)."""
+
+
+class NonFiniteError(FloatingPointError):
+    """Too many consecutive steps had NaN/Inf gradients: training stops instead of going on with garbage."""
+
+
+class BadBatchError(ValueError):
+    """A batch the model cannot take (token ids outside the vocabulary, an empty batch): named
+    before the forward runs, so nothing is corrupted."""

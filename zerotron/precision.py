@@ -144,9 +144,10 @@ def clip_by_global_norm(grads: list[torch.Tensor], max_norm: float, groups=None,
     if weights is not None:
         norms = norms * torch.tensor(weights, dtype=norms.dtype, device=norms.device)
     total_sq = norms.sum()
+    from .comm import comm_for
     for group in groups if isinstance(groups, (list, tuple)) else [groups]:
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(total_sq, group=group)
+            comm_for(group, "norm").all_reduce(total_sq)
     total = total_sq.sqrt()
     if max_norm > 0:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)

@@ -8,6 +8,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import preemption
+from .comm import comm_for
+from .errors import EXIT_PREEMPTED
+
 # Dense bf16 peak FLOP/s per GPU, for MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 
@@ -34,7 +38,10 @@ def add_train_arguments(p: argparse.ArgumentParser):
                    help="activation checkpointing policy")
     p.add_argument("--save-dir", default=None, help="write checkpoints here (every --save-every steps and at the end)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint period in steps (0: only at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --save-dir")
+    p.add_argument("--resume", nargs="?", const="auto", choices=["auto"], default=None,
+                   help="continue from the newest complete checkpoint in --save-dir, if there is one ('auto')")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart every process this many times when one fails (with --resume: from the newest checkpoint)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-batches", type=int, default=8, help="validation micro-batches per process")
     p.add_argument("--sample-bytes", type=int, default=200, help="length of the generated sample (0: none)")
@@ -149,10 +156,12 @@ def train(args) -> None:
     rank0 = engine.global_rank == 0
     mb, seq = engine.train_micro_batch_size_per_gpu(), args.seq_len
     loader, val = corpus_loaders(seq, mb, engine.topology.dp, engine.coords.dp, seed=args.seed,
-                                 max_bytes=args.corpus_bytes)
+                                 max_bytes=args.corpus_bytes, global_batch=engine.train_batch_size())
     say = print if rank0 else (lambda *a, **k: None)
     if args.resume and not args.save_dir:
         raise SystemExit("--resume needs --save-dir (where the checkpoints are)")
+    if args.save_dir:  # SIGTERM/SIGINT: finish the step, checkpoint, exit EXIT_PREEMPTED
+        preemption.install()
     first_step = 0
     if args.resume:
         path, client = engine.load_checkpoint(args.save_dir)
@@ -162,7 +171,11 @@ def train(args) -> None:
             loader.sampler.load_state_dict(client["sampler"])
             first_step = engine.global_steps
             say(f"resumed from {path} at step {first_step}")
+    # A DataLoader iterator draws a base seed from the global RNG (unused with num_workers=0); put
+    # the state back so a resumed run's random stream (dropout) matches an uninterrupted one's.
+    rng = torch.get_rng_state()
     data = iter(loader)
+    torch.set_rng_state(rng)
     say(f"zerotron train: {args.model} GPT, {model.num_params() / 1e6:.2f}M parameters, "
         f"{engine.world_size} x {engine.device.type} ({dist.get_backend()}), "
         f"dp {engine.topology.dp} x tp {engine.topology.tp} x pp {engine.topology.pp}, {engine.config.model_dtype_name}, "
@@ -176,18 +189,22 @@ def train(args) -> None:
     start = time.perf_counter()
     for step in range(first_step, args.steps):
         t0 = time.perf_counter()
-        loss = engine.train_batch(data)
+        loss = engine.train_batch(data)  # NaN/Inf steps are skipped there; a streak of them stops the job
         dt = time.perf_counter() - t0
-        if not math.isfinite(loss.item()):
-            raise FloatingPointError(f"loss became {loss.item()} at step {step}; lower --lr")
         stats = {"loss": f"{loss.item():.3f}", "tok/s": f"{tokens_per_step / dt:,.0f}"}
         if peak:
             stats["MFU"] = f"{flops_per_token * tokens_per_step / dt / engine.world_size / peak:.1%}"
         bar.set_postfix(stats, refresh=False)
         bar.update(1)
         last = step + 1 == args.steps
-        if args.save_dir and (last or (args.save_every and (step + 1) % args.save_every == 0)):
+        if args.save_dir and (last or engine.preemption_requested or
+                              (args.save_every and (step + 1) % args.save_every == 0)):
             engine.save_checkpoint(args.save_dir, client_state={"sampler": loader.sampler.state_dict()})
+        if engine.preemption_requested:
+            bar.close()
+            say(f"preempted: checkpoint saved at step {step + 1} in {args.save_dir}; exiting {EXIT_PREEMPTED} "
+                "(run again with --resume to continue)")
+            raise SystemExit(EXIT_PREEMPTED)
     bar.close()
     elapsed = time.perf_counter() - start
 
@@ -205,5 +222,5 @@ def train(args) -> None:
         engine.module.eval()
         out = engine.module.generate(prompt, args.sample_bytes, temperature=0.8, top_k=40, generator=g)
         say("sample:\n" + bytes(out[0].tolist()).decode("utf-8", errors="replace"))
-    dist.barrier()
+    comm_for(None, "world").barrier()
     dist.destroy_process_group()

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from ..log import logger
 from .files import META, StreamingSafetensors, read_meta
 from .load import SavedPieces, resolve_tag
+from ..comm import comm_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -119,5 +120,5 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
                 seen.add(v.untyped_storage().data_ptr())
                 unique[k] = v.contiguous()
         save_file(unique, str(Path(save_dir) / save_filename), metadata={"format": "pt"})
-    dist.barrier()
+    comm_for(None, "world").barrier()
     return True

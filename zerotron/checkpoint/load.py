@@ -18,6 +18,7 @@ from safetensors import safe_open
 from ..log import logger
 from .files import LATEST, CheckpointError, read_meta, verify
 from .layout import Piece, assemble, my_slice, rank_pieces, tensor_parallel_of
+from ..comm import comm_for
 
 
 class SavedPieces:
@@ -135,7 +136,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
             setattr(engine, k, v)
         engine.load_data_state(meta.get("data"))
         _load_rng(saved, meta)
-    dist.barrier()
+    comm_for(None, "world").barrier()
     return str(directory), meta["client_state"]
 
 

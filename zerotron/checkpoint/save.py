@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 
 from .files import FORMAT, LATEST, META, VERSION, fsync_dir, rank_file, sha256, write_atomically
 from .layout import rank_pieces, tensor_parallel_of
+from ..comm import comm_for
 
 
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
@@ -47,7 +48,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
         partial.mkdir()
-    dist.barrier()
+    comm_for(None, "world").barrier()
 
     tensors, pieces, scalars = _rank_tensors(engine)
     rank_state = {"python_random": _jsonable(random.getstate()), "pieces": pieces, "scalars": scalars}
@@ -55,8 +56,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     save_file(tensors, str(path), metadata={"zerotron": json.dumps(rank_state)})
     with open(path, "rb") as f:  # on disk before the directory can become the checkpoint
         os.fsync(f.fileno())
-    digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, (path.name, sha256(path)))
+    digests = comm_for(None, "world").all_gather_object((path.name, sha256(path)))
 
     if rank == 0:
         meta = {"format": FORMAT, "version": VERSION, "tag": tag, "world_size": dist.get_world_size(),
@@ -82,7 +82,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
         fsync_dir(root)
         if save_latest:
             write_atomically(root / LATEST, tag)
-    dist.barrier()
+    comm_for(None, "world").barrier()
     return True
 
 

@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from ..checkpoint.layout import rank_pieces, stride_of, tensor_parallel_of
 from ..parallel.split import local_part
+from ..comm import comm_for
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:
@@ -123,5 +124,5 @@ def save_hf_pretrained(engine, directory, max_shard_size: int = 5 * 2**30) -> Pa
             total = sum(t.numel() * t.element_size() for t in unique.values())
             (directory / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    dist.barrier()
+    comm_for(None, "world").barrier()
     return directory

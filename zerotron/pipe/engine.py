@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..comm import Comm
+from ..comm import Comm, comm_for
 from ..engine import Engine, _to_device
 from ..errors import ConfigError
 from .module import PipelineModule
@@ -39,7 +39,7 @@ class PipelineEngine(Engine):
             raise RuntimeError(f"the PipelineModule was built for stage {module.stage_id} but this rank is stage "
                                f"{self.stage}; build it after zerotron.init_distributed() with the same world")
         super().__init__(module, config, topology, **kwargs)
-        dist.barrier()  # NCCL: the first point-to-point call must not be the group's first operation
+        comm_for(None, "world").barrier()  # NCCL: the first point-to-point call must not be the group's first operation
         self.schedule_name = config.pipeline.schedule
         self._timeline = None
 
@@ -47,7 +47,7 @@ class PipelineEngine(Engine):
     def _isolated_params(self):
         """Stage-to-stage transfers and weights tied across stages; tied weights get buckets of
         their own so their reduced gradients line up between the stages that share them."""
-        self.pp_comm = Comm(self.topology.group("pp"))
+        self.pp_comm = Comm(self.topology.group("pp"), "pp")
         self.p2p = P2P(self.device, self.pp_comm)
         self.tie_groups: list[tuple[Comm, list]] = []
         t, me = self.topology, dist.get_rank()
@@ -61,7 +61,7 @@ class PipelineEngine(Engine):
                     group = dist.new_group(ranks)
                     if me in ranks:
                         params = self.module.tied_parameters(key)
-                        comm = Comm(group)
+                        comm = Comm(group, "tied")
                         for p in params:
                             comm.broadcast(p.data, src_group_rank=0)  # start from one copy
                             p.tied_copies = len(stages)                # counted once in the norm
@@ -126,8 +126,7 @@ class PipelineEngine(Engine):
             raise RuntimeError("pipeline_bubble() reports on the last train_batch; run one first")
         start, end, busy, micro = self._timeline
         mine = torch.tensor([start, end, busy], dtype=torch.float64)
-        every = [torch.zeros_like(mine) for _ in range(self.stages)]
-        dist.all_gather(every, mine, group=self.topology.group("pp"))
+        every = self.pp_comm.all_gather_list(mine)
         window = max(t[1].item() for t in every) - min(t[0].item() for t in every)
         return {"measured": [1 - t[2].item() / window for t in every],
                 "theory": theoretical_bubble(self.stages, micro, self.chunks)}
@@ -141,6 +140,7 @@ class PipelineEngine(Engine):
             if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
                 raise ValueError("a pipeline batch is (inputs, labels): the first stage reads inputs, the last stage "
                                  f"passes labels to loss_fn; got a {type(batch).__name__}")
+            self._check_inputs((batch[0],), {})
             batches.append(batch)
         return batches
 

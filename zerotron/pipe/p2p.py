@@ -75,7 +75,7 @@ class P2P:
         self._queued = []
         if not ops:
             return []
-        works = dist.batch_isend_irecv(ops)
+        works = self.comm.batch_p2p(ops) if self.comm is not None else dist.batch_isend_irecv(ops)
         n_send = len(ops) - len(recv_ops)
         self._sends += works[:n_send]
         return works[n_send:]

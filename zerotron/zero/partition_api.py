@@ -128,9 +128,5 @@ def consolidated_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _gather_tensor_parallel(shard: torch.Tensor, dim: int, comm, stride: int = 1) -> torch.Tensor:
-    import torch.distributed as dist
-
     from ..parallel.split import join_parts
-    pieces = [torch.empty_like(shard) for _ in range(comm.size)]
-    dist.all_gather(pieces, shard.contiguous(), group=comm.group)
-    return join_parts(pieces, dim, stride)
+    return join_parts(comm.all_gather_list(shard), dim, stride)

@@ -1,0 +1,268 @@
+"""When things go wrong: hangs become messages, NaN steps are skipped, preemption and killed ranks
+lose nothing, bad input is named. Jobs run as real `zerotron run` / `zerotron train` processes."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import zerotron
+from distributed import run_ranks
+from parity import ds_config, make_model
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.soak import children, latest_step  # noqa: E402  (the soak test's process and checkpoint probes)
+
+# A 2-rank job on the tiny GPT: rank 1 skips step `SKIP` (a branch taken on one rank only).
+DIVERGING_JOB = """
+import sys, torch, torch.distributed as dist, zerotron
+sys.path.insert(0, {tests!r})
+from parity import ds_config, make_model
+zerotron.init_distributed()
+engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(
+    2, 1, zerotron={{"collective_timeout": 3, "collective_checks": {checks}}}))
+x = torch.randint(0, 256, (2, 16))
+for step in range(4):
+    if step == 1 and dist.get_rank() == 1:
+        continue
+    engine.backward(engine(x, x))
+    engine.step()
+dist.barrier()
+"""
+
+
+def _run_job(tmp_path, source: str, *args, timeout=120, env=None):
+    script = tmp_path / "job.py"
+    script.write_text(source)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "zerotron.cli", "run", "-n", "2", *args, str(script)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=timeout)
+    return out, time.monotonic() - start
+
+
+def test_a_rank_that_skips_a_collective_stops_the_job_with_a_message(tmp_path):
+    out, seconds = _run_job(tmp_path, DIVERGING_JOB.format(tests=str(ROOT / "tests"), checks=False))
+    assert out.returncode == 70, out.stderr[-3000:]  # EXIT_FAULT, from the launcher
+    assert seconds < 60
+    err = out.stderr
+    assert "collective timeout at step" in err and "waited" in err and "(timeout 3 s)" in err
+    assert "not arrived: ranks [" in err and "last finished per group" in err  # who was where
+    assert "group dp_grad" in err or "group world" in err
+
+
+def _mismatched_calls():
+    from zerotron.comm import Comm
+    zerotron.watchdog.configure(timeout_s=10, checks=True)
+    comm, t = Comm(None, "world"), torch.ones(8)
+    comm.all_reduce(t)
+    try:
+        comm.all_reduce(t) if comm.rank == 0 else comm.broadcast(t)  # rank 1 took another branch
+    except zerotron.CollectiveMismatch as e:
+        return str(e)
+
+
+def test_collective_checks_name_the_first_divergence():
+    for message in run_ranks(_mismatched_calls, 2):
+        assert "collective #2 on group world[0, 1]" in message
+        assert "calls all_reduce(SUM) float32[8] at step 0" in message and "calls broadcast(from 0) float32[8]" in message
+
+
+BRANCH_JOB = """
+import sys, torch, torch.distributed as dist, zerotron
+sys.path.insert(0, {tests!r})
+from parity import ds_config, make_model
+zerotron.init_distributed()
+engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(
+    2, 1, zerotron={{"collective_timeout": 3, "collective_checks": True}}))
+x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+for step in range(3):
+    loss = engine(x, x)
+    if step == 1 and dist.get_rank() == 1:  # a decision on a rank-local value: only rank 1 saves
+        engine.save_checkpoint({save!r})
+    engine.backward(loss)
+    engine.step()
+"""
+
+
+def test_collective_checks_name_a_rank_that_took_another_branch(tmp_path):
+    out, seconds = _run_job(tmp_path, BRANCH_JOB.format(tests=str(ROOT / "tests"), save=str(tmp_path / "c")))
+    assert out.returncode == 70 and seconds < 60, out.stderr[-3000:]
+    assert "never called collective" in out.stderr and "at step 1" in out.stderr
+    err = out.stderr  # whichever rank reports first names both branches' collectives
+    assert "calls barrier at step 1" in err or "in barrier #2 on group world" in err
+    assert "calls all_reduce(SUM) float32" in err or "in all_reduce(SUM) #2 on group dp_grad" in err
+
+
+# ---- NaN / Inf ------------------------------------------------------------------------------------
+def _nan_run(precision, stage, nan_steps, limit):
+    """Train 6 steps; rank 1's logits become NaN at `nan_steps`. Returns what each step did."""
+    torch.manual_seed(0)
+    model = make_model()
+    engine, *_ = zerotron.initialize(model=model, config=ds_config(
+        2, 1, zero_optimization={"stage": stage}, bf16={"enabled": precision == "bf16"},
+        zerotron={"max_nonfinite_steps": limit}))
+    rank = torch.distributed.get_rank()
+    step_box = [0]
+    engine.module.lm_head.register_forward_hook(
+        lambda m, i, out: out * float("nan") if rank == 1 and step_box[0] in nan_steps else out)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
+    changed = []
+    try:
+        for step in range(6):
+            step_box[0] = step
+            before = [p.detach().clone() for p in engine.module.parameters()]
+            engine.backward(engine(x, x))
+            engine.step()
+            changed.append(any(not torch.equal(b, p) for b, p in zip(before, engine.module.parameters())))
+    except zerotron.NonFiniteError as e:
+        return changed, engine.skipped_steps, str(e)
+    finite = all(torch.isfinite(p).all() for p in engine.module.parameters())
+    return changed, engine.skipped_steps, finite
+
+
+@pytest.mark.parametrize("precision,stage", [("fp32", 0), ("bf16", 2)])
+def test_a_nan_on_one_rank_skips_that_step_on_every_rank(precision, stage):
+    for changed, skipped, finite in run_ranks(_nan_run, 2, precision, stage, (2,), 3):
+        assert changed == [True, True, False, True, True, True]  # step 2 left the weights alone, everywhere
+        assert skipped == 1 and finite is True
+
+
+def test_a_streak_of_nan_steps_stops_training():
+    for changed, skipped, message in run_ranks(_nan_run, 2, "fp32", 1, (1, 2, 3, 4), 3):
+        assert changed == [True, False, False]  # the third bad step in a row raises, on both ranks
+        assert "3 consecutive steps had NaN/Inf values" in message and "NaN/Inf loss on rank(s) [1]" in message
+
+
+# ---- preemption and restarts ---------------------------------------------------------------------
+TRAIN = ["--model", "tiny", "--nproc", "2", "--seq-len", "32", "--eval-batches", "1", "--sample-bytes", "0",
+         "--corpus-bytes", "60000"]
+
+
+def _env():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_75(tmp_path):
+    save = tmp_path / "ckpt"
+    job = subprocess.Popen([sys.executable, "-m", "zerotron.cli", "train", *TRAIN, "--steps", "100000",
+                            "--save-dir", str(save), "--save-every", "1000000"], cwd=ROOT, env=_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in job.stdout:  # the header is printed just before the first step
+            if line.startswith("zerotron train:"):
+                break
+        time.sleep(3)
+        os.killpg(job.pid, signal.SIGTERM)  # as a scheduler does: the launcher and every worker
+        stdout, stderr = job.communicate(timeout=90)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 75, stderr[-3000:]
+    assert "preempted: checkpoint saved at step" in stdout
+    step = latest_step(save)
+    assert step > 0
+    resumed = subprocess.run([sys.executable, "-m", "zerotron.cli", "train", *TRAIN, "--steps", str(step + 2),
+                              "--save-dir", str(save), "--resume", "auto"], cwd=ROOT, env=_env(),
+                             capture_output=True, text=True, timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {save / f'global_step{step}'} at step {step}" in resumed.stdout
+
+
+def _weights(directory: Path) -> dict:
+    from safetensors.torch import load_file
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update({f"{f.name}/{k}": v for k, v in load_file(str(f)).items()})
+    return out
+
+
+def test_a_killed_rank_restarts_and_ends_on_the_uninterrupted_weights(tmp_path):
+    steps = 40
+    plain = tmp_path / "plain"
+    ref = subprocess.run([sys.executable, "-m", "zerotron.cli", "train", *TRAIN, "--steps", str(steps),
+                          "--save-dir", str(plain), "--save-every", "4"], cwd=ROOT, env=_env(),
+                         capture_output=True, text=True, timeout=240)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    save = tmp_path / "elastic"
+    job = subprocess.Popen([sys.executable, "-m", "zerotron.cli", "train", *TRAIN, "--steps", str(steps),
+                            "--save-dir", str(save), "--save-every", "4", "--max-restarts", "1", "--resume", "auto"],
+                           cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while latest_step(save) < 8 and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.05)
+        assert 8 <= latest_step(save) < steps, "the run ended before a worker could be killed"
+        victim = children(job.pid)[-1]
+        os.kill(victim, signal.SIGKILL)
+        stdout, stderr = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0, stderr[-3000:]
+    assert "resumed from" in stdout  # the second attempt continued from a checkpoint
+    final = f"global_step{steps}"
+    a, b = _weights(plain / final), _weights(save / final)
+    assert a.keys() == b.keys() and a
+    for k in a:
+        assert torch.equal(a[k], b[k]), k  # bit for bit: same data order, nothing skipped or repeated
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+BAD_TOKENS_JOB = """
+import sys, torch, torch.distributed as dist, zerotron
+sys.path.insert(0, {tests!r})
+from parity import ds_config, make_model
+zerotron.init_distributed()
+engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(2, 1))
+x = torch.randint(0, 256, (2, 16))
+if dist.get_rank() == 1:
+    x[1, 3] = 300
+engine.backward(engine(x, x))
+engine.step()
+"""
+
+
+def test_out_of_vocabulary_tokens_are_named_on_every_rank(tmp_path):
+    out, seconds = _run_job(tmp_path, BAD_TOKENS_JOB.format(tests=str(ROOT / "tests")))
+    assert out.returncode != 0 and seconds < 60
+    assert "BadBatchError: bad input at step 0 on rank 1: token id 300 is outside the vocabulary [0, 256)" in out.stderr
+    # rank 0 does not wait in the gradient reduction for a rank that will never come: it says why
+    assert "rank 0: stopping: rank 1: bad input at step 0" in out.stderr
+
+
+def test_bad_batches_and_data_are_named_before_anything_runs():
+    engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(2, 1))
+    with pytest.raises(zerotron.BadBatchError, match="empty batch"):
+        engine(torch.empty(0, 16, dtype=torch.long), torch.empty(0, 16, dtype=torch.long))
+    with pytest.raises(zerotron.BadBatchError, match="token id -1 is outside the vocabulary"):
+        engine(torch.full((2, 16), -1), torch.zeros(2, 16, dtype=torch.long))
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        zerotron.initialize(model=make_model(), config=ds_config(4, 1), training_data=[torch.zeros(16)] * 3)
+    ragged = [(torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)) for n in (16, 12, 14, 10)]
+    engine, _, loader, _ = zerotron.initialize(model=make_model(), config=ds_config(2, 1), training_data=ragged)
+    with pytest.raises(zerotron.BadBatchError, match="samples of different shapes"):
+        for _ in range(2):
+            next(iter(loader))
+
+
+def test_train_names_a_missing_config_and_too_little_data(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "zerotron.cli", "train", "--config", str(tmp_path / "none.json")],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "none.json': no such file" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "zerotron.cli", "train", "--model", "tiny", "--nproc", "1",
+                          "--corpus-bytes", "300", "--seq-len", "128", "--steps", "1"],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "fewer than one global batch (8)" in out.stderr
