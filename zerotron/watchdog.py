@@ -16,6 +16,7 @@ dtypes across the group through the store and names the first rank that diverges
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
@@ -41,10 +42,11 @@ class _Call:
 
 
 class Watchdog:
-    def __init__(self, store, rank: int, world: int, timeout_s: float = DEFAULT_TIMEOUT_S, poll_s: float = 1.0):
+    def __init__(self, store, rank: int, world: int, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.store = dist.PrefixStore("zerotron/watchdog/", store)
-        self.rank, self.world = rank, world
-        self.timeout_s, self.poll_s = timeout_s, poll_s
+        self.rank = rank
+        # Each rank touches the store about twice per poll: poll less often in very large jobs.
+        self.timeout_s, self.poll_s = timeout_s, max(1.0, world / 512)
         self.checks = os.environ.get("ZEROTRON_COLLECTIVE_CHECKS", "0") == "1"
         self.step = 0
         self._lock = threading.Lock()
@@ -78,7 +80,7 @@ class Watchdog:
         self.store.set(key + str(self.rank), mine)
         others = [key + str(r) for r in call.ranks if r != self.rank]
         try:
-            self.store.wait(others, _timedelta(self.timeout_s))
+            self.store.wait(others, datetime.timedelta(seconds=self.timeout_s))
         except Exception:  # noqa: BLE001 (a store timeout: someone never called it)
             missing = [r for r in call.ranks if r != self.rank and not self.store.check([key + str(r)])]
             self.fail(f"collective check: rank(s) {missing} never called collective #{call.seq} on group "
@@ -175,11 +177,6 @@ class Watchdog:
         print(f"[zerotron] rank {self.rank}: {message}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(EXIT_FAULT)
-
-
-def _timedelta(seconds: float):
-    import datetime
-    return datetime.timedelta(seconds=seconds)
 
 
 _watchdog: Watchdog | None = None
