@@ -185,15 +185,17 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
         reduce = _ring(b * psi, L.dp, dp_bw, dp_lat, 2 if L.zero == 0 else 1, buckets)
         hidden = backward if L.pp == 1 else 0.0
         exposed = max(0.0, reduce - hidden)
-    else:                # every micro-batch's gradients reduce-scattered during its backward
+    elif L.zero == 2:    # every micro-batch's gradients reduce-scattered during its backward
         reduce = _ring(b * psi, L.dp, dp_bw, dp_lat, 1, buckets)
         exposed = m * max(0.0, reduce - backward)
-    gather_after_step = _ring(b * psi, L.dp, dp_bw, dp_lat, 1, buckets) if L.zero in (1, 2) else 0.0
-    if L.zero == 3:      # each layer gathered for its forward and its backward, prefetched under compute
-        gather = 2 * _ring(b * psi, L.dp, dp_bw, dp_lat, 1, shape.layers // L.pp)
+    else:                # ZeRO-3: each layer gathered for its forward and its backward (prefetched), and the
+        # gradients reduce-scattered, all on the same link under the same micro-batch's compute
+        traffic = _ring(b * psi, L.dp, dp_bw, dp_lat, 1, buckets) + \
+            2 * _ring(b * psi, L.dp, dp_bw, dp_lat, 1, shape.layers // L.pp)
         if L.offload == "optimizer+param":
-            gather += 2 * b * psi / L.dp / (hw.pcie_gbps * 1e9)
-        exposed += m * max(0.0, gather - micro_compute)
+            traffic += 2 * b * psi / L.dp / (hw.pcie_gbps * 1e9)
+        exposed = m * max(0.0, traffic - micro_compute)
+    gather_after_step = _ring(b * psi, L.dp, dp_bw, dp_lat, 1, buckets) if L.zero in (1, 2) else 0.0
     out["data_parallel"] = exposed + gather_after_step
 
     # The optimizer step: bound by device memory bandwidth, or by the host's CPU Adam plus PCIe.

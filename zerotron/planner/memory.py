@@ -102,5 +102,6 @@ def estimate_table(shape: ModelShape, dp: int, tp: int, pp: int, dtype: str, off
         device = r["total"] - r.get("host", 0)
         lines.append(f"{stage:>4}  {r['params'] / gib:>9.2f}  {r['grads'] / gib:>9.2f}  {r['master_weights'] / gib:>9.2f}"
                      f"  {r['optimizer'] / gib:>9.2f}  {device / gib:>10.2f}  {r.get('host', 0) / gib:>8.2f}")
-    lines.append("per rank, largest pipeline stage; activations and communication buffers not included yet")
+    lines.append("per rank, largest pipeline stage; model states only (--seq adds activations; "
+                 "`zerotron plan` costs everything)")
     return "\n".join(lines)
