@@ -798,6 +798,11 @@ def _f(v, fmt):
     return "-" if v is None else fmt.format(v)
 
 
+def _status(r: dict) -> list[str]:
+    """A job's error or skip reason, as a report line (none when it ran)."""
+    return [f"  {r.get('error') or 'skipped: ' + r['skipped']}"] if r.get("error") or r.get("skipped") else []
+
+
 def _table(rows, columns):
     cells = [[h for _, h, _ in columns]] + [[_f(r.get(k), f) for k, _, f in columns] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
@@ -839,8 +844,7 @@ def summarize(payload: dict) -> list[str]:
             c = r["zerotron_vs_plain"]
             lines.append(f"  zerotron / plain: step time {c['step_time_ratio']:.3f}, peak memory "
                          f"{_f(c['peak_memory_ratio'], '{:.3f}')}, max |dloss| {c['max_abs_dloss']:.2e}")
-        if r.get("error") or r.get("skipped"):
-            lines.append(f"  {r.get('error') or 'skipped: ' + r['skipped']}")
+        lines += _status(r)
     r = jobs.get("offload")
     if r:
         lines.append("")
@@ -880,8 +884,7 @@ def summarize(payload: dict) -> list[str]:
                             if off["outcome"] == "OOM" else f" (peak {_f(off.get('peak_gib'), '{:.2f}')} GiB)"))
         elif off:
             lines.append(f"  without offload: {off.get('error') or off.get('skipped') or 'no result'}")
-        if r.get("error") or r.get("skipped"):
-            lines.append(f"  {r.get('error') or 'skipped: ' + r['skipped']}")
+        lines += _status(r)
     r = jobs.get("ckpt")
     if r:
         lines.append("")
@@ -892,8 +895,7 @@ def summarize(payload: dict) -> list[str]:
         if r.get("policies"):
             lines += _table(rows_of(r["policies"]), cols[:-1] + [("step_time_vs_none", "time/none", "{:.3f}"),
                                                                   ("peak_vs_none", "peak/none", "{:.3f}"), cols[-1]])
-        if r.get("error") or r.get("skipped"):
-            lines.append(f"  {r.get('error') or 'skipped: ' + r['skipped']}")
+        lines += _status(r)
     failed = {j: r.get("error") for j, r in jobs.items() if r.get("error")}
     if failed:
         lines.append("")

@@ -16,7 +16,7 @@ from parity import ds_config, make_model
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.soak import children, latest_step  # noqa: E402  (the soak test's process and checkpoint probes)
+from bench.soak import children, env, latest_step  # noqa: E402  (the soak test's launcher environment and probes)
 
 # A 2-rank job on the tiny GPT: rank 1 skips step `SKIP` (a branch taken on one rank only).
 DIVERGING_JOB = """
@@ -36,15 +36,12 @@ dist.barrier()
 """
 
 
-def _run_job(tmp_path, source: str, *args, timeout=120, env=None):
+def _run_job(tmp_path, source: str, *args, timeout=120):
     script = tmp_path / "job.py"
     script.write_text(source)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
     start = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "zerotron.cli", "run", "-n", "2", *args, str(script)], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=timeout)
+                         env=env(), capture_output=True, text=True, timeout=timeout)
     return out, time.monotonic() - start
 
 
@@ -146,17 +143,10 @@ TRAIN = ["--model", "tiny", "--nproc", "2", "--seq-len", "32", "--eval-batches",
          "--corpus-bytes", "60000"]
 
 
-def _env():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
-
-
 def test_sigterm_saves_a_checkpoint_and_exits_75(tmp_path):
     save = tmp_path / "ckpt"
     job = subprocess.Popen([sys.executable, "-m", "zerotron.cli", "train", *TRAIN, "--steps", "100000",
-                            "--save-dir", str(save), "--save-every", "1000000"], cwd=ROOT, env=_env(),
+                            "--save-dir", str(save), "--save-every", "1000000"], cwd=ROOT, env=env(),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         for line in job.stdout:  # the header is printed just before the first step
@@ -173,7 +163,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_75(tmp_path):
     step = latest_step(save)
     assert step > 0
     resumed = subprocess.run([sys.executable, "-m", "zerotron.cli", "train", *TRAIN, "--steps", str(step + 2),
-                              "--save-dir", str(save), "--resume", "auto"], cwd=ROOT, env=_env(),
+                              "--save-dir", str(save), "--resume", "auto"], cwd=ROOT, env=env(),
                              capture_output=True, text=True, timeout=180)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {save / f'global_step{step}'} at step {step}" in resumed.stdout
@@ -191,14 +181,14 @@ def test_a_killed_rank_restarts_and_ends_on_the_uninterrupted_weights(tmp_path):
     steps = 40
     plain = tmp_path / "plain"
     ref = subprocess.run([sys.executable, "-m", "zerotron.cli", "train", *TRAIN, "--steps", str(steps),
-                          "--save-dir", str(plain), "--save-every", "4"], cwd=ROOT, env=_env(),
+                          "--save-dir", str(plain), "--save-every", "4"], cwd=ROOT, env=env(),
                          capture_output=True, text=True, timeout=240)
     assert ref.returncode == 0, ref.stderr[-3000:]
 
     save = tmp_path / "elastic"
     job = subprocess.Popen([sys.executable, "-m", "zerotron.cli", "train", *TRAIN, "--steps", str(steps),
                             "--save-dir", str(save), "--save-every", "4", "--max-restarts", "1", "--resume", "auto"],
-                           cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)
     try:
         deadline = time.monotonic() + 180
@@ -260,9 +250,9 @@ def test_bad_batches_and_data_are_named_before_anything_runs():
 
 def test_train_names_a_missing_config_and_too_little_data(tmp_path):
     out = subprocess.run([sys.executable, "-m", "zerotron.cli", "train", "--config", str(tmp_path / "none.json")],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "none.json': no such file" in out.stderr
     out = subprocess.run([sys.executable, "-m", "zerotron.cli", "train", "--model", "tiny", "--nproc", "1",
                           "--corpus-bytes", "300", "--seq-len", "128", "--steps", "1"],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "fewer than one global batch (8)" in out.stderr
