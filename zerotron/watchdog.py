@@ -16,6 +16,7 @@ dtypes across the group through the store and names the first rank that diverges
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import os
@@ -54,8 +55,18 @@ class Watchdog:
         self._seq: dict[str, int] = {}
         self._finished: dict[str, str] = {}
         self._published = None
+        self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="zerotron-watchdog", daemon=True)
         self._thread.start()
+        # A daemon thread still inside a store call when the interpreter finalizes is killed while
+        # re-taking the GIL, and that aborts the process (SIGABRT, "terminate called without an
+        # active exception") after the job has finished: stop it first.
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=10 * self.poll_s)
 
     # ---- called by Comm ------------------------------------------------------------------------
     def begin(self, op: str, group: str, ranks: list[int], detail: str = "") -> _Call:
@@ -98,8 +109,7 @@ class Watchdog:
 
     # ---- the side thread ------------------------------------------------------------------------
     def _watch(self) -> None:
-        while True:
-            time.sleep(self.poll_s)
+        while not self._stopping.wait(self.poll_s):
             try:
                 self._publish()
                 if self.store.check(["abort"]):
