@@ -13,6 +13,7 @@ from .config import Config
 from .errors import EXIT_PREEMPTED, BadBatchError, ConfigError, NonFiniteError
 from .log import logger
 from .monitor import Monitor
+from .nested import tensors_in, to_device
 from .optim import build_optimizer
 from .precision import LossScaler, clip_by_global_norm, model_dtype
 from .topology import Topology
@@ -52,6 +53,10 @@ class Engine(nn.Module):
         if not params:
             raise ValueError("the model has no parameters that require gradients; nothing to train")
         self._param_numels = [p.numel() for p in params]  # before ZeRO-3 partitions them (memory prediction)
+        self._backward_owner = None  # "engine" inside engine.backward, "autograd" inside a direct loss.backward()
+        if config.gradient_accumulation_steps > 1:
+            for p in params:
+                p.register_hook(self._scale_direct_grad)
         self.optimizer = self._make_optimizer(optimizer, model_parameters, params)
         # Gradient reduction, master weights and parameter updates, for the configured ZeRO stage.
         self.states = make_model_states(self.module, self.optimizer, config, self.grad_comm, self.dp_comm,
@@ -169,7 +174,12 @@ class Engine(nn.Module):
     # ---- the training verbs -----------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self._check_inputs(args, kwargs)
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():  # a script may call loss.backward() itself instead of engine.backward
+            for t in tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(self._on_output_grad)
+        return output
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backpropagate one micro-batch's loss; at the accumulation boundary, reduce gradients.
@@ -183,9 +193,35 @@ class Engine(nn.Module):
         gas_scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         scaled = gas_scaled.float() * self.loss_scaler.scale if self.loss_scaler.enabled else gas_scaled.float()
         self.states.begin_backward(boundary)
-        scaled.backward(retain_graph=retain_graph)
+        self._backward_owner = "engine"
+        try:
+            scaled.backward(retain_graph=retain_graph)
+        finally:
+            self._backward_owner = None
         self.states.end_backward()
         return gas_scaled.detach()
+
+    # `loss.backward()` without engine.backward (as DeepSpeed allows): the first gradient reaching
+    # one of the engine's outputs opens the backward, each parameter's incoming gradient is divided
+    # by the accumulation steps (as engine.backward divides the loss), and a callback autograd runs
+    # when the backward ends closes it: the same reductions, the same weights.
+    def _on_output_grad(self, grad):
+        if self._backward_owner is not None:
+            return None
+        if self.loss_scaler.enabled:
+            raise RuntimeError("with fp16 the loss must be scaled before backward: call engine.backward(loss) "
+                               "instead of loss.backward()")
+        self._backward_owner = "autograd"
+        self.states.begin_backward(self.is_gradient_accumulation_boundary())
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_direct_backward)
+        return None
+
+    def _end_direct_backward(self):
+        self._backward_owner = None
+        self.states.end_backward()
+
+    def _scale_direct_grad(self, grad):
+        return grad / self.gradient_accumulation_steps() if self._backward_owner == "autograd" else None
 
     def step(self, lr_kwargs: dict | None = None):
         """Count a micro-batch; at the accumulation boundary, update the weights."""
@@ -350,7 +386,7 @@ class Engine(nn.Module):
 
     def forward_batch(self, batch):
         """Call the model on a batch: a tuple/list is unpacked, a dict passed as keywords."""
-        batch = _to_device(batch, self.device)
+        batch = to_device(batch, self.device)
         if isinstance(batch, (list, tuple)):
             return self(*batch)
         if isinstance(batch, dict):
@@ -382,6 +418,14 @@ class Engine(nn.Module):
             self.dp_comm.all_reduce(value)
             value /= self.topology.dp
         return value
+
+    def start_at_boundary(self):
+        """Stand at the start of a global batch after `global_steps` whole steps, with nothing
+        accumulated: a loaded checkpoint holds whole steps, whatever accumulation (another
+        data-parallel size changes it) it was saved under."""
+        self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
+        self.states.zero_grads()
+        self._micro_losses, self._bad_loss = [], None
 
     def zero_grad(self, set_to_none: bool = True):
         self.states.zero_grads()
@@ -508,16 +552,6 @@ class _RepeatingIterator:
                 self.loader.sampler.set_epoch(self.epoch)
             self.it = iter(self.loader)
             return next(self.it)
-
-
-def _to_device(batch, device):
-    if torch.is_tensor(batch):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch
 
 
 def _vocab_size(module: nn.Module) -> int | None:

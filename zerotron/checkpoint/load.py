@@ -132,8 +132,9 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
         if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
         engine.loss_scaler.load_state_dict(meta["loss_scaler"])
-        for k, v in meta["counters"].items():
-            setattr(engine, k, v)
+        for k in ("global_steps", "global_samples", "skipped_steps"):
+            setattr(engine, k, meta["counters"][k])
+        engine.start_at_boundary()
         engine.load_data_state(meta.get("data"))
         _load_rng(saved, meta)
     comm_for(None, "world").barrier()

@@ -63,7 +63,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
                 "topology": {"dp": engine.topology.dp, "tp": engine.topology.tp, "pp": engine.topology.pp},
                 "zero_stage": engine.zero_optimization_stage(), "dtype": engine.config.model_dtype_name,
                 "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                             "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps},
+                             "skipped_steps": engine.skipped_steps},
                 "loss_scaler": engine.loss_scaler.state_dict(),
                 "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
                 "optimizer_groups": [{k: v for k, v in g.items() if k != "params"}

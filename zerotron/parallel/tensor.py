@@ -35,19 +35,21 @@ from .collectives import (all_reduce_max, copy_to_region, gather_last_dim, gathe
 STYLES = ("column", "column_qkv", "row", "vocab", "head", "head_gathered", "norm")
 
 
-_SHARDS: dict[int, nn.Parameter] = {}  # during apply_tensor_parallel: a tied weight is sharded once
-
-
 def _shard(param: nn.Parameter, dim: int, comm: Comm, stride: int = 1) -> nn.Parameter:
-    key = (id(param), dim)
-    if key not in _SHARDS:
-        piece = local_part(param.detach(), dim, comm.rank, comm.size, stride).clone()
-        out = nn.Parameter(piece, requires_grad=param.requires_grad)
-        out.tp_split_dim = dim  # how to reassemble the full tensor (checkpoints, parity checks)
-        out.tp_comm = comm
-        out.tp_stride = stride
-        _SHARDS[key] = out
-    return _SHARDS[key]
+    """Keep this rank's slice of `param` in place: the Parameter object stays the same, so the
+    optimizer groups and `model_parameters` a script built before `initialize` still name it.
+    A weight shared by two modules (tied embedding and head) is cut once."""
+    if hasattr(param, "tp_split_dim"):
+        if (param.tp_split_dim, param.tp_stride) != (dim, stride):
+            raise ConfigError("tensor-parallel plan", f"shared weight of shape {tuple(param.shape)}",
+                              f"it is split along dim {param.tp_split_dim} by one module and dim {dim} by another; "
+                              "untie it or give both modules the same style")
+        return param
+    param.data = local_part(param.detach(), dim, comm.rank, comm.size, stride).clone()
+    param.tp_split_dim = dim  # how to reassemble the full tensor (checkpoints, parity checks)
+    param.tp_comm = comm
+    param.tp_stride = stride
+    return param
 
 
 class _Region:
@@ -112,7 +114,7 @@ class RowParallelLinear(nn.Module):
         _check_divisible(linear.weight.shape[in_dim], comm.size, "input features")
         self.region = region
         self.weight = _shard(linear.weight, in_dim, comm)
-        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+        self.bias = linear.bias
         if self.bias is not None:  # added in the sequence-split region: sum its gradient there
             _sum_grad_when_split(self.bias, region)
 
@@ -199,7 +201,6 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], comm: Comm, se
             raise ConfigError("tensor-parallel plan", style, f"use one of {', '.join(STYLES)}")
     region = _Region(comm, sequence_parallel)
     matched = set()
-    _SHARDS.clear()
     for name, module in list(model.named_modules()):
         style = next((s for pattern, s in plan.items() if fnmatch.fnmatchcase(name, pattern)), None)
         if style is None:
@@ -221,7 +222,6 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], comm: Comm, se
             new = VocabParallelEmbedding(_expect(module, nn.Embedding, name, style), comm, region)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
-    _SHARDS.clear()
     if not matched:
         raise ConfigError("tensor-parallel plan", sorted(plan), "no module name matches any pattern of the plan")
     for p in model.parameters():

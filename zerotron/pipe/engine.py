@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Comm, comm_for
-from ..engine import Engine, _to_device
+from ..engine import Engine
+from ..nested import to_device
 from ..errors import ConfigError
 from .module import PipelineModule
 from .p2p import P2P, as_tuple
@@ -158,12 +159,15 @@ class PipelineEngine(Engine):
             key = (a.chunk, a.micro)
             if a.kind == "F":
                 if vs == 0:
-                    x = _to_device(batches[a.micro][0], self.device)
+                    x = feed = to_device(batches[a.micro][0], self.device)
                 else:
                     x = self.p2p.recv_activation(self._peer(vs - 1), tag=2 * vs)
-                    x = x[0] if len(x) == 1 else x
+                    # The received tensors are leaves that collect the gradient to send back; the
+                    # stage gets copies, which its first layer may modify in place (ReLU(inplace=True)).
+                    feed = tuple(t.clone() if t.requires_grad else t for t in x)
+                    x, feed = (x[0], feed[0]) if len(x) == 1 else (x, feed)
                 t0 = time.perf_counter()
-                y = self.module(x, chunk=a.chunk)
+                y = self.module(feed, chunk=a.chunk)
                 if vs == last:
                     loss = self._loss(y, batches[a.micro][1])
                     losses.append(loss.detach().float())
@@ -204,7 +208,7 @@ class PipelineEngine(Engine):
         return vs > 0 if a.kind == "F" else vs < self.stages * self.chunks - 1
 
     def _loss(self, output, labels) -> torch.Tensor:
-        labels = _to_device(labels, self.device)
+        labels = to_device(labels, self.device)
         loss_fn = self.module.loss_fn
         loss = loss_fn(output, labels) if loss_fn is not None else output
         if not (torch.is_tensor(loss) and loss.numel() == 1):

@@ -21,7 +21,7 @@ def make_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     offload = zero.offload_optimizer if zero.offload_optimizer is not None and \
         zero.offload_optimizer.device == "cpu" else None
     reduce_dtype = DTYPES[config.communication_data_type] if config.communication_data_type else None
-    group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"] if p.requires_grad}
+    group_of = optimizer_groups(module, optimizer)
     # Module order, reversed below: roughly the order backward produces the gradients.
     params = [p for p in module.parameters() if id(p) in group_of]
     if zero.stage == 0:
@@ -44,6 +44,30 @@ def make_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                                reduce_dtype, offload=offload)
     states.adopt(optimizer)
     return states
+
+
+def optimizer_groups(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """id(parameter) -> index of the optimizer group holding it. Every parameter of the module
+    that requires a gradient must be in a group, and every group may hold only the module's
+    parameters: anything else would train silently wrong (a parameter never updated, or an
+    update applied to a tensor the model no longer uses)."""
+    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    group_of = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(f"optimizer group {gi} holds a tensor of shape {tuple(p.shape)} that is not a "
+                                 "parameter of the model: build the optimizer (or model_parameters) from this "
+                                 "model's parameters")
+            if p.requires_grad:
+                group_of[id(p)] = gi
+    missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in group_of]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"{len(missing)} parameter(s) require gradients but are in no optimizer group, so they "
+                         f"would never be updated: {shown}. Pass all of them (model_parameters=model.parameters()), "
+                         "or set requires_grad=False on those that should stay frozen")
+    return group_of
 
 
 def _bucketed(params, max_numel, isolate=()):

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..comm import Comm
+from ..nested import tensors_in
 from .flat import FlatBucket
 from .partition_api import materialize
 from .sharded import ShardedStates
@@ -180,7 +181,7 @@ class Stage3States(ShardedStates):
                 return output
             training = torch.is_grad_enabled()
             if training:
-                for t in _tensors(output):
+                for t in tensors_in(output):
                     if t.requires_grad:
                         t.register_hook(lambda grad, u=unit: self._pre_backward(u))
             if unit is not self.root_unit or not training:
@@ -240,19 +241,6 @@ class Stage3States(ShardedStates):
         """Context manager body for GatheredParameters: units owning `params`."""
         ids = {id(p) for p in params}
         return [u for u in self.units if u.bucket is not None and any(id(p) in ids for p in u.bucket.params)]
-
-
-def _tensors(output):
-    if torch.is_tensor(output):
-        yield output
-    elif isinstance(output, (list, tuple)):
-        for o in output:
-            yield from _tensors(o)
-    elif isinstance(output, dict):
-        for o in output.values():
-            yield from _tensors(o)
-    elif hasattr(output, "to_tuple"):  # Hugging Face ModelOutput
-        yield from _tensors(output.to_tuple())
 
 
 def comm_device(comm: Comm) -> torch.device:

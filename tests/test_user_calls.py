@@ -1,0 +1,211 @@
+"""The calls real scripts make, in the order they make them, each against single-process training:
+parameters and optimizers handed in every way DeepSpeed accepts (under tensor parallelism too),
+`loss.backward()` instead of `engine.backward`, a resume under another accumulation, and a
+pipeline stage whose first layer works in place."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import zerotron
+from distributed import RankError, run_ranks
+from parity import (EPS, LR, assert_losses_close, ds_config, global_batches, make_model, max_weight_diff,
+                    micro_batches)
+
+STEPS = 3
+MODEL = {"n_kv_head": 4}  # 4 key/value heads: splits over 2 tensor-parallel ranks
+
+
+def _groups(model):
+    """Two groups, as the Hugging Face Trainer builds them: matrices decay, vectors don't."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), eps=EPS, weight_decay=0.1)
+
+
+def _reference(batches, grouped: bool):
+    model = make_model(**MODEL)
+    opt = torch.optim.AdamW(_groups(model) if grouped else model.parameters(), lr=LR, betas=(0.9, 0.95), eps=EPS,
+                            weight_decay=0.1, fused=True)
+    losses = []
+    for x, y in batches:
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# (how the parameters / optimizer reach initialize, whether they form two groups)
+HANDED_IN = {
+    "nothing": False,               # initialize(model=m, config=cfg)
+    "generator": False,             # model_parameters=m.parameters()  (every DeepSpeed example)
+    "list": False,                  # model_parameters=list(m.parameters())
+    "groups": True,                 # model_parameters=[{"params": ..., "weight_decay": ...}, ...]
+    "client": False,                # optimizer=torch.optim.AdamW(m.parameters()) built before initialize
+    "client_groups": True,          # the same with two groups
+    "callable": True,               # optimizer=lambda params: AdamW(params), params from model_parameters
+}
+
+
+def _train_handed_in(how, tp, stage, gas):
+    world = dist.get_world_size()
+    model = make_model(**MODEL)
+    extra = {"tensor_parallel": {"autotp_size": tp}, "zero_optimization": {"stage": stage,
+                                                                          "stage3_param_persistence_threshold": 0}}
+    config = ds_config(2, gas, **extra)
+    kwargs = {}
+    if how == "generator":
+        kwargs["model_parameters"] = model.parameters()
+    elif how == "list":
+        kwargs["model_parameters"] = list(model.parameters())
+    elif how == "groups":
+        kwargs["model_parameters"] = _groups(model)
+    elif how in ("client", "client_groups", "callable"):
+        config.pop("optimizer")
+        if how == "callable":
+            kwargs.update(optimizer=_adamw, model_parameters=_groups(model))
+        else:
+            kwargs["optimizer"] = _adamw(_groups(model) if how == "client_groups" else model.parameters())
+    engine, optimizer, *_ = zerotron.initialize(model=model, config=config, **kwargs)
+    dp = world // tp
+    losses = [engine.train_batch(iter(micro_batches(b, engine.coords.dp, dp, gas))).item()
+              for b in global_batches(STEPS, 2 * gas * dp)]
+    trained = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+    return losses, zerotron.zero.consolidated_state_dict(engine.module), trained
+
+
+@pytest.mark.parametrize("how", list(HANDED_IN))
+@pytest.mark.parametrize("world,tp,stage,gas", [(2, 2, 0, 1), (4, 2, 3, 2)])
+def test_every_way_of_handing_in_parameters_trains_the_whole_model(how, world, tp, stage, gas):
+    ref_losses, ref_state = _reference(global_batches(STEPS, 2 * gas * (world // tp)), HANDED_IN[how])
+    for losses, state, _ in run_ranks(_train_handed_in, world, how, tp, stage, gas):
+        assert_losses_close(losses, ref_losses, rtol=1e-5)
+        assert max_weight_diff(state, ref_state) < 1e-5
+
+
+def _subset_without_freezing():
+    model = make_model()
+    zerotron.initialize(model=model, config=ds_config(2, 1), model_parameters=list(model.layers.parameters()))
+
+
+def _foreign_parameter():
+    model = make_model()
+    zerotron.initialize(model=model, config=ds_config(2, 1),
+                        model_parameters=list(model.parameters()) + [nn.Parameter(torch.zeros(3))])
+
+
+def test_a_parameter_in_no_optimizer_group_is_named():
+    with pytest.raises(RankError, match=r"require gradients but are in no optimizer group.*tok_emb.weight"):
+        run_ranks(_subset_without_freezing, 2)
+    with pytest.raises(RankError, match=r"shape \(3,\) that is not a parameter of the model"):
+        run_ranks(_foreign_parameter, 2)
+
+
+def _frozen_subset():
+    """Freezing what is not handed in is the way to train part of a model."""
+    model = make_model()
+    model.tok_emb.weight.requires_grad_(False)
+    engine, optimizer, *_ = zerotron.initialize(model=model, config=ds_config(2, 1),
+                                                model_parameters=[p for p in model.parameters() if p.requires_grad])
+    before = model.tok_emb.weight.detach().clone()
+    x, y = global_batches(1, 2)[0]
+    engine.train_batch(iter([(x, y)]))
+    return torch.equal(before, model.tok_emb.weight.detach())
+
+
+def test_frozen_parameters_may_stay_out_of_the_optimizer():
+    assert run_ranks(_frozen_subset, 2) == [True, True]
+
+
+# ---- loss.backward() instead of engine.backward --------------------------------------------------
+def _train_backward(stage, gas, direct: bool, precision="fp32"):
+    extra = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    if precision == "fp16":
+        extra["fp16"] = {"enabled": True}
+    engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(2, gas, **extra))
+    losses = []
+    for b in global_batches(STEPS, 2 * gas * 2):
+        for x, y in micro_batches(b, dist.get_rank(), 2, gas):
+            loss = engine(x, y)
+            if direct:
+                loss.backward()
+            else:
+                engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses, zerotron.zero.consolidated_state_dict(engine.module)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("gas", [1, 2])
+def test_loss_backward_without_engine_backward_trains_the_same_weights(stage, gas):
+    wanted = run_ranks(_train_backward, 2, stage, gas, False)
+    for (losses, state), (want, want_state) in zip(run_ranks(_train_backward, 2, stage, gas, True), wanted):
+        assert_losses_close(losses, want, rtol=1e-6)
+        assert max_weight_diff(state, want_state) < 1e-6
+
+
+def test_loss_backward_with_fp16_asks_for_engine_backward():
+    with pytest.raises(RankError, match=r"call engine.backward\(loss\) instead of loss.backward\(\)"):
+        run_ranks(_train_backward, 2, 1, 1, True, "fp16")
+
+
+# ---- resume under another accumulation -----------------------------------------------------------
+def _train_then_save(directory, steps, save: bool, load: bool):
+    """train_batch_size 8 whatever the world: 1 micro-batch per step on 4 ranks, 2 on 2 ranks."""
+    world = dist.get_world_size()
+    gas = 8 // (2 * world)
+    engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(2, gas))
+    if load:
+        engine.load_checkpoint(directory)
+    for b in global_batches(6, 8)[engine.global_steps:engine.global_steps + steps]:
+        for x, y in micro_batches(b, engine.coords.dp, world, gas):  # engine.backward/step, as scripts do
+            engine.backward(engine(x, y))
+            engine.step()
+    if save:
+        engine.save_checkpoint(directory)
+    return engine.global_steps, zerotron.zero.consolidated_state_dict(engine.module)
+
+
+def test_resume_under_another_accumulation_stands_at_a_boundary(tmp_path):
+    d = str(tmp_path / "ck")
+    run_ranks(_train_then_save, 4, d, 3, True, False)  # accumulation 1
+    steps, resumed = run_ranks(_train_then_save, 2, d, 3, False, True)[0]  # accumulation 2
+    _, straight = run_ranks(_train_then_save, 4, d + "_straight", 6, False, False)[0]
+    assert steps == 6
+    assert max_weight_diff(resumed, straight) < 1e-5
+
+
+# ---- pipelines -----------------------------------------------------------------------------------
+class Dense(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def _pipeline_with_inplace_first_layer(stages):
+    from zerotron.pipe import LayerSpec, PipelineModule
+    # the second stage starts with ReLU(inplace=True), as DeepSpeed's AlexNet pipeline example can
+    specs = [LayerSpec(Dense, 8), LayerSpec(nn.Linear, 8, 8), LayerSpec(nn.ReLU, inplace=True), LayerSpec(Dense, 8)]
+    module = PipelineModule(specs, num_stages=stages, loss_fn=nn.functional.mse_loss, seed_layers=True,
+                            partition_method="uniform")
+    engine, *_ = zerotron.initialize(model=module, config=ds_config(2, 2))
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)) for _ in range(2 * STEPS)]
+    return [engine.train_batch(iter(batches[2 * i:2 * i + 2])).item() for i in range(STEPS)]
+
+
+def test_a_stage_may_modify_its_received_activation_in_place():
+    want = run_ranks(_pipeline_with_inplace_first_layer, 1, 1)[0]
+    for losses in run_ranks(_pipeline_with_inplace_first_layer, 2, 2):
+        assert_losses_close(losses, want, rtol=1e-6)
