@@ -45,13 +45,23 @@ def ds_config(micro: int, gas: int, clip: float = 1.0, **extra) -> dict:
             **extra}
 
 
-def reference_training(batches, clip: float = 1.0, norms: list | None = None, **model_overrides):
+def param_groups(model):
+    """Two groups, as the Hugging Face Trainer builds them: matrices decay, vectors don't."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
+
+
+def reference_training(batches, clip: float = 1.0, norms: list | None = None, groups=None, model=None,
+                       **model_overrides):
     """Plain PyTorch on one process: the ground truth every strategy must reproduce. `norms`, if
-    given, receives each step's gradient norm before clipping."""
-    model = make_model(**model_overrides)
+    given, receives each step's gradient norm before clipping; `groups(model)` gives the optimizer's
+    parameter groups (default: one); `model` replaces the seeded reference GPT."""
+    model = model if model is not None else make_model(**model_overrides)
     # The fused kernel, as the engine uses: the comparison then isolates the engine from
     # differences between torch's AdamW implementations (~3e-6 on these weights).
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=EPS, weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(groups(model) if groups else model.parameters(), lr=LR, betas=(0.9, 0.95), eps=EPS,
+                            weight_decay=0.1, fused=True)
     losses = []
     for x, y in batches:
         loss = model(x, y)
@@ -75,3 +85,14 @@ def assert_losses_close(got, want, rtol: float):
 def max_weight_diff(state, reference) -> float:
     assert state.keys() == reference.keys()
     return max((state[k].float() - reference[k].float()).abs().max().item() for k in reference)
+
+
+class Dense(torch.nn.Module):
+    """A pipeline layer for LayerSpec tests: tanh(linear(x))."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))

@@ -96,7 +96,7 @@ def test_plan_translation_and_errors():
     from zerotron.hf import tensor_parallel_plan
     plan = tensor_parallel_plan(make("llama"), 2)
     assert plan["model.layers.*.self_attn.q_proj"] == "column" and plan["model.layers.*.mlp.down_proj"] == "row"
-    assert plan["model.embed_tokens"] == "vocab" and plan["lm_head"] == "head_gathered"
+    assert plan["model.embed_tokens"] == "vocab" and plan["lm_head"] == "column_gathered"
     with pytest.raises(ConfigError, match="key/value heads \\(2\\) must be divisible"):
         tensor_parallel_plan(make("llama"), 4)
 

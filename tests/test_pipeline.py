@@ -7,7 +7,7 @@ import torch.nn as nn
 
 import zerotron
 from distributed import RankError, run_ranks
-from parity import assert_losses_close, ds_config, global_batches, make_model, micro_batches, reference_training
+from parity import Dense, assert_losses_close, ds_config, global_batches, make_model, micro_batches, reference_training
 from zerotron.errors import ConfigError
 from zerotron.pipe import LayerSpec, PipelineModule
 
@@ -87,15 +87,6 @@ def test_3d_data_tensor_pipeline_with_zero_1():
 
 
 # ---- DeepSpeed-style modules built from LayerSpecs ------------------------------------------------
-class Dense(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-
-    def forward(self, x):
-        return torch.tanh(self.lin(x))
-
-
 def _specs(n, d):
     return [LayerSpec(Dense, d) for _ in range(n)]
 

@@ -9,37 +9,15 @@ import torch.nn as nn
 
 import zerotron
 from distributed import RankError, run_ranks
-from parity import (EPS, LR, assert_losses_close, ds_config, global_batches, make_model, max_weight_diff,
-                    micro_batches)
+from parity import (EPS, LR, Dense, assert_losses_close, ds_config, global_batches, make_model, max_weight_diff,
+                    micro_batches, param_groups, reference_training)
 
 STEPS = 3
 MODEL = {"n_kv_head": 4}  # 4 key/value heads: splits over 2 tensor-parallel ranks
 
 
-def _groups(model):
-    """Two groups, as the Hugging Face Trainer builds them: matrices decay, vectors don't."""
-    params = list(model.parameters())
-    return [{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
-
-
 def _adamw(params):
     return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), eps=EPS, weight_decay=0.1)
-
-
-def _reference(batches, grouped: bool):
-    model = make_model(**MODEL)
-    opt = torch.optim.AdamW(_groups(model) if grouped else model.parameters(), lr=LR, betas=(0.9, 0.95), eps=EPS,
-                            weight_decay=0.1, fused=True)
-    losses = []
-    for x, y in batches:
-        loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 # (how the parameters / optimizer reach initialize, whether they form two groups)
@@ -66,13 +44,13 @@ def _train_handed_in(how, tp, stage, gas):
     elif how == "list":
         kwargs["model_parameters"] = list(model.parameters())
     elif how == "groups":
-        kwargs["model_parameters"] = _groups(model)
+        kwargs["model_parameters"] = param_groups(model)
     elif how in ("client", "client_groups", "callable"):
         config.pop("optimizer")
         if how == "callable":
-            kwargs.update(optimizer=_adamw, model_parameters=_groups(model))
+            kwargs.update(optimizer=_adamw, model_parameters=param_groups(model))
         else:
-            kwargs["optimizer"] = _adamw(_groups(model) if how == "client_groups" else model.parameters())
+            kwargs["optimizer"] = _adamw(param_groups(model) if how == "client_groups" else model.parameters())
     engine, optimizer, *_ = zerotron.initialize(model=model, config=config, **kwargs)
     dp = world // tp
     losses = [engine.train_batch(iter(micro_batches(b, engine.coords.dp, dp, gas))).item()
@@ -84,7 +62,8 @@ def _train_handed_in(how, tp, stage, gas):
 @pytest.mark.parametrize("how", list(HANDED_IN))
 @pytest.mark.parametrize("world,tp,stage,gas", [(2, 2, 0, 1), (4, 2, 3, 2)])
 def test_every_way_of_handing_in_parameters_trains_the_whole_model(how, world, tp, stage, gas):
-    ref_losses, ref_state = _reference(global_batches(STEPS, 2 * gas * (world // tp)), HANDED_IN[how])
+    ref_losses, ref_state = reference_training(global_batches(STEPS, 2 * gas * (world // tp)),
+                                               groups=param_groups if HANDED_IN[how] else None, **MODEL)
     for losses, state, _ in run_ranks(_train_handed_in, world, how, tp, stage, gas):
         assert_losses_close(losses, ref_losses, rtol=1e-5)
         assert max_weight_diff(state, ref_state) < 1e-5
@@ -184,15 +163,6 @@ def test_resume_under_another_accumulation_stands_at_a_boundary(tmp_path):
 
 
 # ---- pipelines -----------------------------------------------------------------------------------
-class Dense(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-
-    def forward(self, x):
-        return torch.tanh(self.lin(x))
-
-
 def _pipeline_with_inplace_first_layer(stages):
     from zerotron.pipe import LayerSpec, PipelineModule
     # the second stage starts with ReLU(inplace=True), as DeepSpeed's AlexNet pipeline example can

@@ -174,15 +174,7 @@ def test_init_builds_partitioned_and_gathered_parameters_round_trip():
     assert abs(emb.std().item() - 0.02) < 2e-3
     ref = make_model()
     ref.load_state_dict(results[0][2])
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1, fused=True)
-    ref_losses = []
-    for x, y in global_batches(STEPS, 4):
-        loss = ref(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.item())
+    ref_losses, _ = reference_training(global_batches(STEPS, 4), model=ref)
     assert_losses_close(results[0][3], ref_losses, rtol=1e-5)
 
 

@@ -15,10 +15,14 @@ import torch
 from .io import load_hf_weights, save_hf_pretrained  # noqa: F401
 from .pipeline import to_pipeline  # noqa: F401
 
-# Transformers' tensor-parallel styles -> zerotron's (zerotron/parallel/tensor.py).
-_STYLES = {"colwise": "column", "rowwise": "row", "embedding_rowwise": "vocab",
-           "colwise_gather_output": "head_gathered", "colwise_rep": "head_gathered",
-           "replicated_with_grad_allreduce": "norm", "sequence_parallel": "norm"}
+# Transformers' tensor-parallel styles -> zerotron's (zerotron/parallel/tensor.py). A plan key names
+# a module or a parameter; the same name then means the module's or the parameter's split.
+_STYLES = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "column_gathered",
+           "colwise_rep": "column_gathered", "rowwise_split_input": "row_split_input", "rowwise_rep": "row_split_input",
+           "embedding_rowwise": "vocab", "embedding_colwise": "embedding_column", "packed_colwise": "column_packed",
+           "packed_rowwise": "row_packed", "replicated_with_grad_allreduce": "sum_grad", "sequence_parallel": "norm",
+           "moe_tp_experts": "experts", "moe_identity_expert": "scale_input", "all_reduce": "reduce_output",
+           "mla_kv_a_proj": "rope_tail", "local_params": "keep", "replicate": "keep"}
 
 
 def is_hf_model(module) -> bool:
@@ -32,7 +36,7 @@ def is_hf_model(module) -> bool:
 # GPT-2 ships no plan, and its attention projection is one fused q|k|v Conv1D: split it block by block.
 _GPT2_PLAN = {"transformer.wte": "vocab", "transformer.h.*.attn.c_attn": "column_qkv",
               "transformer.h.*.attn.c_proj": "row", "transformer.h.*.mlp.c_fc": "column",
-              "transformer.h.*.mlp.c_proj": "row", "lm_head": "head_gathered"}
+              "transformer.h.*.mlp.c_proj": "row", "lm_head": "column_gathered"}
 
 
 def prepare_tensor_parallel(model, tp: int) -> None:
@@ -63,7 +67,19 @@ def tensor_parallel_plan(model, tp: int) -> dict[str, str]:
             raise ValueError(f"the model's tensor-parallel plan uses style {style!r} for {pattern}, which zerotron "
                              f"does not translate (known: {', '.join(_STYLES)})")
         out[pattern] = _STYLES[style]
+    _split_tied_embedding_with_the_head(model, out)
     return _check_heads(model, tp, out)
+
+
+def _split_tied_embedding_with_the_head(model, plan: dict) -> None:
+    """A head tied to the input embedding and split by the plan splits the embedding's weight too:
+    the embedding then looks up its rows vocabulary-parallel (Megatron's layout)."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embedding is None or head.weight is not embedding.weight:
+        return
+    names = {id(m): n for n, m in model.named_modules()}
+    if names.get(id(head)) in plan and names.get(id(embedding)) not in plan:
+        plan[names[id(embedding)]] = "vocab"
 
 
 def _check_heads(model, tp: int, out: dict) -> dict:
