@@ -57,13 +57,19 @@ class Topology:
         return [self.rank_of(**{**c.__dict__, dim: i}) for i in range(size)]
 
     def build_groups(self, device_type: str = "cpu") -> "Topology":
-        """Create the DeviceMesh (one process group per dimension); needs the default group."""
-        from torch.distributed.device_mesh import init_device_mesh
+        """Create the DeviceMesh (one process group per dimension); needs the default group. A
+        second engine of the same layout (a reference model beside the trained one, the next
+        model of a sweep) reuses the groups: each process group costs connections and threads."""
         if dist.get_world_size() != self.world_size:
             raise RuntimeError(f"topology was made for {self.world_size} ranks but the process group has "
                                f"{dist.get_world_size()}")
-        self.mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=DIMS)
-        self._groups = {dim: self.mesh.get_group(dim) for dim in DIMS}
+        self.mesh, self._groups = _cached(("mesh", device_type, self.shape), lambda: self._make_groups(device_type))
+        return self
+
+    def _make_groups(self, device_type: str):
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=DIMS)
+        groups = {dim: mesh.get_group(dim) for dim in DIMS}
         # A second data-parallel group with the same ranks, for gradient reductions (see
         # zero/sharded.py). Every rank creates every group, in the same order.
         me = dist.get_rank()
@@ -72,8 +78,8 @@ class Topology:
                 ranks = [self.rank_of(pp, d, tp) for d in range(self.dp)]
                 group = dist.new_group(ranks)
                 if me in ranks:
-                    self._groups["dp_grad"] = group
-        return self
+                    groups["dp_grad"] = group
+        return mesh, groups
 
     def group(self, dim: str) -> dist.ProcessGroup:
         if dim not in self._groups:
@@ -82,3 +88,23 @@ class Topology:
 
     def __repr__(self):
         return f"Topology(world={self.world_size}, pp={self.pp}, dp={self.dp}, tp={self.tp})"
+
+
+_cache: dict = {}
+
+
+def _cached(key, make):
+    """Process groups made once per job (per default group): every rank asks for the same keys in
+    the same order, so every rank creates the same groups."""
+    world = dist.group.WORLD
+    if _cache.get("world") is not world:  # a new job in this process: the old groups are gone
+        _cache.clear()
+        _cache["world"] = world
+    if key not in _cache:
+        _cache[key] = make()
+    return _cache[key]
+
+
+def shared_group(ranks: list[int]) -> dist.ProcessGroup:
+    """`dist.new_group(ranks)`, made once per job (every rank must call it with the same ranks)."""
+    return _cached(("group", tuple(ranks)), lambda: dist.new_group(list(ranks)))

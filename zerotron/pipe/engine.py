@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ..comm import Comm, comm_for
 from ..engine import Engine
 from ..nested import to_device
+from ..topology import shared_group
 from ..errors import ConfigError
 from .module import PipelineModule
 from .p2p import P2P, as_tuple
@@ -35,6 +36,7 @@ class PipelineEngine(Engine):
         if config.pipeline.schedule == "interleaved" and chunks == 1:
             raise ConfigError("pipeline.schedule", "interleaved", "the interleaved schedule needs "
                               "PipelineModule(num_virtual_stages=2 or more); or use '1f1b'")
+        build_schedule(config.pipeline.schedule, topology.pp, config.gradient_accumulation_steps, chunks)  # refused now
         self.stage, self.stages, self.chunks = topology.coords(dist.get_rank()).pp, topology.pp, chunks
         if module.stage_id != self.stage:
             raise RuntimeError(f"the PipelineModule was built for stage {module.stage_id} but this rank is stage "
@@ -59,7 +61,7 @@ class PipelineEngine(Engine):
             for dp in range(t.dp):
                 for tp in range(t.tp):
                     ranks = [t.rank_of(s, dp, tp) for s in stages]
-                    group = dist.new_group(ranks)
+                    group = shared_group(ranks)
                     if me in ranks:
                         params = self.module.tied_parameters(key)
                         comm = Comm(group, "tied")
