@@ -181,6 +181,7 @@ class ActivationCheckpointingConfig:
 class ZerotronConfig:
     """Settings zerotron adds to DeepSpeed's schema, in their own "zerotron" section."""
     sequence_parallel: bool = False
+    check_tensor_parallel_plan: bool = True  # run a few tokens through the model split and unsplit first
     checkpoint_policy: str = "none"   # activation checkpointing the engine applies: none, every_block, every_k, selective
     checkpoint_every: int = 2         # with every_k: checkpoint one block in this many
     # Fault tolerance (zerotron/watchdog.py, engine.py):

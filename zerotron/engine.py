@@ -105,24 +105,49 @@ class Engine(nn.Module):
 
     def _apply_tensor_parallel(self):
         from .parallel.tensor import apply_tensor_parallel
-        plan_of = getattr(self.module, "tensor_parallel_plan", None)
         from . import hf
-        if plan_of is None and hf.is_hf_model(self.module):
-            plan = hf.tensor_parallel_plan(self.module, self.topology.tp)
-            hf.prepare_tensor_parallel(self.module, self.topology.tp)
-            plan_of = lambda tp: plan  # noqa: E731
-        if plan_of is None:
+        tp = self.topology.tp
+        is_hf = hf.is_hf_model(self.module) and not hasattr(self.module, "tensor_parallel_plan")
+        if is_hf and self.config.zerotron.sequence_parallel:
+            raise ConfigError("zerotron.sequence_parallel", True, "Transformers' tensor-parallel plans do not "
+                              "mark the sequence-split regions (norm gradients, position embeddings), so it "
+                              "would train wrong: turn it off for Transformers models")
+        if is_hf:
+            plan = hf.tensor_parallel_plan(self.module, tp)
+        elif hasattr(self.module, "tensor_parallel_plan"):
+            plan = self.module.tensor_parallel_plan(tp)
+        else:
             raise ValueError(f"{type(self.module).__name__} has no tensor_parallel_plan(tp); tensor parallelism "
                              "needs a plan (module-name patterns -> column/row/vocab/head/norm)")
-        apply_tensor_parallel(self.module, plan_of(self.topology.tp), self.tp_comm,
-                              self.config.zerotron.sequence_parallel)
+        with self._plan_probe():  # records the whole model first
+            if is_hf:
+                hf.prepare_tensor_parallel(self.module, tp)
+            apply_tensor_parallel(self.module, plan, self.tp_comm, self.config.zerotron.sequence_parallel)
+
+    def _plan_probe(self):
+        """Refuse a plan that changes what the model computes (parallel/probe.py): on by default,
+        `zerotron.check_tensor_parallel_plan: false` skips it."""
+        import contextlib
+        vocab = _vocab_size(self.module)
+        if not self.config.zerotron.check_tensor_parallel_plan or vocab is None:  # (pipeline stages: no vocab)
+            return contextlib.nullcontext()
+        from . import hf
+        from .parallel.probe import PlanProbe
+        if hf.is_hf_model(self.module):
+            call = lambda model, ids: model(input_ids=ids, labels=ids).loss  # noqa: E731
+        else:
+            call = lambda model, ids: model(ids[:, :-1], ids[:, 1:])  # noqa: E731
+        return PlanProbe(self.module, call, self.tp_comm, vocab, tokens=2 * self.topology.tp + 1)
 
     def _configure_checkpointing(self):
         from . import checkpointing
         checkpointing.reset()
         checkpointing.configure(deepspeed_config=self.config, tp_comm=self.tp_comm)
         z = self.config.zerotron
-        checkpointing.apply_policy(self.module, z.checkpoint_policy, z.checkpoint_every)
+        if checkpointing.apply_policy(self.module, z.checkpoint_policy, z.checkpoint_every):
+            from . import hf
+            if hf.is_hf_model(self.module):
+                hf.prepare_checkpointing(self.module)
 
     @torch.no_grad()
     def _broadcast_module(self):

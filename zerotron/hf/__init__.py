@@ -49,6 +49,14 @@ def prepare_tensor_parallel(model, tp: int) -> None:
                 m.num_heads //= tp
 
 
+def prepare_checkpointing(model) -> None:
+    """Activation checkpointing recomputes each layer in backward; a key/value cache would give the
+    recomputation the forward's keys again (longer keys, other ops). Transformers' own
+    gradient_checkpointing_enable turns the cache off for training too."""
+    if getattr(model.config, "use_cache", False):
+        model.config.use_cache = False
+
+
 def tensor_parallel_plan(model, tp: int) -> dict[str, str]:
     """zerotron's plan from the model's own Transformers plan (names relative to `model`)."""
     if getattr(model.config, "model_type", None) == "gpt2":
@@ -58,28 +66,31 @@ def tensor_parallel_plan(model, tp: int) -> dict[str, str]:
         base = getattr(model.config, "base_model_tp_plan", None) or {}
         prefix = getattr(model, "base_model_prefix", "")
         plan = {f"{prefix}.{k}" if prefix and hasattr(model, prefix) else k: v for k, v in base.items()}
+    from ..errors import ConfigError
     if not plan:
-        raise ValueError(f"{type(model).__name__} ships no tensor-parallel plan (config.base_model_tp_plan); "
-                         "use tensor_parallel.autotp_size 1 or give the model a tensor_parallel_plan(tp) method")
+        raise ConfigError("tensor_parallel.autotp_size", tp, f"{type(model).__name__} ships no tensor-parallel plan "
+                          "(config.base_model_tp_plan): use 1, or give the model a tensor_parallel_plan(tp) method")
     out = {}
     for pattern, style in plan.items():
         if style not in _STYLES:
-            raise ValueError(f"the model's tensor-parallel plan uses style {style!r} for {pattern}, which zerotron "
-                             f"does not translate (known: {', '.join(_STYLES)})")
+            raise ConfigError("tensor_parallel.autotp_size", tp, f"the model's plan splits {pattern} as {style!r}, "
+                              f"which zerotron does not translate (known: {', '.join(_STYLES)}): use 1")
         out[pattern] = _STYLES[style]
-    _split_tied_embedding_with_the_head(model, out)
+    _keep_the_head_whole_where_needed(model, out)
     return _check_heads(model, tp, out)
 
 
-def _split_tied_embedding_with_the_head(model, plan: dict) -> None:
-    """A head tied to the input embedding and split by the plan splits the embedding's weight too:
-    the embedding then looks up its rows vocabulary-parallel (Megatron's layout)."""
+def _keep_the_head_whole_where_needed(model, plan: dict) -> None:
+    """The head's entry is an optimization, not a necessity: it is dropped (the head stays whole)
+    when the head is tied to an input embedding the plan does not split, or when it is not a plain
+    linear layer (its own forward, e.g. a learned logit scale, would see split logits)."""
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    if head is None or embedding is None or head.weight is not embedding.weight:
+    if head is None:
         return
     names = {id(m): n for n, m in model.named_modules()}
-    if names.get(id(head)) in plan and names.get(id(embedding)) not in plan:
-        plan[names[id(embedding)]] = "vocab"
+    tied = embedding is not None and getattr(head, "weight", None) is getattr(embedding, "weight", False)
+    if (tied and names.get(id(embedding)) not in plan) or type(head) is not torch.nn.Linear:
+        plan.pop(names.get(id(head)), None)
 
 
 def _check_heads(model, tp: int, out: dict) -> dict:

@@ -140,17 +140,20 @@ def _apply_style(name: str, module: nn.Module, style: str, ctx: _Plan) -> nn.Mod
     elif style in ("norm", "sum_grad"):
         for p in module.parameters(recurse=False):
             sum_grad_over(p, region, only_when_split=style == "norm")
-    elif style == "experts":
-        module.register_forward_pre_hook(_experts_inputs(comm), with_kwargs=True)
+    elif style in ("experts", "reduce_output"):
+        if style == "experts":
+            module.register_forward_pre_hook(_experts_inputs(comm), with_kwargs=True)
         module.register_forward_hook(lambda m, args, out: reduce_from_region(out, comm))
-        for child in module.modules():  # its weights are split by parameter entries, used only here
-            ctx.prepared.add(id(child))
-    elif style == "reduce_output":
-        module.register_forward_hook(lambda m, args, out: reduce_from_region(out, comm))
+        for child in module.modules():
+            if child is not module:  # partial sums until this module adds them up
+                child.tp_partial_output = True
+            if style == "experts":  # its weights are split by parameter entries, used only here
+                ctx.prepared.add(id(child))
     elif style == "rope_tail":
         module.register_forward_hook(_rope_tail(_rope_dim(ctx.model, name), comm))
     elif style == "scale_input":
         module.register_forward_pre_hook(lambda m, args: (args[0] / comm.size, *args[1:]))
+        module.tp_partial_output = True
     return module
 
 
@@ -228,7 +231,18 @@ def _check_split_parameters_are_prepared(model: nn.Module, ctx: _Plan):
 
 
 def _expect_linear(module, name, style):
-    return module if transposed(module) else _expect(module, nn.Linear, name, style)
+    """A linear layer the parallel versions can replace: nn.Linear or Conv1D itself, not a subclass
+    with its own forward or parameters (they would be lost in the replacement)."""
+    if transposed(module):
+        return module
+    _expect(module, nn.Linear, name, style)
+    extra = sorted(set(dict(module.named_parameters())) - {"weight", "bias"})
+    if type(module).forward is not nn.Linear.forward or extra:
+        raise ConfigError("tensor-parallel plan", f"{name}: {style}",
+                          f"{name} is a {type(module).__name__}, a linear layer with its own forward"
+                          f"{' and parameters ' + ', '.join(extra) if extra else ''}; '{style}' splits plain "
+                          "nn.Linear layers only: leave it out of the plan")
+    return module
 
 
 def _expect(module, cls, name, style):
