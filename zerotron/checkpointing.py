@@ -160,7 +160,10 @@ def _partitioned(args, function, comm):
 # ---- policies applied by the engine --------------------------------------------------------------
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks: in each ModuleList / Sequential / ModuleDict, the children of its
-    most common class when that class repeats and has parameters (transformer layers)."""
+    most common class when that class repeats and has parameters (transformer layers). A model of
+    which this rank holds only a part (a pipeline stage) names the classes that repeat in the whole
+    (`repeated_layer_types()`), so a stage holding one block checkpoints it too."""
+    whole = model.repeated_layer_types() if hasattr(model, "repeated_layer_types") else set()
     blocks = []
     for container in model.modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
@@ -169,8 +172,8 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
         counts = Counter(type(c) for c in children)
         if not counts:
             continue
-        cls, n = counts.most_common(1)[0]
-        if n > 1 and any(True for _ in children[[type(c) for c in children].index(cls)].parameters()):
+        cls, n = max(counts.items(), key=lambda kv: (kv[0].__name__ in whole, kv[1]))
+        if (n > 1 or cls.__name__ in whole) and any(True for _ in children[[type(c) for c in children].index(cls)].parameters()):
             blocks += [c for c in children if type(c) is cls and not any(c is b for b in blocks)]
     return blocks
 

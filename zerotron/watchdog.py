@@ -110,6 +110,8 @@ class Watchdog:
     # ---- the side thread ------------------------------------------------------------------------
     def _watch(self) -> None:
         while not self._stopping.wait(self.poll_s):
+            if not dist.is_initialized():  # the job ended (destroy_process_group): the store may be gone
+                return
             try:
                 self._publish()
                 if self.store.check(["abort"]):

@@ -15,6 +15,8 @@ holds parts s, s + stages, …, which the interleaved 1F1B schedule runs.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn as nn
 
@@ -100,7 +102,9 @@ class PipelineModule(nn.Module):
         # load into it (or into a pipeline of any other depth) unchanged.
         self.source_names: dict[str, str] = {}
         if source_module is not None:
-            original = {id(p): n for n, p in source_module.named_parameters(remove_duplicate=False)}
+            original = {}  # a tied tensor goes by its first name, as the model's own named_parameters() gives it
+            for n, p in source_module.named_parameters(remove_duplicate=False):
+                original.setdefault(id(p), n)
             self.source_names = {n: original[id(p)] for n, p in self.named_parameters(remove_duplicate=False)
                                  if id(p) in original}
 
@@ -192,10 +196,21 @@ class PipelineModule(nn.Module):
     def is_last_virtual(self, chunk: int) -> bool:
         return chunk == self.num_virtual_stages - 1 and self.stage_id == self.num_stages - 1
 
+    def repeated_layer_types(self) -> set[str]:
+        """The layer classes that repeat in the whole model, whatever this stage holds of it."""
+        counts = Counter(s.name for s in self.specs if isinstance(s, LayerSpec) and not isinstance(s, TiedLayerSpec))
+        return {name for name, n in counts.items() if n > 1}
+
     def tied_parameters(self, key: str) -> list[nn.Parameter]:
+        """The trainable parameters of the module the stages using `key` share: all of them, not
+        only `tied_weight_attr` (which must exist, as in DeepSpeed). A shared module's other
+        parameters (GPT-2's position embedding beside its token embedding) would otherwise train on
+        one stage and go stale on the others."""
         module = self.tied[key]
         spec = next(s for s in self.specs if isinstance(s, TiedLayerSpec) and s.key == key)
-        return [module.get_parameter(attr) for attr in spec.tied_weight_attr]
+        for attr in spec.tied_weight_attr:
+            module.get_parameter(attr)
+        return [p for p in module.parameters() if p.requires_grad]
 
     def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
         plan = self._tensor_parallel_plan

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import ConfigError
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
@@ -40,8 +42,9 @@ def build_schedule(name: str, stages: int, micro_batches: int, chunks: int = 1) 
     if name == "1f1b" and chunks == 1:
         return [_one_f_one_b(s, stages, micro_batches) for s in range(stages)]
     if micro_batches % stages:
-        raise ValueError(f"the interleaved schedule takes micro-batches {stages} at a time: gradient_accumulation_steps "
-                         f"({micro_batches}) must be a multiple of the pipeline stages ({stages})")
+        raise ConfigError("gradient_accumulation_steps", micro_batches,
+                          f"the interleaved schedule takes micro-batches {stages} at a time: use a multiple of the "
+                          f"pipeline stages ({stages}), or the 1f1b schedule")
     return [_interleaved(s, stages, micro_batches, chunks) for s in range(stages)]
 
 

@@ -227,7 +227,10 @@ class ShardedStates(InOrderReduction):
             bucket.own_slice(bucket.grad_full).copy_(received)
         else:
             bucket.grad_shard.add_(received)
-        if self.host is not None and self.sync:  # the boundary: this shard is final, send it out now
+        # The boundary backward: this shard is final, send it out while backward goes on. What is
+        # reduced after backward (a pipeline's reduction, whose tied weights are then summed between
+        # stages) goes out at the step.
+        if self.host is not None and self.sync and bucket.launched_in_backward:
             self.host.gradient_out(bucket, self._reduced_shard(bucket))
 
     def end_backward(self) -> None:
