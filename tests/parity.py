@@ -52,19 +52,25 @@ def param_groups(model):
             {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
 
 
+def hf_loss(model, x, y):
+    """A Transformers causal LM's loss on tokens `x` (it shifts the labels itself)."""
+    return model(input_ids=x, labels=x).loss
+
+
 def reference_training(batches, clip: float = 1.0, norms: list | None = None, groups=None, model=None,
-                       **model_overrides):
+                       forward=None, lr: float = LR, weight_decay: float = 0.1, **model_overrides):
     """Plain PyTorch on one process: the ground truth every strategy must reproduce. `norms`, if
     given, receives each step's gradient norm before clipping; `groups(model)` gives the optimizer's
-    parameter groups (default: one); `model` replaces the seeded reference GPT."""
+    parameter groups (default: one); `model` replaces the seeded reference GPT, and
+    `forward(model, x, y)` its loss (e.g. `hf_loss`)."""
     model = model if model is not None else make_model(**model_overrides)
     # The fused kernel, as the engine uses: the comparison then isolates the engine from
     # differences between torch's AdamW implementations (~3e-6 on these weights).
-    opt = torch.optim.AdamW(groups(model) if groups else model.parameters(), lr=LR, betas=(0.9, 0.95), eps=EPS,
-                            weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(groups(model) if groups else model.parameters(), lr=lr, betas=(0.9, 0.95), eps=EPS,
+                            weight_decay=weight_decay, fused=True)
     losses = []
     for x, y in batches:
-        loss = model(x, y)
+        loss = forward(model, x, y) if forward else model(x, y)
         loss.backward()
         if clip:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

@@ -6,7 +6,7 @@ import torch
 
 import zerotron
 from distributed import run_ranks
-from parity import assert_losses_close, ds_config, global_batches
+from parity import assert_losses_close, ds_config, global_batches, hf_loss, reference_training
 
 import transformers  # noqa: F401,E402  (installed by the test extra)
 
@@ -30,17 +30,7 @@ def make(kind, **extra):
 
 
 def reference(kind, rows=4, **extra):
-    model = make(kind, **extra)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1, fused=True)
-    losses = []
-    for x, _ in global_batches(STEPS, rows):
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return reference_training(global_batches(STEPS, rows), model=make(kind, **extra), forward=hf_loss)[0]
 
 
 def _train(kind, stage, tp=1, extra=None, grad_ckpt=False):
