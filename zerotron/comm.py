@@ -7,6 +7,7 @@ releases; the names are resolved once here.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from collections import defaultdict
@@ -32,17 +33,38 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
+_timeout: datetime.timedelta | None = None  # what a script gave init_distributed, if anything
+
+
+def group_timeout() -> datetime.timedelta:
+    """The timeout of every process group zerotron creates: init_distributed's (DeepSpeed's
+    argument), else 30 minutes. The watchdog takes the same timeout (watchdog.default_timeout_s)
+    and reports first; the backend's own, a few seconds later, is the backstop."""
+    timeout = _timeout or DEFAULT_TIMEOUT
+    return timeout + max(datetime.timedelta(seconds=10), timeout * 0.1)
+
+
+def requested_timeout() -> datetime.timedelta | None:
+    return _timeout
+
+
 def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT,
                      init_method: str | None = None, **_ignored) -> None:
     """Join the process group described by the launcher's environment (RANK, WORLD_SIZE, ...).
 
     Without a launcher, a plain process becomes a world of one, so every code path is the same.
-    Accepts (and ignores) DeepSpeed's extra keyword arguments such as auto_mpi_discovery.
+    Accepts (and ignores) DeepSpeed's extra keyword arguments such as auto_mpi_discovery. `timeout`
+    bounds every collective: the default group's, every group zerotron creates, and the watchdog.
     """
+    global _timeout
+    if timeout is not None and timeout != DEFAULT_TIMEOUT:
+        _timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
     if dist.is_initialized():
+        use_local_device()
         return
+    timeout = group_timeout()
     backend = dist_backend or default_backend()
-    if backend == "nccl":
+    if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if launched_by_torchrun() and init_method is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         dist.init_process_group(backend, store=_attempt_store(timeout), rank=int(os.environ["RANK"]),
@@ -51,6 +73,25 @@ def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelt
         dist.init_process_group(backend, init_method=init_method, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    atexit.register(shutdown)
+
+
+def shutdown() -> None:
+    """At interpreter exit, for scripts that never call destroy_process_group (most DeepSpeed
+    scripts): stop the watchdog, then tear the process groups down in order, while Python still
+    runs. Left to interpreter finalization, a group's threads could be destroyed mid-flight and
+    abort a finished job (SIGABRT, "terminate called without an active exception")."""
+    dog = watchdog.current()
+    if dog is not None:
+        dog.stop()
+    if dist.is_initialized():
+        from .topology import forget_groups
+        forget_groups()
+        _comms.clear()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 (a peer already gone: nothing left to tear down)
+            pass
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
@@ -62,9 +103,20 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
 
 
 def local_device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    """This rank's device: its GPU when the default group runs NCCL (alone, or as the cuda part of
+    a mixed backend such as "cpu:gloo,cuda:nccl"), else the CPU."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def use_local_device() -> None:
+    """A script that called dist.init_process_group("nccl") itself did not pick its GPU: every rank
+    would use cuda:0. Take LOCAL_RANK's, as init_distributed does."""
+    if "nccl" in str(dist.get_backend()) and "LOCAL_RANK" in os.environ:
+        local = int(os.environ["LOCAL_RANK"])
+        if torch.cuda.current_device() != local and local < torch.cuda.device_count():
+            torch.cuda.set_device(local)
 
 
 class Comm:
@@ -93,86 +145,168 @@ class Comm:
     def reset_stats(self):
         self.bytes.clear()
 
-    def _watched(self, op: str, tensor, issue, async_op: bool):
-        """Run `issue()` (the backend call) registered with the watchdog; async works are released
-        when they are waited on."""
+    # Every collective goes through _issue: `call(outputs)` issues the backend operation writing
+    # into `outputs` and returns its work. Under strict mode (ZEROTRON_STRICT_COMM=1, for tests) an
+    # asynchronous operation writes into scratch buffers that reach `outputs` only at wait(), as
+    # NCCL's outputs are valid only then: code that reads a buffer before waiting reads stale values.
+    def _issue(self, op: str, call, tensors: tuple, outputs: tuple, async_op: bool, in_place: bool = False):
+        if strict():
+            for t in tensors:
+                check_device(t, op, self)
+        deferred = strict() and async_op and outputs
+        targets = outputs
+        if deferred:
+            targets = tuple(o.clone() if in_place else torch.empty_like(o) for o in outputs)
         watch = watchdog.get() if self.size > 1 else None
-        if watch is None:
-            return issue()
-        detail = "" if tensor is None else f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
-        call = watch.begin(op, f"{self.name}{self.ranks}", self.ranks, detail)
-        work = issue()
-        if async_op:
-            return _Tracked(work, watch, call)
-        watch.end(call)
-        return work
+        record = None
+        if watch is not None:
+            shape = next((t for t in tensors if t is not None), None)
+            detail = "" if shape is None else f"{str(shape.dtype).removeprefix('torch.')}{list(shape.shape)}"
+            record = watch.begin(op, f"{self.name}{self.ranks}", self.ranks, detail)
+        work = call(targets)
+        if not async_op:
+            if watch is not None:
+                watch.end(record)
+            return work
+        return Work([work], watch, [record], list(zip(targets, outputs)) if deferred else [])
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False):
         self._count("all_reduce", tensor)
-        return self._watched(f"all_reduce({str(op).rsplit('.', 1)[-1]})", tensor,
-                             lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op), async_op)
+        return self._issue(f"all_reduce({str(op).rsplit('.', 1)[-1]})",
+                           lambda out: dist.all_reduce(out[0], op=op, group=self.group, async_op=async_op),
+                           (tensor,), (tensor,), async_op, in_place=True)
 
     def all_gather_flat(self, output, shard, async_op=False):
         self._count("all_gather", output)
-        return self._watched("all_gather", output,
-                             lambda: _all_gather_flat(output, shard, group=self.group, async_op=async_op), async_op)
+        return self._issue("all_gather", lambda out: _all_gather_flat(out[0], shard, group=self.group,
+                                                                      async_op=async_op),
+                           (output, shard), (output,), async_op)
 
     def reduce_scatter_flat(self, shard, full, op=dist.ReduceOp.SUM, async_op=False):
         self._count("reduce_scatter", full)
-        return self._watched("reduce_scatter", full,
-                             lambda: _reduce_scatter_flat(shard, full, op=op, group=self.group, async_op=async_op),
-                             async_op)
+        return self._issue("reduce_scatter", lambda out: _reduce_scatter_flat(out[0], full, op=op, group=self.group,
+                                                                              async_op=async_op),
+                           (full, shard), (shard,), async_op)
 
     def broadcast(self, tensor, src_group_rank: int = 0, async_op=False):
         self._count("broadcast", tensor)
         src = dist.get_global_rank(self.group, src_group_rank) if self.group is not None else src_group_rank
-        return self._watched(f"broadcast(from {src})", tensor,
-                             lambda: dist.broadcast(tensor, src=src, group=self.group, async_op=async_op), async_op)
+        return self._issue(f"broadcast(from {src})",
+                           lambda out: dist.broadcast(out[0], src=src, group=self.group, async_op=async_op),
+                           (tensor,), (tensor,), async_op, in_place=True)
 
     def all_gather_list(self, tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (same shape on all), in group-rank order."""
         out = [torch.empty_like(tensor) for _ in range(self.size)]
         self._count("all_gather", tensor)
-        self._watched("all_gather", tensor, lambda: dist.all_gather(out, tensor.contiguous(), group=self.group), False)
+        self._issue("all_gather", lambda o: dist.all_gather(out, tensor.contiguous(), group=self.group),
+                    (tensor,), (), False)
         return out
 
     def all_gather_object(self, obj) -> list:
         out = [None] * self.size
-        self._watched("all_gather_object", None, lambda: dist.all_gather_object(out, obj, group=self.group), False)
+        self._issue("all_gather_object", lambda o: dist.all_gather_object(out, obj, group=self.group), (), (), False)
+        return out
+
+    def gather_object(self, obj, dst_group_rank: int = 0) -> list | None:
+        """Every rank's picklable `obj` on group rank `dst_group_rank` (None elsewhere)."""
+        dst = dist.get_global_rank(self.group, dst_group_rank) if self.group is not None else dst_group_rank
+        out = [None] * self.size if self.rank == dst_group_rank else None
+        self._issue("gather_object", lambda o: dist.gather_object(obj, out, dst=dst, group=self.group), (), (), False)
         return out
 
     def barrier(self):
-        self._watched("barrier", None, lambda: dist.barrier(group=self.group), False)
+        self._issue("barrier", lambda o: dist.barrier(group=self.group), (), (), False)
 
-    def batch_p2p(self, ops: list) -> list:
-        """Post point-to-point sends and receives together; each returned work is watched until waited."""
+    def batch_p2p(self, ops: list) -> "Work":
+        """Post point-to-point sends and receives together. Returns one work for the whole batch,
+        as NCCL coalesces them (gloo gives one per operation): waiting on it waits for every one."""
+        if strict():
+            for o in ops:
+                check_device(o.tensor, "p2p", self)
+        deferred = []
+        if strict():  # a receive's buffer is written at wait(), not before
+            posted = []
+            for o in ops:
+                if o.op in (dist.irecv, dist.recv):
+                    scratch = torch.empty_like(o.tensor)
+                    deferred.append((scratch, o.tensor))
+                    o = dist.P2POp(o.op, scratch, o.peer, o.group, o.tag)
+                posted.append(o)
+            ops = posted
         watch = watchdog.get() if self.size > 1 else None
+        records = []
+        if watch is not None:
+            for o in ops:
+                kind = "send to" if o.op in (dist.isend, dist.send) else "recv from"
+                records.append(watch.begin("p2p", f"{self.name}{self.ranks}", self.ranks, f"{kind} rank {o.peer}"))
         works = dist.batch_isend_irecv(ops)
-        if watch is None:
-            return works
-        tracked = []
-        for o, w in zip(ops, works):
-            kind = "send to" if o.op in (dist.isend, dist.send) else "recv from"
-            peer = getattr(o, "peer", None)
-            tracked.append(_Tracked(w, watch, watch.begin("p2p", f"{self.name}{self.ranks}", self.ranks,
-                                                          f"{kind} rank {peer}")))
-        return tracked
+        return Work(works, watch, records, deferred)
 
 
-class _Tracked:
-    """A backend Work whose wait() also tells the watchdog the collective finished."""
+def strict() -> bool:
+    """Tests run with NCCL's rules on gloo (ZEROTRON_STRICT_COMM=1): see Comm._issue and check_device."""
+    return os.environ.get("ZEROTRON_STRICT_COMM", "0") == "1"
 
-    def __init__(self, work, watch, call):
-        self.work, self.watch, self.call = work, watch, call
+
+class HostTensor(torch.Tensor):
+    """Under strict mode, a tensor kept in host memory on purpose (offload buffers) and everything
+    computed from one (a tensor subclass propagates through operations): a collective on it is an
+    error even on a CPU-only machine, where host and device are the same memory, because on a GPU
+    it would be a host tensor in an NCCL call. `to_device` is the way back."""
+
+
+def host_buffer(t: torch.Tensor) -> torch.Tensor:
+    return t.as_subclass(HostTensor) if strict() else t
+
+
+def to_device(t: torch.Tensor, device=None) -> torch.Tensor:
+    """`t` on the engine's device (a copy from host memory, asynchronous where it can be)."""
+    out = t.to(device or local_device(), non_blocking=True)
+    return out.as_subclass(torch.Tensor) if isinstance(out, HostTensor) else out
+
+
+def check_device(tensor, op: str, comm: "Comm") -> None:
+    if tensor is None:
+        return
+    device = local_device()
+    if isinstance(tensor, HostTensor) or tensor.device.type != device.type:
+        where = "host memory (offload)" if isinstance(tensor, HostTensor) else f"{tensor.device}"
+        raise RuntimeError(f"{op} on group {comm.name} of a {str(tensor.dtype).removeprefix('torch.')}"
+                           f"{list(tensor.shape)} tensor in {where}, while the engine's collectives run on {device}: "
+                           "move it to the device first (NCCL refuses host tensors)")
+
+
+class Work:
+    """The work of one operation or one batch of point-to-point operations. wait() waits for all,
+    writes deferred outputs (strict mode) and tells the watchdog; the watchdog also sees a work
+    complete without being waited on (is_completed)."""
+
+    def __init__(self, works: list, watch, records: list, deferred: list):
+        self.works, self.watch, self.records, self.deferred = works, watch, records, deferred
+        if watch is not None:
+            for work, record in zip(works if len(works) == len(records) else works * len(records), records):
+                watch.track(record, work)
 
     def wait(self, *args):
+        """Idempotent: a batch's work is waited on by its receive and again with the stage's sends
+        (gloo's point-to-point works must be waited on once: a second wait blocks)."""
+        if self.works is None:
+            return True
         try:
-            return self.work.wait(*args)
+            for w in self.works:
+                w.wait(*args)
+            for scratch, out in self.deferred:
+                out.copy_(scratch)
+            self.works, self.deferred = None, []
         finally:
-            self.watch.end(self.call)
+            if self.watch is not None:
+                for r in self.records:
+                    self.watch.end(r)
+        return True
 
-    def __getattr__(self, name):
-        return getattr(self.work, name)
+    def is_completed(self) -> bool:
+        return self.works is None or (all(w.is_completed() for w in self.works) and not self.deferred)
 
 
 _comms: dict = {}

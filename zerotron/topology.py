@@ -35,7 +35,6 @@ class Topology:
                               f"({world_size}); change the sizes or the number of processes")
         self.world_size, self.tp, self.pp = world_size, tp, pp
         self.dp = world_size // (tp * pp)
-        self.mesh = None
         self._groups: dict[str, Optional[dist.ProcessGroup]] = {}
 
     @property
@@ -57,29 +56,26 @@ class Topology:
         return [self.rank_of(**{**c.__dict__, dim: i}) for i in range(size)]
 
     def build_groups(self, device_type: str = "cpu") -> "Topology":
-        """Create the DeviceMesh (one process group per dimension); needs the default group. A
-        second engine of the same layout (a reference model beside the trained one, the next
-        model of a sweep) reuses the groups: each process group costs connections and threads."""
+        """Create one process group per dimension (and a second data-parallel one, for gradient
+        reductions: see zero/sharded.py), with the timeout `init_distributed` was given. A second
+        engine of the same layout (a reference model beside the trained one, the next model of a
+        sweep) reuses them: each process group costs connections and threads."""
         if dist.get_world_size() != self.world_size:
             raise RuntimeError(f"topology was made for {self.world_size} ranks but the process group has "
                                f"{dist.get_world_size()}")
-        self.mesh, self._groups = _cached(("mesh", device_type, self.shape), lambda: self._make_groups(device_type))
+        self._groups = _cached(("groups", self.shape), self._make_groups)
         return self
 
-    def _make_groups(self, device_type: str):
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=DIMS)
-        groups = {dim: mesh.get_group(dim) for dim in DIMS}
-        # A second data-parallel group with the same ranks, for gradient reductions (see
-        # zero/sharded.py). Every rank creates every group, in the same order.
-        me = dist.get_rank()
-        for pp in range(self.pp):
-            for tp in range(self.tp):
-                ranks = [self.rank_of(pp, d, tp) for d in range(self.dp)]
-                group = dist.new_group(ranks)
-                if me in ranks:
-                    groups["dp_grad"] = group
-        return mesh, groups
+    def _make_groups(self) -> dict:
+        from .comm import group_timeout
+        groups = {}
+        for dim in DIMS + ("dp_grad",):
+            along = "dp" if dim == "dp_grad" else dim
+            # every rank creates every group of the dimension, in one order
+            slices = sorted({tuple(self.group_ranks(along, r)) for r in range(self.world_size)})
+            mine, _ = dist.new_subgroups_by_enumeration([list(s) for s in slices], timeout=group_timeout())
+            groups[dim] = mine
+        return groups
 
     def group(self, dim: str) -> dist.ProcessGroup:
         if dim not in self._groups:
@@ -105,6 +101,13 @@ def _cached(key, make):
     return _cache[key]
 
 
-def shared_group(ranks: list[int]) -> dist.ProcessGroup:
-    """`dist.new_group(ranks)`, made once per job (every rank must call it with the same ranks)."""
-    return _cached(("group", tuple(ranks)), lambda: dist.new_group(list(ranks)))
+def shared_group(ranks: list[int], purpose: str = "") -> dist.ProcessGroup:
+    """`dist.new_group(ranks)`, made once per job and `purpose` (every rank must call it with the
+    same arguments, in the same order). Two purposes over the same ranks get two groups."""
+    from .comm import group_timeout
+    return _cached(("group", purpose, tuple(ranks)), lambda: dist.new_group(list(ranks), timeout=group_timeout()))
+
+
+def forget_groups() -> None:
+    """Drop the cached groups (the job is ending: zerotron.comm.shutdown)."""
+    _cache.clear()

@@ -28,26 +28,35 @@ import torch.distributed as dist
 
 from .errors import EXIT_FAULT, CollectiveMismatch
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("ZEROTRON_COLLECTIVE_TIMEOUT", 600))
+def default_timeout_s() -> float:
+    """$ZEROTRON_COLLECTIVE_TIMEOUT, else the timeout init_distributed was given, else 600 s (the
+    config's zerotron.collective_timeout overrides all three)."""
+    from .comm import requested_timeout
+    if "ZEROTRON_COLLECTIVE_TIMEOUT" in os.environ:
+        return float(os.environ["ZEROTRON_COLLECTIVE_TIMEOUT"])
+    requested = requested_timeout()
+    return requested.total_seconds() if requested is not None else 600.0
 
 
 class _Call:
-    __slots__ = ("op", "group", "ranks", "seq", "detail", "since")
+    __slots__ = ("op", "group", "ranks", "seq", "detail", "since", "work")
 
     def __init__(self, op, group, ranks, seq, detail):
         self.op, self.group, self.ranks, self.seq, self.detail = op, group, ranks, seq, detail
         self.since = time.monotonic()
+        self.work = None  # an asynchronous call's backend work: finished when it completes
 
     def describe(self) -> str:
         return f"{self.op} #{self.seq} on group {self.group} {self.detail}".rstrip()
 
 
 class Watchdog:
-    def __init__(self, store, rank: int, world: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, store, rank: int, world: int, timeout_s: float | None = None):
         self.store = dist.PrefixStore("zerotron/watchdog/", store)
         self.rank = rank
         # Each rank touches the store about twice per poll: poll less often in very large jobs.
-        self.timeout_s, self.poll_s = timeout_s, max(1.0, world / 512)
+        self.timeout_s = default_timeout_s() if timeout_s is None else timeout_s
+        self.poll_s = max(1.0, world / 512) if self.timeout_s >= 10 else 0.5
         self.checks = os.environ.get("ZEROTRON_COLLECTIVE_CHECKS", "0") == "1"
         self.step = 0
         self._lock = threading.Lock()
@@ -78,10 +87,21 @@ class Watchdog:
             self._compare(call)
         return call
 
+    def track(self, call: _Call, work) -> None:
+        """An asynchronous call returned at once (NCCL, or gloo's async work): it stays pending until
+        its work completes, waited on or not, so a collective that never completes is seen."""
+        call.work = work
+
     def end(self, call: _Call) -> None:
         with self._lock:
             if self._pending.pop(id(call), None) is not None:
                 self._finished[call.group] = f"{call.op} #{call.seq}"
+
+    def _end_completed(self) -> None:
+        with self._lock:
+            done = [c for c in self._pending.values() if c.work is not None and _completed(c.work)]
+        for c in done:
+            self.end(c)
 
     # ---- mismatch checks (debug mode) --------------------------------------------------------------
     def _compare(self, call: _Call) -> None:
@@ -113,6 +133,7 @@ class Watchdog:
             if not dist.is_initialized():  # the job ended (destroy_process_group): the store may be gone
                 return
             try:
+                self._end_completed()
                 self._publish()
                 if self.store.check(["abort"]):
                     message = self.store.get("abort").decode()
@@ -191,7 +212,19 @@ class Watchdog:
         os._exit(EXIT_FAULT)
 
 
+def _completed(work) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:  # noqa: BLE001 (a failed work: its wait() raises in the main thread)
+        return True
+
+
 _watchdog: Watchdog | None = None
+
+
+def current() -> Watchdog | None:
+    """The process's watchdog if one was started."""
+    return _watchdog
 
 
 def get() -> Watchdog | None:
