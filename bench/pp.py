@@ -90,6 +90,7 @@ def zerotron_system(cfg, args, stages, schedule):
         "train_micro_batch_size_per_gpu": args.batch // args.micro_batches,
         "gradient_accumulation_steps": args.micro_batches, "steps_per_print": 10**9,
         "pipeline": {"schedule": schedule}, "zero_optimization": {"stage": 0}, "gradient_clipping": args.clip,
+        "wall_clock_breakdown": True,  # pipeline_bubble() needs the stage timing
         "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}}})
 
     def step(tokens, targets):

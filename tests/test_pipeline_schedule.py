@@ -117,3 +117,63 @@ def test_each_stage_builds_only_its_layers_and_virtual_stages_interleave():
     assert sorted(m.layers.keys()) == ["2", "3", "6"] and list(m.tied.keys()) == ["emb"]
     with pytest.raises(ValueError, match="partition_method"):
         PipelineModule(_layers(), num_stages=2, partition_method="best", stage_id=0)
+
+
+# ---- point-to-point under NCCL's rules --------------------------------------------------------------
+def _stalls(schedule, p: int, v: int, group_of) -> bool:
+    """Run `schedule` with NCCL's point-to-point rules: on each rank a process group's operations
+    complete in the order they were posted, each only when its peer's matching operation is the
+    next one there; a stage posts its sends after each computation and waits for a receive before
+    the computation that needs it. True when the stages wait on each other forever."""
+    from zerotron.pipe.schedule import location, virtual_stage
+    last = p * v - 1
+    programs = []
+    for s, actions in enumerate(schedule):
+        program = []
+        for a in actions:
+            vs = virtual_stage(s, a.chunk, p)
+            if a.kind == "F":
+                program.append((("act", vs, a.micro) if vs > 0 else None, [("act", vs + 1, a.micro)] if vs < last else []))
+            else:
+                program.append((("grad", vs, a.micro) if vs < last else None, [("grad", vs - 1, a.micro)] if vs > 0 else []))
+        programs.append(program)
+    sender = lambda m: location(m[1] - 1 if m[0] == "act" else m[1] + 1, p)[0]  # noqa: E731
+    receiver = lambda m: location(m[1], p)[0]  # noqa: E731
+    pc, queues, posted, done = [0] * p, {}, set(), set()
+    while True:
+        moved = False
+        for r in range(p):
+            while pc[r] < len(programs[r]):
+                need, sends = programs[r][pc[r]]
+                if need is not None and need not in posted:
+                    queues.setdefault((r, group_of(need, sender(need), r)), []).append(("recv", need))
+                    posted.add(need)
+                if need is not None and need not in done:
+                    break
+                for m in sends:
+                    queues.setdefault((r, group_of(m, r, receiver(m))), []).append(("send", m))
+                pc[r] += 1
+                moved = True
+        for (r, g), q in queues.items():
+            if q and q[0][0] == "send":
+                peer = queues.get((receiver(q[0][1]), g), [])
+                if peer and peer[0] == ("recv", q[0][1]):
+                    done.add(q.pop(0)[1])
+                    peer.pop(0)
+                    moved = True
+        if not moved:
+            return not (all(pc[r] == len(programs[r]) for r in range(p)) and not any(queues.values()))
+
+
+@pytest.mark.parametrize("name,p,m,v", [c for c in CASES if c[1] > 1])
+def test_point_to_point_flows_never_wait_on_each_other_under_nccl_rules(name, p, m, v):
+    # zerotron's pipe/p2p.py: one group per flow (activations s -> s+1, gradients s+1 -> s, and the
+    # wrap-around ones of interleaved schedules)
+    assert not _stalls(build_schedule(name, p, m, v), p, v, lambda msg, src, dst: (msg[0], src, dst))
+
+
+def test_one_group_for_every_flow_would_deadlock():
+    # what batching activations and gradients on one NCCL group does to plain 1F1B (and worse
+    # to interleaved schedules): each stage's next operation is a send the other cannot match yet
+    assert _stalls(build_schedule("1f1b", 2, 2, 1), 2, 1, lambda msg, src, dst: "pp")
+    assert _stalls(build_schedule("interleaved", 2, 4, 2), 2, 2, lambda msg, src, dst: msg[0])

@@ -21,7 +21,7 @@ AUTO = "auto"
 
 # DeepSpeed keys we accept but that change nothing about the math here; no warning for them.
 _ACCEPTED_NO_EFFECT = {
-    "wall_clock_breakdown", "memory_breakdown", "dump_state", "zero_allow_untested_optimizer",
+    "memory_breakdown", "dump_state", "zero_allow_untested_optimizer",
     "zero_force_ds_cpu_optimizer", "dataloader_drop_last", "flops_profiler", "comms_logger",
     "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "gradient_accumulation_dtype",
 }
@@ -209,6 +209,7 @@ class Config:
     gradient_accumulation_steps: Optional[int] = None
     gradient_clipping: float = 1.0  # DeepSpeed's default
     steps_per_print: int = 10
+    wall_clock_breakdown: bool = False  # time the pipeline stages (pipeline_bubble); synchronizes the device
     communication_data_type: Optional[str] = None
     optimizer: Optional[OptimizerConfig] = None
     scheduler: Optional[SchedulerConfig] = None

@@ -19,7 +19,7 @@ from ..nested import to_device
 from ..topology import shared_group
 from ..errors import ConfigError
 from .module import PipelineModule
-from .p2p import P2P, as_tuple
+from .p2p import P2P, as_tuple, flows
 from .schedule import Action, build_schedule, location, theoretical_bubble, virtual_stage
 
 
@@ -45,15 +45,24 @@ class PipelineEngine(Engine):
         comm_for(None, "world").barrier()  # NCCL: the first point-to-point call must not be the group's first operation
         self.schedule_name = config.pipeline.schedule
         self._timeline = None
+        self._clock = _StageClock(self.device) if config.wall_clock_breakdown else None
 
     # ---- set-up -----------------------------------------------------------------------------
     def _isolated_params(self):
         """Stage-to-stage transfers and weights tied across stages; tied weights get buckets of
         their own so their reduced gradients line up between the stages that share them."""
         self.pp_comm = Comm(self.topology.group("pp"), "pp")
-        self.p2p = P2P(self.device, self.pp_comm)
-        self.tie_groups: list[tuple[Comm, list]] = []
         t, me = self.topology, dist.get_rank()
+        flow_comms = {}
+        for kind, src, dst in flows(t, self.module.num_virtual_stages):  # every rank creates every group, in one order
+            for dp in range(t.dp):
+                for tp in range(t.tp):
+                    a, b = t.rank_of(src, dp, tp), t.rank_of(dst, dp, tp)
+                    group = shared_group(sorted({a, b}), purpose=f"p2p {kind} {src}->{dst}")
+                    if me in (a, b):
+                        flow_comms[(kind, a, b)] = Comm(group, "pp")
+        self.p2p = P2P(self.device, flow_comms, self.pp_comm)
+        self.tie_groups: list[tuple[Comm, list]] = []
         for key in sorted(self.module.tie_stages):  # every rank creates every group, in one order
             stages = sorted(self.module.tie_stages[key])
             if len(stages) < 2:
@@ -126,9 +135,10 @@ class PipelineEngine(Engine):
         the first stage's start to the last stage's end (collective over the pipeline group), and
         the schedule's theoretical bubble."""
         if self._timeline is None:
-            raise RuntimeError("pipeline_bubble() reports on the last train_batch; run one first")
+            raise RuntimeError("pipeline_bubble() reports on the last train_batch: run one first, with "
+                               "\"wall_clock_breakdown\": true in the config (timing synchronizes the device)")
         start, end, busy, micro = self._timeline
-        mine = torch.tensor([start, end, busy], dtype=torch.float64)
+        mine = torch.tensor([start, end, busy], dtype=torch.float64, device=self.device)
         every = self.pp_comm.all_gather_list(mine)
         window = max(t[1].item() for t in every) - min(t[0].item() for t in every)
         return {"measured": [1 - t[2].item() / window for t in every],
@@ -143,8 +153,8 @@ class PipelineEngine(Engine):
             if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
                 raise ValueError("a pipeline batch is (inputs, labels): the first stage reads inputs, the last stage "
                                  f"passes labels to loss_fn; got a {type(batch).__name__}")
-            self._check_inputs((batch[0],), {})
-            batches.append(batch)
+            (inputs,), _ = self._check_inputs((batch[0],), {})
+            batches.append((inputs, batch[1]))
         return batches
 
     def _peer(self, vstage: int) -> int:
@@ -154,21 +164,23 @@ class PipelineEngine(Engine):
     def _run(self, actions: list[Action], batches: list, train: bool) -> list[torch.Tensor]:
         inputs, outputs, losses = {}, {}, []
         last = self.stages * self.chunks - 1
-        busy, start = 0.0, time.time()
+        clock = self._clock if train else None
+        if clock is not None:
+            clock.start_batch()
         scale = self.loss_scaler.scale if self.loss_scaler.enabled else 1.0
-        for n, a in enumerate(actions):
+        for a in actions:
             vs = virtual_stage(self.stage, a.chunk, self.stages)
             key = (a.chunk, a.micro)
             if a.kind == "F":
                 if vs == 0:
                     x = feed = to_device(batches[a.micro][0], self.device)
                 else:
-                    x = self.p2p.recv_activation(self._peer(vs - 1), tag=2 * vs)
+                    x = self.p2p.recv_activation(self._peer(vs - 1), vs, with_header=a.micro == 0)
                     # The received tensors are leaves that collect the gradient to send back; the
                     # stage gets copies, which its first layer may modify in place (ReLU(inplace=True)).
                     feed = tuple(t.clone() if t.requires_grad else t for t in x)
                     x, feed = (x[0], feed[0]) if len(x) == 1 else (x, feed)
-                t0 = time.perf_counter()
+                t0 = clock.begin() if clock else None
                 y = self.module(feed, chunk=a.chunk)
                 if vs == last:
                     loss = self._loss(y, batches[a.micro][1])
@@ -176,38 +188,34 @@ class PipelineEngine(Engine):
                     outputs[key] = loss
                 else:
                     outputs[key] = as_tuple(y)
-                    self.p2p.send(outputs[key], self._peer(vs + 1), tag=2 * (vs + 1), with_header=True)
+                    self.p2p.send_activation(outputs[key], self._peer(vs + 1), vs + 1, with_header=a.micro == 0)
                 if train:
                     inputs[key] = x
                 else:
                     outputs.pop(key)
-                busy += time.perf_counter() - t0
+                if clock:
+                    clock.end(t0)
             else:
                 x, y = inputs.pop(key), outputs.pop(key)
                 if vs == last:
                     tensors, grads = [(y / len(batches)).float() * scale], None
                 else:
                     tensors = [t for t in y if t.requires_grad]
-                    grads = self.p2p.recv_like(tensors, self._peer(vs + 1), tag=2 * vs + 1)
-                t0 = time.perf_counter()
+                    grads = self.p2p.recv_like(tensors, self._peer(vs + 1))
+                t0 = clock.begin() if clock else None
                 self.states.begin_backward(False)
                 torch.autograd.backward(tensors, grads)
                 self.states.end_backward()
                 if vs > 0:
                     back = [t.grad if t.grad is not None else torch.zeros_like(t)
                             for t in as_tuple(x) if t.requires_grad]
-                    self.p2p.send(back, self._peer(vs - 1), tag=2 * (vs - 1) + 1, with_header=False)
-                busy += time.perf_counter() - t0
-            if n + 1 == len(actions) or not self._receives(actions[n + 1]):
-                self.p2p.flush()  # nothing to pair the sends with: post them now
+                    self.p2p.send_gradient(back, self._peer(vs - 1))
+                if clock:
+                    clock.end(t0)
         self.p2p.finish()
-        if train:
-            self._timeline = (start, time.time(), busy, len(batches))
+        if clock is not None:
+            self._timeline = clock.finish_batch() + (len(batches),)
         return losses
-
-    def _receives(self, a: Action) -> bool:
-        vs = virtual_stage(self.stage, a.chunk, self.stages)
-        return vs > 0 if a.kind == "F" else vs < self.stages * self.chunks - 1
 
     def _loss(self, output, labels) -> torch.Tensor:
         labels = to_device(labels, self.device)
@@ -230,6 +238,41 @@ class PipelineEngine(Engine):
         value, arrival = self._send_mean_loss(losses)
         arrival.wait()
         return self._mean_over_dp(value)
+
+
+class _StageClock:
+    """This stage's busy time in a batch and the batch's window, for pipeline_bubble(). On a GPU each
+    computation is timed by device events, and the window starts and ends at a device
+    synchronization: wall_clock_breakdown turns it on, since the synchronizations cost time."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start_batch(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.start, self.spans = time.time(), []
+
+    def begin(self):
+        return self._now()
+
+    def end(self, began):
+        self.spans.append((began, self._now()))
+
+    def finish_batch(self) -> tuple[float, float, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            busy = sum(a.elapsed_time(b) for a, b in self.spans) / 1e3
+        else:
+            busy = sum(b - a for a, b in self.spans)
+        return self.start, time.time(), busy
 
 
 class _Done:

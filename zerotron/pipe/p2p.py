@@ -1,13 +1,12 @@
 """Stage-to-stage transfers: activations forward, their gradients backward.
 
-An activation message is a header (dtype, requires-grad flag and shape of each tensor, in a fixed
-int64 layout) followed by the tensors, so a receiver never has to know shapes in advance; a
-gradient message has exactly the shapes of the activation it answers, which the receiver kept.
-Sends are posted asynchronously and waited for only at the end of the schedule; a stage blocks
-only on receives. Everything one stage posts between two computations goes out in one
-`batch_isend_irecv` call (Megatron's paired send-forward/receive-backward). Tags keep the
-messages of different virtual stages apart on gloo; on NCCL (no tags) the schedules' send and
-receive orders agree (checked in tests/test_pipeline_schedule.py).
+The first activation message of each batch is a header (dtype, requires-grad flag and shape of
+each tensor, in a fixed int64 layout) followed by the tensors, so a receiver never has to know
+shapes in advance; the batch's other micro-batches keep those shapes and send the tensors alone
+(reading a header is a host sync). A gradient message has exactly the shapes of the activation it
+answers, which the receiver kept. Sends are posted as soon as their tensors exist and waited for
+at the end of the batch; a stage blocks only on receives, and reads a received buffer only after
+its work was waited on (NCCL's rule; zerotron.comm's strict mode enforces it on gloo).
 """
 from __future__ import annotations
 
@@ -55,56 +54,83 @@ def decode_header(header: torch.Tensor) -> list[tuple[torch.dtype, bool, tuple[i
 
 
 class P2P:
-    """Posts this rank's sends and receives; counts bytes in `comm` (a zerotron Comm)."""
+    """This rank's sends and receives. Every flow — activations from one stage to another, or
+    gradients back — has a process group of its own (two ranks): on NCCL each group is one stream on
+    which point-to-point operations complete in order and block until matched, so two flows sharing
+    one would make the stages wait on each other (interleaved schedules deadlock that way; see
+    tests/test_pipeline_schedule.py). Within one flow, messages are received in the order they are
+    sent, which the schedules guarantee. `flows[(kind, src, dst)]` is the Comm of a flow; `stats`
+    the Comm whose counters add up the bytes."""
 
-    def __init__(self, device, comm=None):
-        self.device, self.comm = device, comm
-        self._queued: list[dist.P2POp] = []
+    def __init__(self, device, flows: dict, stats):
+        self.device, self.flows, self.stats = device, flows, stats
+        self.rank = dist.get_rank()
         self._sends: list = []
+        self._sent_meta: dict = {}      # receiving virtual stage -> what the last header said
+        self._received_meta: dict = {}  # receiving virtual stage -> what the last header said
 
-    def send(self, tensors: tuple, dst: int, tag: int, with_header: bool):
+    def _post(self, kind: str, src: int, dst: int, ops):
+        comm = self.flows[(kind, src, dst)]
+        return comm.batch_p2p([dist.P2POp(op, t, dst if op is dist.isend else src, group=comm.group)
+                               for op, t in ops])
+
+    def send_activation(self, tensors: tuple, dst: int, vstage: int, with_header: bool):
+        """`with_header`: the first activation of a batch says its dtypes and shapes; the others
+        of the batch must keep them (reading a header is a host sync: one per batch, not per
+        micro-batch)."""
+        meta = [(t.dtype, t.requires_grad, tuple(t.shape)) for t in tensors]
+        ops = []
         if with_header:
-            self._queued.append(dist.P2POp(dist.isend, encode_header(tensors, self.device), dst, tag=tag))
+            self._sent_meta[vstage] = meta
+            ops.append((dist.isend, encode_header(tensors, self.device)))
+        elif self._sent_meta.get(vstage) != meta:
+            raise ValueError(f"a pipeline stage's output changed within a batch: {_describe(meta)} after "
+                             f"{_describe(self._sent_meta.get(vstage, []))}; every micro-batch of a batch must "
+                             "have the same shapes (pad the batch), as in DeepSpeed's pipelines")
+        self._send("act", dst, ops, tensors)
+
+    def send_gradient(self, tensors, dst: int):
+        """Tensors whose shapes the receiver knows (the gradients of what it sent)."""
+        self._send("grad", dst, [], tensors)
+
+    def _send(self, kind, dst, ops, tensors):
+        ops = ops + [(dist.isend, t.contiguous()) for t in tensors]
         for t in tensors:
-            self._queued.append(dist.P2POp(dist.isend, t.contiguous(), dst, tag=tag))
-            self._count(t)
+            self.stats._count("p2p", t)
+        # a send's buffer may be reused only once it completed: waited for at the end of the batch
+        self._sends.append(self._post(kind, self.rank, dst, ops))
 
-    def flush(self, recv_ops=()) -> list:
-        """Post the queued sends together with `recv_ops`; returns the receive works."""
-        ops = self._queued + list(recv_ops)
-        self._queued = []
-        if not ops:
-            return []
-        works = self.comm.batch_p2p(ops) if self.comm is not None else dist.batch_isend_irecv(ops)
-        n_send = len(ops) - len(recv_ops)
-        self._sends += works[:n_send]
-        return works[n_send:]
-
-    def recv_activation(self, src: int, tag: int) -> tuple:
-        header = torch.empty(HEADER_NUMEL, dtype=torch.int64, device=self.device)
-        for w in self.flush([dist.P2POp(dist.irecv, header, src, tag=tag)]):
-            w.wait()
-        meta = decode_header(header)
+    def recv_activation(self, src: int, vstage: int, with_header: bool) -> tuple:
+        if with_header:
+            header = torch.empty(HEADER_NUMEL, dtype=torch.int64, device=self.device)
+            self._post("act", src, self.rank, [(dist.irecv, header)]).wait()
+            self._received_meta[vstage] = decode_header(header)  # only after the wait: before it, nothing is there
+        meta = self._received_meta[vstage]
         tensors = tuple(torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in meta)
-        for w in self.flush([dist.P2POp(dist.irecv, t, src, tag=tag) for t in tensors]):
-            w.wait()
+        self._post("act", src, self.rank, [(dist.irecv, t) for t in tensors]).wait()
         for t, (_, requires_grad, _) in zip(tensors, meta):
             t.requires_grad_(requires_grad)
         return tensors
 
-    def recv_like(self, like: list[torch.Tensor], src: int, tag: int) -> list[torch.Tensor]:
+    def recv_like(self, like: list[torch.Tensor], src: int) -> list[torch.Tensor]:
         tensors = [torch.empty_like(t) for t in like]
-        for w in self.flush([dist.P2POp(dist.irecv, t, src, tag=tag) for t in tensors]):
-            w.wait()
+        self._post("grad", src, self.rank, [(dist.irecv, t) for t in tensors]).wait()
         return tensors
 
     def finish(self):
-        """Post what is queued and wait for every send."""
-        self.flush()
+        """Wait for every send of the batch."""
         for w in self._sends:
             w.wait()
         self._sends = []
 
-    def _count(self, t: torch.Tensor):
-        if self.comm is not None:
-            self.comm._count("p2p", t)
+
+def flows(topology, stages_with_chunks: int) -> list[tuple[str, int, int]]:
+    """(kind, sending stage, receiving stage) of every flow of a pipeline: activations to the next
+    stage and gradients back; with model chunks the last stage also feeds the first."""
+    p = topology.pp
+    pairs = [(s, s + 1) for s in range(p - 1)] + ([(p - 1, 0)] if stages_with_chunks > 1 and p > 1 else [])
+    return [(kind, a, b) if kind == "act" else (kind, b, a) for a, b in pairs for kind in ("act", "grad")]
+
+
+def _describe(meta) -> str:
+    return ", ".join(f"{str(d).removeprefix('torch.')}{list(shape)}" for d, _, shape in meta) or "nothing"
