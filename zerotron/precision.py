@@ -103,23 +103,29 @@ class MasterWeights:
     def grads(self) -> list[torch.Tensor]:
         return [m.grad for m in self.masters]
 
-    def take_grads(self, inv_scale: float | None) -> bool:
-        """Copy model grads into the fp32 master grads, unscaling; True when any was inf/nan."""
+    def take_grads(self, inv_scale: float | None) -> torch.Tensor | None:
+        """Copy model grads into the fp32 master grads, unscaling; a flag tensor, nonzero when any
+        was inf/nan (read in the step's one host sync, Engine._agree)."""
         model_grads = [p.grad for p in self.model_params]
         master_grads = self.grads()
         if self.separate:
             torch._foreach_copy_(master_grads, model_grads)
         if inv_scale is None:
-            return False
-        found_inf = torch.zeros(1, device=master_grads[0].device)
-        inv = torch.full((1,), inv_scale, device=master_grads[0].device)
-        torch._amp_foreach_non_finite_check_and_unscale_(master_grads, found_inf, inv)
-        return bool(found_inf.item())
+            return None
+        return nonfinite_and_unscale(master_grads, inv_scale)
 
     def copy_to_model(self) -> None:
         if self.separate:
             with torch.no_grad():
                 torch._foreach_copy_([p.data for p in self.model_params], self.masters)
+
+
+def nonfinite_and_unscale(grads: list[torch.Tensor], inv_scale: float) -> torch.Tensor:
+    """Multiply `grads` by `inv_scale` in place; returns a flag tensor, nonzero when any held inf/nan."""
+    found_inf = torch.zeros(1, device=grads[0].device)
+    inv = torch.full((1,), inv_scale, device=grads[0].device)
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
+    return found_inf
 
 
 def norm_share(param, tp: int) -> float:
@@ -143,15 +149,15 @@ def clip_by_global_norm(grads: list[torch.Tensor], max_norm: float, groups=None,
     norms = torch.stack([n.float() for n in torch._foreach_norm(grads)]).square()
     if weights is not None:
         norms = norms * torch.tensor(weights, dtype=norms.dtype, device=norms.device)
-    total_sq = norms.sum()
-    from .comm import comm_for
+    from .comm import comm_for, to_device
+    total_sq = to_device(norms.sum())  # offloaded gradients are in host memory; collectives run on the device
     for group in groups if isinstance(groups, (list, tuple)) else [groups]:
         if group is not None and dist.get_world_size(group) > 1:
             comm_for(group, "norm").all_reduce(total_sq)
     total = total_sq.sqrt()
     if max_norm > 0:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, coef)
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
     return total
 
 

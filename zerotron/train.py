@@ -149,6 +149,8 @@ def train(args) -> None:
     gpu = torch.cuda.is_available()
     torch.manual_seed(args.seed)
     model = GPT(config_for(args.model, max_seq_len=args.seq_len))
+    # Counted whole, before tensor parallelism splits the model (a rank's shard is 1/tp of it).
+    n_params, flops_per_token = model.num_params(), model.flops_per_token(args.seq_len)
     pipelined = (args.pp or 1) > 1
     module = model.to_pipeline(args.pp, partition_method="type:_PipeBlock", num_virtual_stages=args.virtual_stages) \
         if pipelined else model
@@ -176,14 +178,13 @@ def train(args) -> None:
     rng = torch.get_rng_state()
     data = iter(loader)
     torch.set_rng_state(rng)
-    say(f"zerotron train: {args.model} GPT, {model.num_params() / 1e6:.2f}M parameters, "
+    say(f"zerotron train: {args.model} GPT, {n_params / 1e6:.2f}M parameters, "
         f"{engine.world_size} x {engine.device.type} ({dist.get_backend()}), "
         f"dp {engine.topology.dp} x tp {engine.topology.tp} x pp {engine.topology.pp}, {engine.config.model_dtype_name}, "
         f"batch {engine.train_batch_size()} x {seq} tokens, {args.steps} steps")
     val_before = _validation_loss(engine, val, args.eval_batches, mb)
 
     tokens_per_step = engine.train_batch_size() * seq
-    flops_per_token = model.flops_per_token(seq)
     peak = _peak_flops()
     bar = tqdm(total=args.steps, initial=first_step, disable=not rank0, unit="step", dynamic_ncols=True)
     start = time.perf_counter()

@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ..log import logger
 from .files import META, StreamingSafetensors, read_meta
@@ -104,14 +103,11 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
                        " true (it gathers every parameter); nothing saved")
         return False
     state = consolidated_state_dict(engine.module)
-    if engine.topology.pp > 1:  # each stage holds its own layers: collect them on rank 0
-        parts = [None] * engine.topology.pp if engine.global_rank == 0 else None
-        first_of_stage = engine.coords.dp == 0 and engine.coords.tp == 0
-        group = engine.topology.group("pp")
+    if engine.topology.pp > 1:  # each stage holds its own layers (in host memory): collect them on rank 0
         if engine.coords.dp == 0 and engine.coords.tp == 0:
-            dist.gather_object(state if first_of_stage else None, parts, dst=0, group=group)
-        if engine.global_rank == 0:
-            state = {k: v for part in parts for k, v in part.items()}
+            parts = comm_for(engine.topology.group("pp"), "pp").gather_object(state)
+            if engine.global_rank == 0:
+                state = {k: v for part in parts for k, v in part.items()}
     if engine.global_rank == 0:
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         unique, seen = {}, set()

@@ -86,6 +86,11 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     return True
 
 
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy, piece by piece: the device never holds a second copy of the states."""
+    return t.detach().to("cpu", copy=True)
+
+
 def _rank_tensors(engine):
     """This rank's tensors for its file, with a JSON description of each piece."""
     tensors, pieces, scalars = {}, {}, {}
@@ -95,10 +100,10 @@ def _rank_tensors(engine):
             key = f"{piece.name}@{piece.tp_rank}:{piece.lo}"
             n = piece.hi - piece.lo
             pieces[key] = piece.to_json()
-            tensors[f"master/{key}"] = master.detach().reshape(-1)[offset:offset + n].float().clone()
+            tensors[f"master/{key}"] = _host(master.detach().reshape(-1)[offset:offset + n]).float()
             for name, value in engine.optimizer.state.get(master, {}).items():
                 if torch.is_tensor(value) and value.numel() == master.numel():
-                    tensors[f"state.{name}/{key}"] = value.detach().reshape(-1)[offset:offset + n].clone()
+                    tensors[f"state.{name}/{key}"] = _host(value.reshape(-1)[offset:offset + n])
                 else:  # per-tensor scalars (Adam's step): equal for every piece of one optimizer
                     scalars[name] = value.item() if torch.is_tensor(value) else value
         if engine.coords.dp == 0:
@@ -106,9 +111,9 @@ def _rank_tensors(engine):
                 # (frozen parameters in ZeRO-3's partitioned units are in the master pieces already)
                 if not p.requires_grad and not hasattr(p, "zt_unit"):
                     dim, r, _ = tensor_parallel_of(p)
-                    tensors[f"frozen/{name}@{r}"] = p.detach().clone()
+                    tensors[f"frozen/{name}@{r}"] = _host(p)
             for name, b in engine.module.named_buffers():
-                tensors[f"buffer/{name}"] = b.detach().clone()
+                tensors[f"buffer/{name}"] = _host(b)
     tensors["rng/torch"] = torch.get_rng_state()
     if torch.cuda.is_available():
         tensors["rng/cuda"] = torch.cuda.get_rng_state()

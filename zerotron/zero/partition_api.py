@@ -115,16 +115,32 @@ class GatheredParameters:
         return False
 
 
+@torch.no_grad()
 def consolidated_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The full state dict of a module partitioned by ZeRO-3 and/or tensor parallelism, on every
-    rank (every rank of the model must call it)."""
-    split = {name: p for name, p in module.named_parameters(remove_duplicate=False) if hasattr(p, "tp_split_dim")}
-    with GatheredParameters(list(module.parameters())):
-        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    for name, p in split.items():
-        if name in state:
-            state[name] = _gather_tensor_parallel(state[name], p.tp_split_dim, p.tp_comm, getattr(p, "tp_stride", 1))
-    return state
+    """The full state dict of a module partitioned by ZeRO-3 and/or tensor parallelism, in host
+    memory on every rank (every rank of the model must call it). One ZeRO-3 unit is gathered at a
+    time and each tensor goes to the host as it is complete, so the device never holds more than
+    one unit beyond training's own."""
+    names: dict[int, list[str]] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(name)
+    tensors = {id(t): t for t in module.state_dict(keep_vars=True).values()}
+    by_unit: dict[int, list] = {}
+    for t in tensors.values():  # units in their index order: the same collectives on every rank
+        unit = getattr(t, "zt_unit", None)
+        by_unit.setdefault(-1 if unit is None else unit.index, []).append(t)
+    state = {}
+    for index in sorted(by_unit):
+        group = by_unit[index]
+        with GatheredParameters(group):
+            for t in group:
+                value = t.detach()
+                if hasattr(t, "tp_split_dim"):
+                    value = _gather_tensor_parallel(value, t.tp_split_dim, t.tp_comm, getattr(t, "tp_stride", 1))
+                host = value.to("cpu", copy=True)
+                for name in names[id(t)]:
+                    state[name] = host
+    return {name: state[name] for name in module.state_dict()}
 
 
 def _gather_tensor_parallel(shard: torch.Tensor, dim: int, comm, stride: int = 1) -> torch.Tensor:

@@ -280,15 +280,10 @@ class ShardedStates(InOrderReduction):
                     yield b.params[i], start_in_param, length, m, start_in_shard - lo
 
     # ---- after the optimizer step ---------------------------------------------------------
-    def unscale_and_check(self, inv_scale: float | None) -> bool:
+    def unscale_and_check(self, inv_scale: float | None) -> torch.Tensor | None:
+        from ..precision import nonfinite_and_unscale
         self._make_master_grads()
-        if inv_scale is None:
-            return False
-        grads = self.master_grads()
-        found_inf = torch.zeros(1, device=grads[0].device)
-        inv = torch.full((1,), inv_scale, device=grads[0].device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
-        return bool(found_inf.item())
+        return None if inv_scale is None else nonfinite_and_unscale(self.master_grads(), inv_scale)
 
     @torch.no_grad()
     def publish(self, from_masters: bool = False) -> None:

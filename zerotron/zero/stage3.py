@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..comm import Comm
+from ..comm import Comm, to_device
 from ..nested import tensors_in
 from .flat import FlatBucket
 from .partition_api import materialize
@@ -69,7 +69,7 @@ class Unit:
         b = self.bucket
         b.full.untyped_storage().resize_(b.padded_numel * b.full.element_size())
         # With offload_param the shard comes from host memory first (a no-op copy on a CPU machine).
-        self._source = b.shard.to(b.full.device, non_blocking=True)
+        self._source = to_device(b.shard, b.full.device)
         self.work = self.comm.all_gather_flat(b.full, self._source, async_op=True)
         self.state = _GATHERING
 
@@ -158,7 +158,12 @@ class Stage3States(ShardedStates):
         b.point_params_at(b.full)
         own = b.own_slice(b.full)
         # the only copy this rank keeps (in host memory with offload_param)
-        b.shard = torch.empty(own.shape, dtype=own.dtype, pin_memory=pin).copy_(own) if on_host else own.clone()
+        if on_host:
+            from .offload import host_empty
+            b.shard = host_empty(own.numel(), own.dtype, pin)
+            b.shard.copy_(own)
+        else:
+            b.shard = own.clone()
         return b
 
     # ---- hooks ------------------------------------------------------------------------------
