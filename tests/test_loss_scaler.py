@@ -271,7 +271,7 @@ def test_take_grads_unscales_finite_fp16_grads_into_fp32_masters():
     mw = MasterWeights(params)
     assert mw.separate
     assert all(m.dtype == torch.float32 for m in mw.masters)
-    assert mw.take_grads(1 / 1024) is False
+    assert not mw.take_grads(1 / 1024)
     grads = mw.grads()
     assert all(g.dtype == torch.float32 for g in grads)
     # values by hand: fp16(0.1) = 0.0999755859375 and fp16(512.5) = 512.5; /1024 is exact in fp32
@@ -285,10 +285,10 @@ def test_take_grads_unscales_finite_fp16_grads_into_fp32_masters():
 def test_take_grads_reports_non_finite_fp16_grads(bad):
     params = _fp16_params([[1.0, 2.0], [3.0, bad, 4.0]])
     mw = MasterWeights(params)
-    assert mw.take_grads(1 / 8) is True
+    assert mw.take_grads(1 / 8)
     # next step's finite grads are not reported as overflow (the flag does not stick)
     params[1].grad = torch.tensor([3.0, 5.0, 4.0], dtype=torch.float16)
-    assert mw.take_grads(1 / 8) is False
+    assert not mw.take_grads(1 / 8)
     assert torch.equal(mw.grads()[1], torch.tensor([0.375, 0.625, 0.5]))
 
 
@@ -296,13 +296,13 @@ def test_take_grads_fp16_overflowing_the_dtype_is_reported():
     # 70000 does not fit in fp16: the model grad is inf
     params = _fp16_params([[70000.0, 1.0]])
     assert torch.isinf(params[0].grad[0])
-    assert MasterWeights(params).take_grads(1 / 65536) is True
+    assert MasterWeights(params).take_grads(1 / 65536)
 
 
 def test_take_grads_without_scale_copies_only():
     params = _fp16_params([[2.0, float("inf")]])
     mw = MasterWeights(params)
-    assert mw.take_grads(None) is False
+    assert not mw.take_grads(None)
     assert torch.equal(mw.grads()[0], torch.tensor([2.0, float("inf")]))
 
 
@@ -311,5 +311,5 @@ def test_fp32_params_are_their_own_masters():
     params[0].grad = torch.tensor([4.0, 8.0])
     mw = MasterWeights(params)
     assert not mw.separate and mw.masters is params
-    assert mw.take_grads(0.25) is False
+    assert not mw.take_grads(0.25)
     assert torch.equal(params[0].grad, torch.tensor([1.0, 2.0]))  # unscaled in place

@@ -19,6 +19,8 @@ from .precision import LossScaler, clip_by_global_norm, model_dtype
 from .topology import Topology
 from .zero import make_model_states
 
+IGNORE_INDEX = -100  # the label PyTorch's cross_entropy and Transformers' losses skip
+
 
 class Engine(nn.Module):
     """What `zerotron.initialize` returns; DeepSpeed's engine API.
@@ -74,6 +76,7 @@ class Engine(nn.Module):
         self._global_grad_norm = None
         self._nonfinite_streak = 0
         self._bad_loss = None  # this step's micro-batch losses: any NaN/Inf?
+        self._bad_input = None  # this step's token ids: (any outside the vocabulary?, the largest such)
         self.preemption_requested = False
         if config.zerotron.save_on_preemption:
             preemption.install()
@@ -198,7 +201,7 @@ class Engine(nn.Module):
 
     # ---- the training verbs -----------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        self._check_inputs(args, kwargs)
+        args, kwargs = self._check_inputs(args, kwargs)
         output = self.module(*args, **kwargs)
         if torch.is_grad_enabled():  # a script may call loss.backward() itself instead of engine.backward
             for t in tensors_in(output):
@@ -298,17 +301,26 @@ class Engine(nn.Module):
             raise SystemExit(EXIT_PREEMPTED)
 
     # ---- faults (see also zerotron/watchdog.py) ------------------------------------------------------
-    def _agree(self, nonfinite: bool) -> tuple[list[int], list[int], list[int]]:
-        """One small all-gather per step, so that every rank takes the same decision: the ranks
-        whose gradients hold NaN/Inf, those whose loss did (after the gradient reduction every rank's
-        gradients are bad; the loss says where it started), and those that received SIGTERM/SIGINT."""
-        bad_loss = torch.zeros((), device=self.device) if self._bad_loss is None else self._bad_loss.float()
-        self._bad_loss = None
-        mine = torch.stack([torch.tensor(float(nonfinite), device=self.device), bad_loss.to(self.device).reshape(()),
-                            torch.tensor(float(preemption.requested() is not None), device=self.device)])
+    def _agree(self, nonfinite: torch.Tensor | None) -> tuple[list[int], list[int], list[int]]:
+        """The step's one host sync: a small all-gather, so that every rank takes the same decision.
+        It names the ranks whose gradients hold NaN/Inf, those whose loss did (after the gradient
+        reduction every rank's gradients are bad; the loss says where it started), those that
+        received SIGTERM/SIGINT, and those that were fed token ids outside the vocabulary (then every
+        rank raises BadBatchError before the update)."""
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        flag = lambda t: zero if t is None else t.to(self.device, torch.float64).reshape(())  # noqa: E731
+        bad_input = self._bad_input if self._bad_input is not None else (zero, zero)
+        mine = torch.stack([flag(nonfinite), flag(self._bad_loss),
+                            zero + float(preemption.requested() is not None), flag(bad_input[0]), flag(bad_input[1])])
+        self._bad_loss = self._bad_input = None
         every = self.world_comm.all_gather_list(mine) if self.world_size > 1 else [mine]
-        flags = torch.stack(every).cpu()
-        return tuple(flags[:, i].nonzero().flatten().tolist() for i in range(3))
+        rows = torch.stack(every).tolist()  # the sync
+        ranks = [[r for r, row in enumerate(rows) if row[i]] for i in range(4)]
+        if ranks[3]:
+            raise BadBatchError(f"bad input at step {self.global_steps}: token id {int(rows[ranks[3][0]][4])} on "
+                                f"rank(s) {ranks[3]} is outside the vocabulary [0, {self._vocab_size}): check the "
+                                "tokenizer against the model's vocab_size (the step was not applied)")
+        return ranks[0], ranks[1], ranks[2]
 
     def _check_nonfinite_streak(self, bad_ranks: list[int], bad_loss_ranks: list[int]) -> None:
         limit = self.config.zerotron.max_nonfinite_steps
@@ -322,25 +334,53 @@ class Engine(nn.Module):
                 f"(last: {where}). The weights are those of the last good step. Lower the learning rate, check "
                 "the data, or raise zerotron.max_nonfinite_steps.")
 
-    def _check_inputs(self, args, kwargs) -> None:
-        """Token ids outside the vocabulary, or an empty batch, named before the forward runs (an
-        out-of-range id would otherwise fail deep inside the embedding, or read garbage on GPUs)."""
-        tokens = kwargs.get("input_ids", args[0] if args else None)
-        if not torch.is_tensor(tokens):
-            return
-        problem = None
-        if tokens.numel() == 0:
-            problem = f"an empty batch (shape {list(tokens.shape)}): every micro-batch needs at least one sequence"
-        elif not tokens.is_floating_point() and self._vocab_size:
-            low, high = tokens.min().item(), tokens.max().item()
-            if low < 0 or high >= self._vocab_size:
-                problem = (f"token id {high if high >= self._vocab_size else low} is outside the vocabulary "
-                           f"[0, {self._vocab_size}) (batch shape {list(tokens.shape)}): check the tokenizer "
-                           "against the model's vocab_size")
-        if problem:
-            message = f"bad input at step {self.global_steps} on rank {self.global_rank}: {problem}"
-            watchdog.abort(message)  # the other ranks stop with this message instead of waiting
-            raise BadBatchError(message)
+    def _check_inputs(self, args, kwargs):
+        """An empty batch is named before the forward runs. Token ids outside the vocabulary (in
+        the input ids or the labels) would fail deep inside the embedding or the loss (or read
+        garbage on a GPU): in training they are replaced for the forward (ids by 0, labels by the
+        ignore index), and the step's agreement (`_agree`) names them on every rank before the
+        update, so no host sync is spent per micro-batch; without gradients (evaluation) they are
+        named at once. Returns the arguments to call the model with."""
+        args, kwargs = list(args), dict(kwargs)
+        ids = "input_ids" if "input_ids" in kwargs else 0
+        labels = next((k for k in ("labels", "targets") if k in kwargs), 1)
+        for where, replacement, allowed in ((ids, 0, None), (labels, IGNORE_INDEX, IGNORE_INDEX)):
+            place = kwargs if isinstance(where, str) else dict(enumerate(args))
+            tokens = place.get(where)
+            if not torch.is_tensor(tokens):
+                continue
+            if where is ids and tokens.numel() == 0:
+                self._bad_input_now(f"an empty batch (shape {list(tokens.shape)}): every micro-batch needs at "
+                                    "least one sequence")
+            if tokens.is_floating_point() or tokens.dtype == torch.bool or not self._vocab_size:
+                continue
+            checked = self._outside_vocabulary(tokens, replacement, allowed)
+            if isinstance(where, str):
+                kwargs[where] = checked
+            else:
+                args[where] = checked
+        return tuple(args), kwargs
+
+    def _outside_vocabulary(self, tokens: torch.Tensor, replacement: int, allowed: int | None) -> torch.Tensor:
+        outside = (tokens < 0) | (tokens >= self._vocab_size)
+        if allowed is not None:
+            outside &= tokens != allowed
+        worst = torch.where(outside, tokens, torch.iinfo(tokens.dtype).min).max()
+        if not torch.is_grad_enabled():
+            if bool(outside.any()):
+                self._bad_input_now(f"token id {int(worst)} is outside the vocabulary [0, {self._vocab_size}) (batch "
+                                    f"shape {list(tokens.shape)}): check the tokenizer against the model's vocab_size")
+            return tokens
+        seen = outside.any()
+        if self._bad_input is not None:
+            seen, worst = seen | self._bad_input[0], torch.maximum(worst.long(), self._bad_input[1])
+        self._bad_input = (seen, worst.long())
+        return tokens.masked_fill(outside, replacement)
+
+    def _bad_input_now(self, problem: str):
+        message = f"bad input at step {self.global_steps} on rank {self.global_rank}: {problem}"
+        watchdog.abort(message)  # the other ranks stop with this message instead of waiting
+        raise BadBatchError(message)
 
     def predicted_memory(self) -> dict[str, int]:
         """The planner's model-state bytes for this rank (zerotron.planner.memory), from the
@@ -450,7 +490,7 @@ class Engine(nn.Module):
         data-parallel size changes it) it was saved under."""
         self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
         self.states.zero_grads()
-        self._micro_losses, self._bad_loss = [], None
+        self._micro_losses, self._bad_loss, self._bad_input = [], None, None
 
     def zero_grad(self, set_to_none: bool = True):
         self.states.zero_grads()
