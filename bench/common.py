@@ -14,13 +14,35 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+_SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
+          torch.Tensor.__int__, torch.Tensor.__float__}
+
+
+class SyncCounter(TorchFunctionMode):
+    """Counts the calls that make the host wait for the device (.item(), .tolist(), bool(t), ...),
+    each with the zerotron line it came from: on a CPU, where nothing has to wait, this is how a
+    test sees the syncs a GPU would pay for."""
+
+    def __init__(self):
+        super().__init__()
+        self.where = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _SYNCS:
+            frame = next((f for f in reversed(traceback.extract_stack()[:-1]) if "/zerotron/" in f.filename), None)
+            self.where.append(f"{func.__name__} at {frame.filename.rsplit('/zerotron/', 1)[-1]}:{frame.lineno}"
+                              if frame else func.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 # ---- launch -------------------------------------------------------------------------------------

@@ -60,8 +60,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # zerotron from this checkout, installed or not
 
 # Seconds each part may take on the GPU (capped by what is left of --time-budget).
-JOB_LIMITS = {"mfu": 150, "ckpt": 150, "offload": 300, "offload_off": 120}
-JOB_LIMITS_SMOKE = {"mfu": 90, "ckpt": 90, "offload": 90, "offload_off": 90}
+JOB_LIMITS = {"correct": 150, "mfu": 150, "ckpt": 120, "offload": 240, "offload_off": 100}
+JOB_LIMITS_SMOKE = {"correct": 150, "mfu": 90, "ckpt": 90, "offload": 90, "offload_off": 90}
 MIN_JOB_S = 20       # a part gets at least this much time, or is skipped
 GRACE_S = 20         # beyond a child's own deadline before it is killed
 
@@ -73,7 +73,7 @@ def log(msg: str) -> None:
 # ---- arguments ---------------------------------------------------------------------------------------
 SMOKE = {"seq": 64, "mfu_model": "tiny", "micro_batch": 2, "warmup": 1, "steps": 2,
          "systems": "zerotron,plain,plain_autocast", "ckpt_model": "tiny", "ckpt_micro_batch": 2,
-         "offload_model": "tiny", "offload_micro_batch": "2", "offload_steps": 2, "time_budget": 200}
+         "offload_model": "tiny", "offload_micro_batch": "2", "offload_steps": 2, "time_budget": 360}
 GPU = {"seq": 2048, "mfu_model": "1.3b", "micro_batch": 8, "warmup": 3, "steps": 10, "systems": "zerotron,plain",
        "ckpt_model": "350m", "ckpt_micro_batch": 8, "offload_model": "13b", "offload_micro_batch": "auto",
        "offload_steps": 2, "time_budget": 480}
@@ -82,8 +82,9 @@ GPU = {"seq": 2048, "mfu_model": "1.3b", "micro_batch": 8, "warmup": 3, "steps":
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (gloo, world of one), a few steps")
-    p.add_argument("--parts", default="mfu,ckpt,offload", help="comma-separated: mfu, ckpt, offload")
-    p.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run (default 480; smoke 200)")
+    p.add_argument("--parts", default="correct,mfu,ckpt,offload",
+                   help="comma-separated: correct (bench/gpu_checks.py), mfu, ckpt, offload")
+    p.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run (default 480; smoke 360)")
     p.add_argument("--out", type=Path, default=None,
                    help="result JSON (default bench/results/gpu.json; smoke: bench/results/gpu_smoke.json)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 2048)")
@@ -129,7 +130,7 @@ def parse_args(argv=None):
     args.parts = [s for s in args.parts.split(",") if s]
     args.systems = [s for s in args.systems.split(",") if s]
     args.ckpt_policies = [s for s in args.ckpt_policies.split(",") if s]
-    for name, allowed in (("parts", ("mfu", "ckpt", "offload")), ("systems", ("zerotron", "plain", "plain_autocast")),
+    for name, allowed in (("parts", ("correct", "mfu", "ckpt", "offload")), ("systems", ("zerotron", "plain", "plain_autocast")),
                           ("ckpt_policies", ("none", "every_block", "every_k", "selective"))):
         bad = [v for v in getattr(args, name) if v not in allowed]
         if bad:
@@ -197,7 +198,7 @@ def parent_main(args) -> int:
                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                         if k not in ("job", "result_file", "deadline", "argv")},
                "jobs": {}}
-    jobs = [j for j in ("mfu", "ckpt") if j in args.parts]
+    jobs = [j for j in ("correct", "mfu", "ckpt") if j in args.parts]
     if "offload" in args.parts:
         jobs += ["offload"] + ([] if args.no_oom_demo else ["offload_off"])
     limits = JOB_LIMITS_SMOKE if args.smoke else JOB_LIMITS
@@ -241,6 +242,8 @@ def run_child(job: str, limit: float, extra: list[str], smoke: bool, argv: list[
                         "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
     if smoke:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the smoke run is the CPU path, also on a GPU machine
+    if job == "correct":
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS, set before CUDA starts
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="zt_gpu_bench_") as tmp:
         result_file = Path(tmp) / "result.json"
@@ -769,7 +772,13 @@ def job_offload_off(args, dev, result, save):
         log(f"offload_off: out of GPU memory at {phase} (peak before it {gib(dev.peak()) or 0:.2f} GiB): as expected")
 
 
-JOBS = {"mfu": job_mfu, "ckpt": job_ckpt, "offload": job_offload, "offload_off": job_offload_off}
+def job_correct(args, dev, result, save):
+    from bench.gpu_checks import job_correct as checks
+    checks(args, dev, result, save)
+
+
+JOBS = {"correct": job_correct, "mfu": job_mfu, "ckpt": job_ckpt, "offload": job_offload,
+        "offload_off": job_offload_off}
 
 
 def child_main(args) -> int:
@@ -813,6 +822,16 @@ def _table(rows, columns):
 def summarize(payload: dict) -> list[str]:
     jobs = payload["jobs"]
     lines = ["", "=" * 100, f"bench/gpu.py summary ({payload['mode']})"]
+    correct = jobs.get("correct", {})
+    if correct:
+        parity = correct.get("zero_parity", {})
+        bad = [k for k, v in parity.items() if not v.get("ok")]
+        worst = max((v.get("max_weight_diff", 0) for v in parity.values()), default=None)
+        lines.append(f"[0] correctness: {'all checks passed' if correct.get('all_ok') else 'FAILED'}; ZeRO/offload "
+                     f"parity {len(parity) - len(bad)}/{len(parity)} (worst weight diff {_f(worst, '{:.1e}')})"
+                     + (f", failing {bad}" if bad else ""))
+        for key in ("overflow", "checkpoint_round_trip", "host_syncs", "launch_blocking_rerun"):
+            lines.append(f"    {key}: {json.dumps(correct.get(key), default=str)[:200]}")
     dev = next((r["device"] for r in jobs.values() if r.get("device")), {})
     if dev:
         memory = f", {dev['total_memory_gib']:.1f} GiB, CUDA {dev.get('cuda')}" if "total_memory_gib" in dev else ""
