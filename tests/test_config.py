@@ -225,8 +225,6 @@ BAD = [
      "zero_optimization.offload_param.device", "use 'none', 'cpu' or 'nvme'"),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
      "zero_optimization.offload_optimizer.device", "needs zero_optimization.stage 1, 2 or 3"),
-    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-     "zero_optimization.offload_param.device", "set zero_optimization.stage to 3"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}},
      "zero_optimization.offload_param.device", "NVMe offload (ZeRO-Infinity) is not supported"),
     ({"zero_optimization": {"offload_optimizer": {"device": 1}}},
@@ -237,7 +235,9 @@ BAD = [
     ({"communication_data_type": "int8"}, "communication_data_type", "'fp32', 'fp16' or 'bf16'"),
     ({"communication_data_type": "float32"}, "communication_data_type", "'fp32', 'fp16' or 'bf16'"),
     # optimizer
-    ({"optimizer": {"type": "Lamb", "params": {}}}, "optimizer.type", "'Adam', 'AdamW' or 'SGD'"),
+    ({"optimizer": {"type": "Shampoo", "params": {}}}, "optimizer.type", "a torch.optim optimizer's name"),
+    ({"optimizer": {"type": "Lamb", "params": {}}, "zero_optimization": {"stage": 2}}, "optimizer.type",
+     "use zero_optimization.stage 0"),
     ({"optimizer": {"type": "OneBitAdam"}}, "optimizer.type", "your own torch optimizer"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}},
      "optimizer.params.max_grad_norm", "gradient_clipping"),
@@ -262,12 +262,12 @@ BAD = [
     ({"optimizer": {"type": "AdamW", "params": {"weight_decay": -0.1}}}, "optimizer.params.weight_decay",
      "non-negative"),
     ({"optimizer": {"type": "SGD", "params": {"momentum": -0.9}}}, "optimizer.params.momentum", "non-negative"),
-    ({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}}, "optimizer.params.bias_correction",
-     "remove the key"),
+    ({"optimizer": {"type": "Adam", "params": {"bias_correction": False, "torch_adam": True}}},
+     "optimizer.params.bias_correction", "torch's Adam (torch_adam: true) always applies bias correction"),
     # scheduler
     ({"scheduler": {"type": "CosineAnnealing", "params": {}}}, "scheduler.type", "WarmupLR"),
-    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}, "scheduler.params.warmup_num_steps",
-     "integer > 0"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": -1}}}, "scheduler.params.warmup_num_steps",
+     "integer >= 0"),
     ({"scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 10}}}, "scheduler.params.total_num_steps",
      "WarmupLR takes only"),
     ({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}},
@@ -278,7 +278,8 @@ BAD = [
     ({"wandb": {"enabled": True}}, "wandb.enabled", "tensorboard"),
     # "auto" on a key zerotron cannot resolve
     ({"steps_per_print": "auto"}, "steps_per_print", "cannot resolve 'auto'"),
-    ({"fp16": {"enabled": True, "loss_scale_window": "auto"}}, "fp16.loss_scale_window", "cannot resolve 'auto'"),
+    ({"activation_checkpointing": {"partition_activations": "auto"}}, "activation_checkpointing.partition_activations",
+     "cannot resolve 'auto'"),
 ]
 
 

@@ -351,7 +351,7 @@ def test_unknown_param_lists_valid_names():
 
 @pytest.mark.parametrize("type_name,params,bad", [
     ("WarmupLR", {"warmup_num_steps": -5}, "warmup_num_steps"),
-    ("WarmupLR", {"warmup_num_steps": 0}, "warmup_num_steps"),
+    ("WarmupLR", {"warmup_num_steps": -1}, "warmup_num_steps"),
     ("WarmupLR", {"warmup_num_steps": 10.5}, "warmup_num_steps"),
     ("WarmupLR", {"warmup_num_steps": True}, "warmup_num_steps"),
     ("WarmupLR", {"warmup_type": "cosine"}, "warmup_type"),
@@ -423,3 +423,18 @@ def test_build_validates_first():
     assert lrs(opt) == [0.1]  # nothing was applied
     assert isinstance(build_scheduler("OneCycle", ONE_CYCLE, make_opt()), OneCycle)
     assert isinstance(build_scheduler("WarmupDecayLR", {"total_num_steps": 2000}, make_opt()), WarmupDecayLR)
+
+
+def test_zero_warmup_steps_count_as_two_as_in_deepspeed():
+    # the Hugging Face Trainer writes warmup_num_steps 0 when there is no warm-up; DeepSpeed takes it
+    validate_scheduler("WarmupLR", {"warmup_num_steps": 0})
+    lrs = []
+    for n in (0, 2):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        sched = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=0.1, warmup_num_steps=n, warmup_type="linear")
+        lrs.append([])
+        for _ in range(3):
+            lrs[-1].append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+    assert lrs[0] == lrs[1]

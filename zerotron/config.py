@@ -13,19 +13,20 @@ import os
 import typing
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
+from .config_deepspeed import deepspeed_features, deepspeed_names
 from .errors import ConfigError
 
 AUTO = "auto"
 
 # DeepSpeed keys we accept but that change nothing about the math here; no warning for them.
 _ACCEPTED_NO_EFFECT = {
-    "memory_breakdown", "dump_state", "zero_allow_untested_optimizer",
+    "memory_breakdown", "dump_state",
     "zero_force_ds_cpu_optimizer", "dataloader_drop_last", "flops_profiler", "comms_logger",
     "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "gradient_accumulation_dtype",
+    "log_level", "timers", "seq_parallel_communication_data_type", "use_data_before_expert_parallel_",
 }
-
 
 def _is_auto(value) -> bool:
     return isinstance(value, str) and value == AUTO
@@ -111,14 +112,17 @@ class ZeroConfig:
             if off is None:
                 continue
             off.validate(f"{p}.{key}")
+            if key == "offload_param" and self.stage != 3:
+                continue  # ignored below stage 3 (warned about below)
             _check(off.device != "nvme", f"{p}.{key}.device", off.device,
                    "NVMe offload (ZeRO-Infinity) is not supported by zerotron; use \"cpu\" (host memory) instead")
         if self.offload_optimizer is not None and self.offload_optimizer.device == "cpu":
             _check(self.stage >= 1, f"{p}.offload_optimizer.device", "cpu",
                    "optimizer offload shards the optimizer: it needs zero_optimization.stage 1, 2 or 3")
-        if self.offload_param is not None and self.offload_param.device == "cpu":
-            _check(self.stage == 3, f"{p}.offload_param.device", "cpu",
-                   "parameter offload needs partitioned parameters: set zero_optimization.stage to 3")
+        if self.offload_param is not None and self.offload_param.device != "none" and self.stage != 3:
+            # DeepSpeed offloads parameters only at stage 3 and ignores the key below it.
+            warnings.warn(f"{p}.offload_param is ignored at zero_optimization.stage {self.stage} (as DeepSpeed "
+                          "ignores it): parameters stay on the device; parameter offload needs stage 3", stacklevel=4)
 
 
 @dataclass
@@ -211,6 +215,7 @@ class Config:
     steps_per_print: int = 10
     wall_clock_breakdown: bool = False  # time the pipeline stages (pipeline_bubble); synchronizes the device
     communication_data_type: Optional[str] = None
+    zero_allow_untested_optimizer: bool = False  # ZeRO 1-3: run an optimizer the elementwise probe could not clear
     optimizer: Optional[OptimizerConfig] = None
     scheduler: Optional[SchedulerConfig] = None
     fp16: FP16Config = field(default_factory=FP16Config)
@@ -241,12 +246,13 @@ class Config:
                 raise ConfigError("pipeline.stages", given, f"the PipelineModule has {pipeline_stages} stages; "
                                   "make them agree (or use \"auto\")")
             section["stages"] = pipeline_stages
+        raw = deepspeed_names(raw)
         raw = resolve_auto(raw, **auto_values)
         if "bfloat16" in raw:  # DeepSpeed's older name for the bf16 section
             if "bf16" in raw:
                 raise ConfigError("bfloat16", raw["bfloat16"], "both 'bf16' and its old name 'bfloat16' are set; keep 'bf16'")
             raw["bf16"] = raw.pop("bfloat16")
-        cfg = _parse(cls, raw, "")
+        cfg = _parse(cls, deepspeed_features(raw), "")
         cfg.raw = raw
         cfg.world_size = world_size
         cfg._validate()
@@ -291,7 +297,9 @@ class Config:
                "zerotron does not log to Weights & Biases; use 'tensorboard' or 'csv_monitor'")
         if self.optimizer is not None:
             from .optim import validate_optimizer
-            validate_optimizer(self.optimizer.type, self.optimizer.params)
+            off = self.zero_optimization.offload_optimizer
+            validate_optimizer(self.optimizer.type, self.optimizer.params, zero_stage=self.zero_optimization.stage,
+                               on_host=off is not None and off.device == "cpu")
         if self.scheduler is not None:
             from .schedulers import validate_scheduler
             validate_scheduler(self.scheduler.type, self.scheduler.params)
@@ -400,6 +408,8 @@ _AUTO_RULES = [
     ("zero_optimization.stage3_param_persistence_threshold", "stage3_param_persistence_threshold", _DROP),
 ]
 _OPTIMIZER_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+_AUTO_MEANS_DEFAULT = {"zero_optimization", "fp16", "bf16", "bfloat16", "tensorboard", "wandb", "csv_monitor",
+                       "comet", "comms_logger", "compile", "hybrid_engine", "tensor_parallel", "timers"}
 
 
 def resolve_auto(raw: dict, **values) -> dict:
@@ -409,7 +419,9 @@ def resolve_auto(raw: dict, **values) -> dict:
     train_batch_size, lr, betas, eps, weight_decay, max_grad_norm, fp16, bf16, warmup_steps,
     total_steps, warmup_min_lr, and hidden_size (which sets the ZeRO bucket sizes the way the
     Transformers Trainer does). A None value counts as not given. Keys with nothing to resolve
-    from fall back to their defaults; keys without a sensible default raise ConfigError.
+    from fall back to their defaults, as do all other "auto" values inside the sections DeepSpeed
+    parses with its pydantic models (zero_optimization, fp16, bf16, the monitors, tensor_parallel,
+    ...), where DeepSpeed reads "auto" as the default; keys without a sensible default raise ConfigError.
     """
     raw = copy.deepcopy(raw)
     known = {name for _, name, _ in _AUTO_RULES} | {"hidden_size"}
@@ -442,6 +454,12 @@ def resolve_auto(raw: dict, **values) -> dict:
             parent[key] = _OPTIMIZER_DEFAULTS["lr"] if src is None or _is_auto(src) else src
         else:
             parent[key] = fallback
+    for path in list(_auto_paths(raw, "")):
+        # In the sections DeepSpeed reads through its pydantic models, "auto" means the default
+        # (DeepSpeedConfigModel drops such values), e.g. zero_optimization.stage3_max_live_parameters.
+        if path.split(".")[0] in _AUTO_MEANS_DEFAULT:
+            parent, key = _walk(raw, path)
+            del parent[key]
     left = [p for p in _auto_paths(raw, "")]
     if left:
         raise ConfigError(left[0], AUTO, "zerotron cannot resolve 'auto' for this key; set a value")

@@ -145,8 +145,8 @@ class ReplicatedStates:
         self.buckets = self.grad_buckets.buckets
         self.master = MasterWeights(params)
 
-    def adopt(self, optimizer):
-        self.master.adopt(optimizer)
+    def adopt(self, optimizer, allow_untested: bool = False):
+        self.master.adopt(optimizer)  # whole parameters: any optimizer is exact, nothing to check
 
     def begin_backward(self, sync: bool):
         self.grad_buckets.sync = sync
@@ -183,6 +183,10 @@ class ReplicatedStates:
 
     def publish(self, from_masters: bool = False):
         self.master.copy_to_model()
+
+    def destroy(self):
+        for h in self.grad_buckets._hooks:
+            h.remove()
 
     def zero_grads(self):
         self.grad_buckets.zero()

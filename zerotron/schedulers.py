@@ -97,8 +97,8 @@ class _WarmupScheduler(_Scheduler):
     """Shared warmup: the fraction 0..1 of warmup done at the current step, log or linear."""
 
     def __init__(self, optimizer, warmup_num_steps, warmup_type, last_batch_iteration):
-        if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
-            raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
+        if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps < 0:
+            raise ValueError(f"warmup_num_steps must be an integer >= 0, got {warmup_num_steps!r}")
         if warmup_type not in WARMUP_TYPES:
             raise ValueError(f"warmup_type must be one of {WARMUP_TYPES}, got {warmup_type!r}")
         super().__init__(optimizer, last_batch_iteration)
@@ -335,6 +335,7 @@ _POSITIVE = (lambda v: _is_number(v) and v > 0, "a number > 0")
 _NON_NEGATIVE = (lambda v: _is_number(v) and v >= 0, "a number >= 0")
 _NON_NEGATIVE_OR_NONE = (lambda v: v is None or _NON_NEGATIVE[0](v), "a number >= 0, or null")
 _COUNT = (lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = no staircase)")
+_WARMUP_STEPS = (lambda v: _is_int(v) and v >= 0, "an integer >= 0 (fewer than 2 count as 2, as in DeepSpeed)")
 _COUNT_OR_NONE = (lambda v: v is None or _COUNT[0](v), "an integer >= 0, or null for cycle_first_stair_count")
 _RATIO = (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]")
 _ANY_NUMBER = (_is_number, "a number")  # decay_mom_rate < 0 is how momentum decays downward
@@ -343,14 +344,14 @@ _WARMUP_TYPE = (lambda v: v in WARMUP_TYPES, f"one of {list(WARMUP_TYPES)}")
 _ITERATION = (lambda v: _is_int(v) and v >= -1, "an integer >= -1 (-1 = start from the beginning)")
 
 _WARMUP_RULES = {
-    "warmup_min_lr": _LR, "warmup_max_lr": _LR_OR_NONE, "warmup_num_steps": _POSITIVE_INT,
+    "warmup_min_lr": _LR, "warmup_max_lr": _LR_OR_NONE, "warmup_num_steps": _WARMUP_STEPS,
     "warmup_type": _WARMUP_TYPE, "last_batch_iteration": _ITERATION,
 }
 _RULES = {
     "WarmupLR": _WARMUP_RULES,
     "WarmupDecayLR": {"total_num_steps": _POSITIVE, **_WARMUP_RULES},
     "WarmupCosineLR": {
-        "total_num_steps": _POSITIVE, "warmup_min_ratio": _RATIO, "warmup_num_steps": _POSITIVE_INT,
+        "total_num_steps": _POSITIVE, "warmup_min_ratio": _RATIO, "warmup_num_steps": _WARMUP_STEPS,
         "cos_min_ratio": _RATIO, "warmup_type": _WARMUP_TYPE, "last_batch_iteration": _ITERATION,
     },
     "OneCycle": {

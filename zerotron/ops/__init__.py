@@ -1,1 +1,3 @@
-"""Optimizer kernels (DeepSpeed's `deepspeed.ops` names): `zerotron.ops.adam.DeepSpeedCPUAdam`."""
+"""Optimizer kernels under DeepSpeed's `deepspeed.ops` names: `ops.adam` (FusedAdam, DeepSpeedCPUAdam),
+`ops.adagrad` (DeepSpeedCPUAdagrad), `ops.lion` (FusedLion, DeepSpeedCPULion), `ops.lamb` (FusedLamb)."""
+from . import adagrad, adam, lamb, lion  # noqa: E402,F401  (deepspeed.ops.adam & co. as attributes, as DeepSpeed)

@@ -42,7 +42,7 @@ def make_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
             buckets.append(b)
         states = ShardedStates(buckets, set(), group_of, comm, gather_comm, zero.stage, zero.allgather_bucket_size,
                                reduce_dtype, offload=offload)
-    states.adopt(optimizer)
+    states.adopt(optimizer, allow_untested=config.zero_allow_untested_optimizer)
     return states
 
 

@@ -26,8 +26,6 @@ from ..comm import Comm
 from ..data_parallel import InOrderReduction
 from .flat import FlatBucket
 
-# torch optimizers whose update is elementwise, so running them on a flat shard is exact.
-ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "CPUAdam", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "ASGD")
 _MAX_REDUCTIONS_IN_FLIGHT = 2
 
 
@@ -127,12 +125,13 @@ class ShardedStates(InOrderReduction):
     def _run_key(param, group_of):
         return group_of.get(id(param)), (getattr(param, "tp_replicated", False), getattr(param, "tied_copies", 1))
 
-    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
-        name = type(optimizer).__name__
-        if name not in ELEMENTWISE_OPTIMIZERS:
-            raise ValueError(f"ZeRO shards the optimizer over flat buffers, which is exact only for elementwise "
-                             f"optimizers ({', '.join(ELEMENTWISE_OPTIMIZERS)}); {name} is not one of them. "
-                             "Use one of those, or zero_optimization.stage 0")
+    def adopt(self, optimizer: torch.optim.Optimizer, allow_untested: bool = False) -> None:
+        # Running the optimizer on flat shards is exact only for an elementwise update: trusted
+        # classes pass, known non-elementwise ones are refused, any other is probed first.
+        # `allow_untested`: DeepSpeed's "zero_allow_untested_optimizer" key.
+        from ..optim import check_shardable
+        check_shardable(optimizer, stage=self.stage, device=self.runs[0][1].device if self.runs else None,
+                        allow_untested=allow_untested)
         if optimizer.state:
             raise ValueError("the optimizer already has state; pass a fresh optimizer to zerotron.initialize")
         for gi, group in enumerate(optimizer.param_groups):
@@ -309,6 +308,10 @@ class ShardedStates(InOrderReduction):
         for w in pending:
             w.wait()
 
+    def destroy(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
     def zero_grads(self) -> None:
         self._reduced = False
         self.master_grad_flat = None
@@ -330,3 +333,21 @@ class ShardedStates(InOrderReduction):
             out["grads"] += self.host.grads.numel() * 4
             out["host"] = self.host.nbytes()
         return out
+
+    @torch.no_grad()
+    def republish(self, buckets, comm: Comm | None = None) -> None:
+        """publish(from_masters=True) for `buckets` only: their masters changed outside a step (the
+        DeepSpeed-style safe_set_full_fp32_param in zerotron.compat). Every rank must call it with
+        the same buckets; `comm` (default gather_comm) is the data-parallel Comm to gather over."""
+        from ..comm import to_device
+        comm = comm or self.gather_comm
+        for b in sorted({id(b): b for b in buckets}.values(), key=lambda b: b.index):
+            partitioned = b.index in self.partitioned
+            destination = b.shard if partitioned else b.own_slice(b.full)
+            if self.host is not None:
+                self.host.staging[b.offset:b.offset + b.shard_numel].copy_(b.master)
+                self.host.weights_in(b, destination)
+            elif not self.masters_are_params:
+                destination.copy_(b.master)
+            if not partitioned or b.full.untyped_storage().nbytes() > 0:  # a stage-3 unit gathered right now too
+                comm.all_gather_flat(b.full, to_device(destination, b.full.device).clone())

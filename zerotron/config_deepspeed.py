@@ -1,0 +1,148 @@
+"""DeepSpeed's config keys under other names, and its features zerotron does not implement:
+plain tables and the two passes `Config.load` makes over the raw JSON before parsing it
+(renaming DeepSpeed's aliases and deprecated keys; warning about, or refusing, features)."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+from .errors import ConfigError
+
+# DeepSpeed features zerotron does not implement whose keys can be ignored without training a
+# different model than asked (they change speed, memory or tooling, or the script must call
+# DeepSpeed's own API for them, which then fails by name): accepted with a warning naming each.
+_NOT_IMPLEMENTED = {
+    "autotuning": "the autotuner (run your own sweep)",
+    "compile": "DeepSpeed's compile/deepcompile (torch.compile the model yourself)",
+    "compression_training": "model compression (deepspeed.compression: quantization, pruning, layer reduction)",
+    "data_efficiency": "data efficiency (curriculum data sampling, random-LTD)",
+    "quantize_training": "MoQ quantization during training",
+    "eigenvalue": "eigenvalue-based MoQ",
+    "sparse_attention": "sparse attention layouts",
+    "hybrid_engine": "the RLHF hybrid engine",
+    "weight_quantization": "quantized weights",
+    "checkpoint": "DeepSpeed's checkpoint options (tag validation, universal checkpoints, node-local storage)",
+    "nebula": "Nebula checkpointing", "datastates": "DataStates checkpointing", "aio": "async I/O (NVMe)",
+    "graph_harvesting": "graph harvesting", "disable_allgather": "disable_allgather (a legacy switch)",
+    "torch_autocast": "torch.autocast around the forward: the forward runs in the model's dtype, for bf16 training "
+                      "set \"bf16\": {\"enabled\": true}",
+    "amp": "apex AMP (the model runs in its dtype, use the 'fp16' or 'bf16' section)",
+    "data_types": "data_types (gradients accumulate in the model dtype, the optimizer sees fp32)",
+    "expert_parallel": "expert parallelism",
+}
+_NOT_IMPLEMENTED_IN = {
+    "zero_optimization": {k: "ZeRO++ / MiCS / ZenFlow and other DeepSpeed ZeRO options" for k in (
+        "zenflow", "model_persistence_threshold", "stage3_model_persistence_threshold",
+        "module_granularity_threshold", "stage3_module_granularity_threshold",
+        "use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params",
+        "allgather_sequential", "stage3_allgather_sequential", "zero_hpz_partition_size",
+        "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
+        "zeropp_loco_param", "mics_shard_size", "mics_hierarchical_params_gather", "memory_efficient_linear",
+        "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
+        "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "leaf_module",
+        "use_multi_rank_bucket_allreduce", "legacy_stage1")},
+    "bf16": {"bf16_master_weights_and_grads": "bf16 master weights and gradients (zerotron keeps them in fp32)",
+             "bf16_optimizer_states": "bf16 optimizer states (zerotron keeps them in fp32)",
+             "immediate_grad_update": "immediate gradient updates",
+             "check_grad_overflow": "bf16 overflow checks (see zerotron.max_nonfinite_steps)"},
+    "fp16": {"fp16_master_weights_and_grads": "fp16 master weights and gradients (zerotron keeps them in fp32)"},
+    "optimizer": {"legacy_fusion": "legacy optimizer fusion"},
+}
+# DeepSpeed's other names for zero_optimization keys: (alias, zerotron's key).
+_ZERO_ALIASES = [("prefetch_bucket_size", "stage3_prefetch_bucket_size"),
+                 ("param_persistence_threshold", "stage3_param_persistence_threshold"),
+                 ("max_live_parameters", "stage3_max_live_parameters"),
+                 ("max_reuse_distance", "stage3_max_reuse_distance"),
+                 ("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save")]
+
+
+
+def deepspeed_names(raw: dict) -> dict:
+    """DeepSpeed's aliases and deprecated keys under the names zerotron reads (a copy)."""
+    zero = raw.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return raw
+    raw = copy.deepcopy(raw)
+    zero = raw["zero_optimization"]
+    p = "zero_optimization."
+    for alias, key in _ZERO_ALIASES:
+        if alias in zero:
+            value = zero.pop(alias)
+            if key in zero and zero[key] != value:
+                raise ConfigError(p + alias, value, f"it is another name for {key}, which is set to {zero[key]!r}; "
+                                  "keep one of them")
+            zero[key] = value
+    # Deprecated in DeepSpeed, still read by it: cpu_offload -> offload_optimizer, cpu_offload_param
+    # -> offload_param, cpu_offload_use_pin_memory -> both sections' pin_memory.
+    for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        if old in zero:
+            value = zero.pop(old)
+            if not isinstance(value, bool):
+                raise ConfigError(p + old, value, "expected true or false")
+            if value:
+                section = zero.get(new)
+                if section is None or (isinstance(section, dict) and section.get("device", "none") == "none"):
+                    zero[new] = {**(section or {}), "device": "cpu"}
+                warnings.warn(f"{p}{old} is deprecated in DeepSpeed; read as {p}{new}.device = \"cpu\"", stacklevel=4)
+    if "cpu_offload_use_pin_memory" in zero:
+        value = zero.pop("cpu_offload_use_pin_memory")
+        if not isinstance(value, bool):
+            raise ConfigError(p + "cpu_offload_use_pin_memory", value, "expected true or false")
+        for new in ("offload_optimizer", "offload_param"):
+            if isinstance(zero.get(new), dict):
+                zero[new].setdefault("pin_memory", value)
+    return raw
+
+
+def _enabled(section) -> bool:
+    return isinstance(section, dict) and section.get("enabled", False) is True
+
+
+def deepspeed_features(raw: dict) -> dict:
+    """Refuse DeepSpeed features whose absence would train a different model without a word
+    (ConfigError: key, value, fix); warn, by name, about the others zerotron does not implement.
+    Returns the dict to parse, without the keys warned about here."""
+    refusals = [
+        ("progressive_layer_drop", _enabled(raw.get("progressive_layer_drop")),
+         "progressive layer drop (DeepSpeed hands pld_theta to the model's forward) is not implemented by zerotron; "
+         "set enabled to false or remove the section"),
+        ("curriculum_learning", _enabled(raw.get("curriculum_learning")),
+         "curriculum learning (DeepSpeed hands curriculum_seqlen to the model's forward) is not implemented by "
+         "zerotron; set enabled to false or remove the section"),
+        ("elasticity", _enabled(raw.get("elasticity")),
+         "elastic training (DeepSpeed chooses the batch sizes) is not implemented by zerotron; remove the section "
+         "and set train_batch_size / train_micro_batch_size_per_gpu yourself"),
+        ("sequence_parallel_size", isinstance(raw.get("sequence_parallel_size"), (int, float))
+         and raw.get("sequence_parallel_size", 1) > 1,
+         "DeepSpeed-Ulysses sequence parallelism (which divides the data-parallel size) is not implemented by "
+         "zerotron; remove the key (or use tensor_parallel with zerotron.sequence_parallel)"),
+        ("gradient_allreduce_op", raw.get("gradient_allreduce_op", "mean") != "mean",
+         "zerotron averages gradients over the data-parallel ranks; use \"mean\" (the default)"),
+        ("managed_gradient_accumulation", raw.get("managed_gradient_accumulation", True) is not True,
+         "zerotron steps the optimizer at the gradient accumulation boundary only; remove the key or set it to true"),
+    ]
+    for key, refused, fix in refusals:
+        if refused:
+            value = raw[key]
+            raise ConfigError(f"{key}.enabled" if isinstance(value, dict) else key,
+                              True if isinstance(value, dict) else value, fix)
+    out = dict(raw)
+    named = []
+    for key in list(out):
+        if key in _NOT_IMPLEMENTED:
+            named.append(f"{key} ({_NOT_IMPLEMENTED[key]})")
+            del out[key]
+        elif key in ("progressive_layer_drop", "curriculum_learning", "elasticity"):  # present but disabled
+            del out[key]
+        elif key in ("sequence_parallel_size", "gradient_allreduce_op", "managed_gradient_accumulation"):
+            del out[key]  # the default values, checked above
+    for section, keys in _NOT_IMPLEMENTED_IN.items():
+        if isinstance(out.get(section), dict) and any(k in out[section] for k in keys):
+            out[section] = dict(out[section])
+            for k in [k for k in out[section] if k in keys]:
+                named.append(f"{section}.{k} ({keys[k]})")
+                del out[section][k]
+    if named:
+        warnings.warn("zerotron does not implement these DeepSpeed features and ignores their keys: "
+                      + "; ".join(named), stacklevel=4)
+    return out
