@@ -29,6 +29,31 @@ def test_plain_process_without_launcher_is_world_size_one():
     assert out.stdout.split() == ["1", "1", "1", "SGD", "None", "None"]
 
 
+_TCP_INIT = """
+import sys, torch, torch.distributed as dist, zerotron
+rank, port = int(sys.argv[1]), sys.argv[2]
+zerotron.init_distributed("gloo", False, 29500, False, init_method="tcp://127.0.0.1:" + port, rank=rank, world_size=2)
+t = torch.tensor([rank + 1.0])
+dist.all_reduce(t)
+print(dist.get_rank(), dist.get_world_size(), t.item())
+"""
+
+
+def test_init_distributed_takes_deepspeeds_arguments_in_its_order():
+    # positional (backend, auto_mpi_discovery, distributed_port, verbose) as DeepSpeed's, and an
+    # explicit tcp:// rendezvous with rank and world_size, no launcher environment
+    from distributed import free_port
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _TCP_INIT, str(r), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    assert sorted(o[0].split()[0] for o in outs) == ["0", "1"]
+    assert all(o[0].split()[1:] == ["2", "3.0"] for o in outs)
+
+
 def _accessors():
     engine, optimizer, loader, scheduler = zerotron.initialize(
         model=make_model(), config=ds_config(2, 3, scheduler={"type": "WarmupLR", "params": {

@@ -48,13 +48,17 @@ def requested_timeout() -> datetime.timedelta | None:
     return _timeout
 
 
-def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-                     init_method: str | None = None, **_ignored) -> None:
-    """Join the process group described by the launcher's environment (RANK, WORLD_SIZE, ...).
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
+                     verbose: bool = True, timeout: datetime.timedelta = DEFAULT_TIMEOUT, init_method: str | None = None,
+                     dist_init_required: bool | None = None, config=None, rank: int = -1, world_size: int = -1) -> None:
+    """Join the process group: DeepSpeed's signature and argument order.
 
-    Without a launcher, a plain process becomes a world of one, so every code path is the same.
-    Accepts (and ignores) DeepSpeed's extra keyword arguments such as auto_mpi_discovery. `timeout`
-    bounds every collective: the default group's, every group zerotron creates, and the watchdog.
+    By default from the launcher's environment (RANK, WORLD_SIZE, ...); with `init_method` (e.g.
+    "tcp://host:port") and `rank`/`world_size`, from those. Without either, a plain process becomes
+    a world of one, so every code path is the same. `timeout` bounds every collective: the default
+    group's, every group zerotron creates, and the watchdog's. `auto_mpi_discovery`,
+    `distributed_port`, `verbose` and `config` are accepted for DeepSpeed's callers (zerotron does
+    no MPI discovery: launch with torchrun or `zerotron run`).
     """
     global _timeout
     if timeout is not None and timeout != DEFAULT_TIMEOUT:
@@ -62,15 +66,19 @@ def init_distributed(dist_backend: str | None = None, timeout: datetime.timedelt
     if dist.is_initialized():
         use_local_device()
         return
+    if dist_init_required is False:
+        raise RuntimeError("init_distributed(dist_init_required=False) but no process group exists: initialize "
+                           "torch.distributed first, or leave dist_init_required unset")
     timeout = group_timeout()
     backend = dist_backend or default_backend()
     if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    explicit = {"rank": rank, "world_size": world_size} if rank >= 0 and world_size > 0 else {}
     if launched_by_torchrun() and init_method is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         dist.init_process_group(backend, store=_attempt_store(timeout), rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
-    elif launched_by_torchrun():
-        dist.init_process_group(backend, init_method=init_method, timeout=timeout)
+    elif launched_by_torchrun() or init_method is not None:
+        dist.init_process_group(backend, init_method=init_method, timeout=timeout, **explicit)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     atexit.register(shutdown)
@@ -319,3 +327,13 @@ def comm_for(group: dist.ProcessGroup | None, name: str | None = None) -> Comm:
         _comms[key] = Comm(group, name)
     return _comms[key]
 
+
+def __getattr__(name: str):
+    """DeepSpeed's `deepspeed.comm` functions this module lacks (get_rank, all_reduce, barrier, ...)
+    come from zerotron.compat.comm, imported on first use (PEP 562): the core never imports the
+    compat edge at import time, and this module's own names always win."""
+    if not name.startswith("_"):
+        from .compat import comm as compat_comm
+        if name in compat_comm.__all__:
+            return getattr(compat_comm, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import preemption, watchdog
+from .accessors import EngineAccessors, ThroughputTimer
 from .comm import Comm, comm_for, local_device
 from .config import Config
 from .errors import EXIT_PREEMPTED, BadBatchError, ConfigError, NonFiniteError
@@ -22,7 +23,7 @@ from .zero import make_model_states
 IGNORE_INDEX = -100  # the label PyTorch's cross_entropy and Transformers' losses skip
 
 
-class Engine(nn.Module):
+class Engine(EngineAccessors, nn.Module):
     """What `zerotron.initialize` returns; DeepSpeed's engine API.
 
     Gradients accumulate over `gradient_accumulation_steps` micro-batches without communication;
@@ -56,9 +57,8 @@ class Engine(nn.Module):
             raise ValueError("the model has no parameters that require gradients; nothing to train")
         self._param_numels = [p.numel() for p in params]  # before ZeRO-3 partitions them (memory prediction)
         self._backward_owner = None  # "engine" inside engine.backward, "autograd" inside a direct loss.backward()
-        if config.gradient_accumulation_steps > 1:
-            for p in params:
-                p.register_hook(self._scale_direct_grad)
+        self._grad_hooks = [p.register_hook(self._scale_direct_grad) for p in params] \
+            if config.gradient_accumulation_steps > 1 else []
         self.optimizer = self._make_optimizer(optimizer, model_parameters, params)
         # Gradient reduction, master weights and parameter updates, for the configured ZeRO stage.
         self.states = make_model_states(self.module, self.optimizer, config, self.grad_comm, self.dp_comm,
@@ -85,6 +85,10 @@ class Engine(nn.Module):
         self._micro_losses: list[torch.Tensor] = []
         self._boundary_override: bool | None = None
         self._step_start = time.perf_counter()
+        self._step_applied = False
+        self._inside_no_sync = False
+        self._offloaded_from = None  # offload_states: the devices the optimizer states came from
+        self.tput_timer = ThroughputTimer(config.train_batch_size)
         self.reset_comm_stats()  # count training traffic only
 
     # ---- construction helpers ---------------------------------------------------------------
@@ -201,6 +205,7 @@ class Engine(nn.Module):
 
     # ---- the training verbs -----------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self.tput_timer.start()
         args, kwargs = self._check_inputs(args, kwargs)
         output = self.module(*args, **kwargs)
         if torch.is_grad_enabled():  # a script may call loss.backward() itself instead of engine.backward
@@ -220,7 +225,7 @@ class Engine(nn.Module):
         self._bad_loss = bad if self._bad_loss is None else self._bad_loss | bad
         gas_scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         scaled = gas_scaled.float() * self.loss_scaler.scale if self.loss_scaler.enabled else gas_scaled.float()
-        self.states.begin_backward(boundary)
+        self.states.begin_backward(boundary and not self._inside_no_sync)
         self._backward_owner = "engine"
         try:
             scaled.backward(retain_graph=retain_graph)
@@ -240,7 +245,7 @@ class Engine(nn.Module):
             raise RuntimeError("with fp16 the loss must be scaled before backward: call engine.backward(loss) "
                                "instead of loss.backward()")
         self._backward_owner = "autograd"
-        self.states.begin_backward(self.is_gradient_accumulation_boundary())
+        self.states.begin_backward(self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_direct_backward)
         return None
 
@@ -253,15 +258,22 @@ class Engine(nn.Module):
 
     def step(self, lr_kwargs: dict | None = None):
         """Count a micro-batch; at the accumulation boundary, update the weights."""
-        if self.is_gradient_accumulation_boundary():
+        if self._inside_no_sync:
+            raise RuntimeError("engine.step() inside engine.no_sync(): leave the block first (its gradients are "
+                               "not reduced yet)")
+        boundary = self.is_gradient_accumulation_boundary()
+        self._step_applied = False
+        if boundary:
             self._take_model_step(lr_kwargs)
         self.micro_steps += 1
+        self.tput_timer.stop(global_step=boundary)
 
     def _take_model_step(self, lr_kwargs):
         scaled = self.loss_scaler.enabled
         nonfinite = self.states.unscale_and_check(1.0 / self.loss_scaler.scale if scaled else 1.0)
         bad_ranks, bad_loss_ranks, preempting = self._agree(nonfinite)  # every rank skips, or none does
         overflow = bool(bad_ranks or bad_loss_ranks)
+        self.optimizer.overflow = overflow  # DeepSpeed's fp16 optimizers expose it; scripts read it
         if scaled:
             previous_scale = self.loss_scaler.scale
             self.loss_scaler.update(overflow)
@@ -283,6 +295,7 @@ class Engine(nn.Module):
             else:  # no clipping: skip the norm and its all-reduces (one more sync point per step)
                 self._global_grad_norm = None
             self.optimizer.step()
+            self._step_applied = True
             self.states.publish()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
@@ -494,50 +507,6 @@ class Engine(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True):
         self.states.zero_grads()
-
-    # ---- accessors DeepSpeed scripts use ----------------------------------------------------
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
-
-    def set_gradient_accumulation_boundary(self, is_boundary: bool):
-        """Override the boundary (as DeepSpeed): False for the accumulating backwards, True for the
-        last one; then one engine.step() updates the weights."""
-        self._boundary_override = bool(is_boundary)
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.zero_optimization.stage
-
-    def fp16_enabled(self) -> bool:
-        return self.config.fp16.enabled
-
-    def bf16_enabled(self) -> bool:
-        return self.config.bf16.enabled
-
-    def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float | None:
-        """The gradient norm of the last step before clipping; None when gradient_clipping is 0."""
-        return None if self._global_grad_norm is None else float(self._global_grad_norm)
-
-    @property
-    def dp_world_size(self) -> int:
-        return self.topology.dp
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.scale
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds for model states."""

@@ -55,7 +55,7 @@ def stride_of(param) -> int:
 
 def full_shape(param) -> tuple:
     dim, _, size = tensor_parallel_of(param)
-    shape = list(param.shape)
+    shape = list(getattr(param, "ds_shape", param.shape))  # (a released ZeRO-3 parameter reads as empty)
     if dim >= 0:
         shape[dim] *= size
     return tuple(shape)

@@ -113,8 +113,11 @@ class PipelineEngine(Engine):
         if self.monitor.enabled or (self.global_steps + 1) % self.config.steps_per_print == 0:
             arrival.wait()  # the step logs the loss
         self._micro_losses = [loss]
+        self.tput_timer.start()
+        self._step_applied = False
         self._take_model_step(None)
         self.micro_steps += len(batches)
+        self.tput_timer.stop(global_step=True)
         arrival.wait()
         return self._mean_over_dp(loss)
 

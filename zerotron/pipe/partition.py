@@ -2,8 +2,8 @@
 
 Methods, as DeepSpeed's PipelineModule names them:
 - "uniform": the same number of layers per part (the first parts take one more when it doesn't divide);
-- "parameters": balance the trainable parameter count (the usual choice for transformers, whose
-  blocks are equal and whose embeddings are large);
+- "parameters": balance the trainable parameter count with DeepSpeed's rule (the usual choice for
+  transformers, whose blocks are equal and whose embeddings are large);
 - "type:REGEX": balance the layers whose class name matches REGEX (case-insensitive); the layers
   between them follow, so "type:Block" puts the embedding with the first block and the head with
   the last.
@@ -14,39 +14,34 @@ import re
 
 
 def partition(weights: list[float], parts: int) -> list[int]:
-    """Boundaries b (len parts + 1, b[0] = 0, b[-1] = len(weights)) of contiguous non-empty parts
-    that minimise the heaviest part and, among those, spread the rest evenly (least sum of squared
-    part weights). Exact, by two dynamic programs over cut positions."""
+    """Boundaries b (len parts + 1, b[0] = 0, b[-1] = len(weights)) of contiguous non-empty parts,
+    chosen by DeepSpeed's rule for partition_method="parameters", so that a model is cut where
+    DeepSpeed cuts it: a dynamic program over (layers so far, parts so far) that keeps, for each,
+    the cut with the smallest spread (heaviest part minus lightest), ties going to the later cut."""
     n = len(weights)
     if parts > n:
         raise ValueError(f"cannot split {n} layers into {parts} pipeline parts; use fewer stages or more layers")
     prefix = [0.0]
     for w in weights:
         prefix.append(prefix[-1] + w)
-    heaviest = _best(prefix, parts, lambda acc, w: max(acc, w), cap=float("inf"))[0]
-    return _best(prefix, parts, lambda acc, w: acc + w * w, cap=heaviest * (1 + 1e-9) + 1e-12)[1]
-
-
-def _best(prefix, parts, combine, cap):
-    """Minimise combine-folded part weights over partitions whose parts all weigh <= cap."""
-    n, inf = len(prefix) - 1, float("inf")
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]  # best[k][i]: first i layers in k parts
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, parts + 1):
-        for i in range(k, n - (parts - k) + 1):
-            for j in range(k - 1, i):
-                w = prefix[i] - prefix[j]
-                if w > cap or best[k - 1][j] == inf:
-                    continue
-                cost = combine(best[k - 1][j], w)
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    bounds, i = [n], n
-    for k in range(parts, 0, -1):
-        i = cut[k][i]
-        bounds.append(i)
-    return best[parts][n], bounds[::-1]
+    inf = float("inf")
+    # per (i layers, j parts): (spread, heaviest, lightest) of the chosen cut, and where it was cut
+    spread = [[inf] * (parts + 1) for _ in range(n + 1)]
+    heaviest = [[inf] * (parts + 1) for _ in range(n + 1)]
+    lightest = [[inf] * (parts + 1) for _ in range(n + 1)]
+    cut = [[0] * (parts + 1) for _ in range(n + 1)]
+    spread[0][0] = heaviest[0][0] = 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, parts) + 1):
+            for k in range(i):
+                w = prefix[i] - prefix[k]
+                hi, lo = max(heaviest[k][j - 1], w), min(lightest[k][j - 1], w)
+                if hi - lo <= spread[i][j]:
+                    spread[i][j], heaviest[i][j], lightest[i][j], cut[i][j] = hi - lo, hi, lo, k
+    bounds = [n]
+    for j in range(parts, 0, -1):
+        bounds.append(cut[bounds[-1]][j])
+    return bounds[::-1]
 
 
 def uniform(n: int, parts: int) -> list[int]:

@@ -2,8 +2,17 @@
 (`GatheredParameters`), as DeepSpeed scripts call them."""
 from __future__ import annotations
 
+import enum
+
 import torch
 import torch.nn as nn
+
+
+class ZeroParamStatus(enum.Enum):
+    """Where a ZeRO-3 parameter's values are, as DeepSpeed's `param.ds_status` says it."""
+    AVAILABLE = 1      # whole on this rank
+    NOT_AVAILABLE = 2  # only this rank's shard exists; the parameter reads as an empty placeholder
+    INFLIGHT = 3       # being gathered
 
 
 class Init:
@@ -79,7 +88,7 @@ class GatheredParameters:
         self.units = []
 
     def __enter__(self):
-        if not self.enabled:
+        if not self.enabled:  # DeepSpeed's scripts pass enabled=(stage == 3): a plain block then
             return self
         seen = set()
         if any(p.is_meta for p in self.params):
@@ -99,6 +108,8 @@ class GatheredParameters:
 
     @torch.no_grad()
     def __exit__(self, *exc):
+        if not self.enabled:
+            return False
         if self.modifier_rank is not None:  # small ZeRO-3 parameters kept whole on every rank
             for b in {id(p.zt_bucket): p.zt_bucket for p in self.persistent}.values():
                 b.comm.broadcast(b.full, src_group_rank=self.modifier_rank)

@@ -18,24 +18,32 @@ stay whole on every rank, like stage 2's. Buffers are never partitioned.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn as nn
 
 from ..comm import Comm, to_device
 from ..nested import tensors_in
 from .flat import FlatBucket
-from .partition_api import materialize
+from .partition_api import ZeroParamStatus, materialize
 from .sharded import ShardedStates
 
 _RELEASED, _GATHERING, _GATHERED = "released", "gathering", "gathered"
 
 
 def find_units(module: nn.Module, unit_classes: list[str] | None = None) -> list[tuple[str, nn.Module]]:
-    """(name, module) of each unit below the root: modules of the named classes, or by default the
+    """(name, module) of each unit below the root: modules marked as leaves
+    (zerotron.utils.set_z3_leaf_modules), then modules of the named classes, or by default the
     children of containers whose children are all of one class (repeated blocks)."""
+    if getattr(module, "_z3_leaf", False):
+        return []
     found = []
     for name, m in module.named_modules():
         if any(name == n or name.startswith(n + ".") for n, _ in found):
+            continue
+        if getattr(m, "_z3_leaf", False) and m is not module:  # set_z3_leaf_modules: one unit, never split below
+            found.append((name, m))
             continue
         if unit_classes is not None:
             if type(m).__name__ in unit_classes and m is not module:
@@ -58,6 +66,8 @@ class Unit:
         self.name, self.module, self.bucket, self.comm = name, module, bucket, comm
         self.state = _GATHERED  # a new bucket's parameters still point at its full buffer
         self.work = None
+        if bucket is not None:  # what a released parameter reads as (DeepSpeed's too): no elements
+            self.placeholder = torch.empty(0, dtype=bucket.dtype, device=bucket.device)
 
     @property
     def numel(self) -> int:
@@ -72,26 +82,38 @@ class Unit:
         self._source = to_device(b.shard, b.full.device)
         self.work = self.comm.all_gather_flat(b.full, self._source, async_op=True)
         self.state = _GATHERING
+        self._mark(ZeroParamStatus.INFLIGHT)
 
     def wait(self):
         if self.state == _GATHERING:
             self.work.wait()
             self.work, self._source = None, None
             self.state = _GATHERED
+            self.bucket.point_params_at(self.bucket.full)
+            self._mark(ZeroParamStatus.AVAILABLE)
 
     def gather(self):
         self.start_gather()
         self.wait()
 
     def release(self):
-        """Free the full buffer's memory. The parameters stay views into it (and autograd's saved
-        views of them too), so freeing the storage itself is what actually returns the memory;
-        the next gather regrows it in place."""
+        """Free the full buffer's memory. Autograd may hold views of it (tensors saved for
+        backward), so freeing the storage itself is what actually returns the memory, and the
+        next gather regrows it in place. The parameters meanwhile read as empty placeholders (a
+        view into freed storage would crash the process when a script reads it); a gather points
+        them back at the buffer."""
         if self.bucket is None or self.state == _RELEASED:
             return
         self.wait()
         self.bucket.full.untyped_storage().resize_(0)
+        for p in self.bucket.params:
+            p.data = self.placeholder
         self.state = _RELEASED
+        self._mark(ZeroParamStatus.NOT_AVAILABLE)
+
+    def _mark(self, status: ZeroParamStatus):
+        for p in self.bucket.params:
+            p.ds_status = status
 
 
 class Stage3States(ShardedStates):
@@ -125,6 +147,7 @@ class Stage3States(ShardedStates):
                 unit.bucket.unit = unit.bucket.owner = unit
                 for p in big:
                     p.zt_unit = unit
+                _describe(unit.bucket, persist=False)
                 buckets.append(unit.bucket)
             if small:
                 persistent = FlatBucket(small, comm.size, comm.rank)
@@ -134,6 +157,7 @@ class Stage3States(ShardedStates):
                 persistent.unit, persistent.owner, persistent.comm = None, unit, gather_comm
                 for p in small:
                     p.zt_bucket = persistent
+                _describe(persistent, persist=True)
                 buckets.append(persistent)
         self.root_unit = units[-1]
         self.units = units
@@ -147,9 +171,9 @@ class Stage3States(ShardedStates):
                          reduce_dtype, on_grads_done=self._grads_done, offload=offload)
         self.trace: list[Unit] = []
         self.tracing = True
-        for u in self.units:
-            u.module.register_forward_pre_hook(self._make_pre_forward(u))
-            u.module.register_forward_hook(self._make_post_forward(u))
+        self._forward_hooks = [h for u in self.units for h in (
+            u.module.register_forward_pre_hook(self._make_pre_forward(u)),
+            u.module.register_forward_hook(self._make_post_forward(u)))]
 
     @staticmethod
     def _partition(params, comm, on_host: bool = False, pin: bool = False) -> FlatBucket:
@@ -227,6 +251,12 @@ class Stage3States(ShardedStates):
         super().end_backward()
         self.release_all()
 
+    def destroy(self):
+        super().destroy()
+        for h in self._forward_hooks:
+            h.remove()
+        self.release_all()
+
     def release_all(self):
         for u in self.units:
             u.release()
@@ -246,6 +276,22 @@ class Stage3States(ShardedStates):
         """Context manager body for GatheredParameters: units owning `params`."""
         ids = {id(p) for p in params}
         return [u for u in self.units if u.bucket is not None and any(id(p) in ids for p in u.bucket.params)]
+
+
+def _describe(bucket: FlatBucket, persist: bool) -> None:
+    """DeepSpeed's per-parameter ZeRO-3 attributes, which scripts read: ds_id, ds_shape,
+    ds_numel, ds_persist, ds_status, and ds_tensor (this rank's part of the parameter, flat,
+    possibly empty: zerotron partitions whole buckets, not each parameter)."""
+    pieces = {i: (start_in_shard, length) for i, _, start_in_shard, length in bucket.param_slices_in_shard()}
+    for i, p in enumerate(bucket.params):
+        p.ds_id = next(_ds_ids)
+        p.ds_shape, p.ds_numel, p.ds_persist = bucket.shapes[i], bucket.numels[i], persist
+        p.ds_status = ZeroParamStatus.AVAILABLE
+        start, length = pieces.get(i, (0, 0))
+        p.ds_tensor = p.data.view(-1) if persist else bucket.shard[start:start + length]
+
+
+_ds_ids = itertools.count()
 
 
 def comm_device(comm: Comm) -> torch.device:

@@ -1,0 +1,181 @@
+"""The engine's DeepSpeed-shaped accessors and conveniences: what scripts read and call besides
+the training verbs (batch sizes, precision flags, the optimizer's name, groups, `no_sync`,
+moving optimizer states off the device, passing attributes through to the model)."""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+
+class ThroughputTimer:
+    """DeepSpeed's `engine.tput_timer`: samples per second over the steps since the first one
+    (host wall time between optimizer steps, so no device sync is added to the step)."""
+
+    def __init__(self, batch_size: int):
+        self.batch_size = batch_size
+        self.global_step_count = 0
+        self.micro_step_count = 0
+        self.total_elapsed_time = 0.0
+        self.step_elapsed_time = 0.0
+        self._started = None
+        self._last = None
+
+    def start(self):
+        if self._started is None:
+            self._started = time.perf_counter()
+
+    def stop(self, global_step: bool = False, report_speed: bool = True):
+        self.micro_step_count += 1
+        if not global_step:
+            return
+        now = time.perf_counter()
+        self.global_step_count += 1
+        if self._last is not None:  # the first step (warm-up, compilation) is not counted
+            self.step_elapsed_time = now - self._last
+            self.total_elapsed_time += self.step_elapsed_time
+        self._last = now
+
+    def avg_samples_per_sec(self) -> float:
+        counted = self.global_step_count - 1
+        return self.batch_size * counted / self.total_elapsed_time if counted > 0 and self.total_elapsed_time else 0.0
+
+
+class EngineAccessors:
+    """Mixed into Engine (zerotron/engine.py): reads its config, topology, states and optimizer."""
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool):
+        """Override the boundary (as DeepSpeed): False for the accumulating backwards, True for the
+        last one; then one engine.step() updates the weights."""
+        self._boundary_override = bool(is_boundary)
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bf16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm of the last step before clipping; None when gradient_clipping is 0."""
+        return None if self._global_grad_norm is None else float(self._global_grad_norm)
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.topology.dp
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def optimizer_name(self) -> str | None:
+        """The config's optimizer type, or the class name of the optimizer the script passed."""
+        if self.config.optimizer is not None:
+            return self.config.optimizer.type
+        return type(self.optimizer).__name__
+
+    def was_step_applied(self) -> bool:
+        """Whether the last step() updated the weights (False between accumulation boundaries and
+        for a skipped overflow step)."""
+        return self._step_applied
+
+    @property
+    def data_parallel_group(self):
+        return self.dp_comm.group
+
+    @property
+    def mp_world_size(self) -> int:
+        return self.topology.tp
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backwards inside accumulate their gradients locally, without reducing them (DeepSpeed's
+        rules: not with ZeRO 2/3, whose gradients are partitioned as they are reduced; step() is
+        illegal inside; no re-entry). The next backward outside reduces everything accumulated."""
+        stage = self.zero_optimization_stage()
+        if stage >= 2:
+            raise RuntimeError(f"no_sync is incompatible with ZeRO stage {stage}, which partitions gradients as it "
+                               "reduces them: accumulate with gradient_accumulation_steps instead")
+        if self._inside_no_sync:
+            raise RuntimeError("engine.no_sync() does not nest")
+        self._inside_no_sync = True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = False
+
+    # DeepSpeed's offload_states/reload_states (RLHF loops free device memory between training and
+    # generation). zerotron moves the optimizer states; the other kinds DeepSpeed names are refused.
+    OFFLOADABLE = ("optim_states",)
+
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False):
+        kinds = [getattr(k, "value", k) for k in (include or self.OFFLOADABLE)]
+        unknown = [k for k in kinds if k not in self.OFFLOADABLE]
+        if unknown or str(getattr(device, "value", device)) != "cpu":
+            raise NotImplementedError(f"offload_states moves {list(self.OFFLOADABLE)} to 'cpu'; not {unknown or device}")
+        if self._offloaded_from is not None:
+            return
+        self._offloaded_from = {}
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.device.type != "cpu":
+                    host = torch.empty(value.shape, dtype=value.dtype, device="cpu",
+                                       pin_memory=pin_memory and torch.cuda.is_available())
+                    host.copy_(value, non_blocking=non_blocking)
+                    self._offloaded_from[id(host)] = value.device
+                    state[key] = host
+        if not self._offloaded_from and not non_blocking:
+            self._offloaded_from = {"": None}  # nothing lived on a device (a CPU run): reload is a no-op
+
+    def reload_states(self, non_blocking: bool = False):
+        if self._offloaded_from is None:
+            return
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                device = self._offloaded_from.get(id(value)) if torch.is_tensor(value) else None
+                if device is not None:
+                    state[key] = value.to(device, non_blocking=non_blocking)
+        self._offloaded_from = None
+
+    def destroy(self):
+        """Detach the engine from the model: its hooks are removed (the model's own hooks stay),
+        ZeRO-3 parameters are left released and the optimizer's states are dropped."""
+        self.states.destroy()
+        for h in self._grad_hooks:
+            h.remove()
+        self.optimizer.state.clear()
+        self._destroyed = True
+
+    def __getattr__(self, name: str):
+        """Attributes the engine lacks come from the wrapped model, as in DeepSpeed
+        (`engine.config` of a Transformers model is the engine's; `engine.generate` is the model's)."""
+        try:
+            return super().__getattr__(name)  # nn.Module: parameters, buffers, submodules
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if "module" in modules and name != "module":
+                return getattr(modules["module"], name)
+            raise
