@@ -34,9 +34,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     """
     if model is None:
         raise ValueError("zerotron.initialize needs model=")
-    if mpu is not None or mesh_param is not None:
-        raise ValueError("mpu= and mesh_param= are Megatron/DeepSpeed hooks zerotron does not take; "
-                         "set tensor/pipeline sizes in the config instead")
+    if mesh_param is not None:
+        raise ValueError("mesh_param= is a DeepSpeed hook zerotron does not take; set tensor/pipeline sizes in the "
+                         "config instead")
+    _check_mpu(mpu)
     config = _config_source(args, config, config_params)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     from .pipe import PipelineModule
@@ -53,6 +54,23 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     engine = engine_class(model, cfg, topology, optimizer=optimizer, lr_scheduler=lr_scheduler,
                           model_parameters=model_parameters, training_data=training_data, collate_fn=collate_fn)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _check_mpu(mpu) -> None:
+    """A Megatron-style model-parallel unit: accepted when it describes what zerotron builds
+    itself (model- and pipeline-parallel size 1: every rank is data-parallel). A model already
+    split by the script's own tensor-parallel layers is refused: zerotron splits models itself."""
+    if mpu is None:
+        return
+    sizes = {}
+    for what, names in (("tensor", ("get_tensor_model_parallel_world_size", "get_model_parallel_world_size")),
+                        ("pipeline", ("get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size"))):
+        getter = next((getattr(mpu, n) for n in names if hasattr(mpu, n)), None)
+        sizes[what] = int(getter()) if getter is not None else 1
+    if sizes["tensor"] > 1 or sizes["pipeline"] > 1:
+        raise ValueError(f"initialize(mpu=...) describes a model already split over {sizes['tensor']} tensor- and "
+                         f"{sizes['pipeline']} pipeline-parallel ranks; zerotron splits models itself: pass the "
+                         "unsplit model and set tensor_parallel.autotp_size / a PipelineModule's num_stages instead")
 
 
 def _config_source(args, config, config_params):
@@ -93,3 +111,24 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
     group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
     return parser
+
+
+# ---- DeepSpeed's surface: its module paths below zerotron, its top-level names on first use, and
+# the opt-in `deepspeed` alias (zerotron/compat/alias.py; the path table is zerotron/compat/paths.py).
+from .compat import alias as _alias  # noqa: E402
+
+as_deepspeed = _alias.as_deepspeed
+__all__ += ["as_deepspeed"]
+
+
+def __getattr__(name: str):
+    """PEP 562: `zerotron.get_accelerator`, `zerotron.DeepSpeedEngine`, ... and `zerotron.utils`,
+    `zerotron.runtime.zero.partition_parameters`, ... without importing them first."""
+    return _alias.top_level(name)
+
+
+def __dir__():
+    return sorted({*globals(), *_alias.paths.NAMES, *(p for p in _alias.paths.PATHS if "." not in p)})
+
+
+_alias.install()

@@ -88,6 +88,8 @@ def _add_run_arguments(p: argparse.ArgumentParser):
     p.add_argument("--rdzv-endpoint", default=None)
     p.add_argument("--rdzv-id", default=None)
     p.add_argument("--max-restarts", type=int, default=None)
+    p.add_argument("--as-deepspeed", action="store_true",
+                   help="`import deepspeed` in the workers gives zerotron (sets ZEROTRON_AS_DEEPSPEED=1 for them)")
     p.add_argument("script", help="the training script (or -m module)")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
 
@@ -104,6 +106,17 @@ def _run(args) -> int:
         value = getattr(args, flag)
         if value is not None:
             argv.append(f"--{flag.replace('_', '-')}={value}")
+    if args.as_deepspeed:
+        # The workers are fresh interpreters: zerotron's start-up hook (zerotron-startup.pth in
+        # site-packages) reads the variable there, before the script's `import deepspeed`.
+        from .compat.alias import ENV, startup_hook_installed
+        if not startup_hook_installed():
+            print("zerotron run --as-deepspeed: zerotron's start-up hook (zerotron-startup.pth) is not in this "
+                  "Python's site-packages; install zerotron with pip (`pip install zerotron`, or "
+                  "`pip install -e .` in a checkout), or call zerotron.as_deepspeed() in the script",
+                  file=sys.stderr)
+            return 2
+        os.environ[ENV] = "1"
     return _torchrun([*argv, args.script, *args.script_args])
 
 

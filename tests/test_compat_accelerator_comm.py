@@ -1,0 +1,395 @@
+"""DeepSpeed's `get_accelerator()` and `deepspeed.comm` functions, as scripts call them."""
+import ast
+import datetime
+import enum
+import inspect
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerotron
+import zerotron.comm
+from distributed import run_ranks
+from zerotron.compat import accelerator as accel_module
+from zerotron.compat import comm as compat_comm
+from zerotron.compat.accelerator import CPU_Accelerator, CUDA_Accelerator, get_accelerator
+
+
+@pytest.fixture
+def fresh_accelerator(monkeypatch):
+    """get_accelerator() decides again (the singleton is restored afterwards)."""
+    monkeypatch.setattr(accel_module, "_accelerator", None)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+
+
+# --- the accelerator on CPU ---------------------------------------------------------------------
+
+def test_get_accelerator_is_a_cpu_singleton_without_a_gpu(fresh_accelerator):
+    acc = get_accelerator()
+    assert acc is get_accelerator()
+    assert isinstance(acc, CPU_Accelerator) and acc.name == acc._name == "cpu"
+    assert accel_module.is_current_accelerator_supported()
+    other = CPU_Accelerator()
+    accel_module.set_accelerator(other)
+    assert get_accelerator() is other
+
+
+def test_ds_accelerator_environment_variable(fresh_accelerator, monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    acc = get_accelerator()
+    assert isinstance(acc, CUDA_Accelerator) and acc.is_available() == torch.cuda.is_available()
+    monkeypatch.setattr(accel_module, "_accelerator", None)
+    monkeypatch.setenv("DS_ACCELERATOR", "xpu")
+    with pytest.raises(ValueError, match="DS_ACCELERATOR='xpu'"):
+        get_accelerator()
+
+
+def test_cpu_device_names_counts_and_backend(monkeypatch):
+    acc = CPU_Accelerator()
+    assert (acc.device_name(), acc.device_name(1), acc.current_device_name()) == ("cpu", "cpu", "cpu")
+    assert acc.device(0) == torch.device("cpu") and acc.set_device(1) is None
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert acc.current_device() == 0
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert acc.current_device() == 3  # DeepSpeed's CPU accelerator: LOCAL_RANK
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    assert acc.device_count() == 1
+    monkeypatch.setenv("LOCAL_SIZE", "4")
+    assert acc.device_count() == 4
+    assert acc.is_available() and acc.communication_backend_name() == "gloo"
+    assert acc.is_synchronized_device() and acc.use_host_timers() and acc.resolves_data_dependency()
+    assert acc.handles_memory_backpressure() and acc.synchronize() is None and acc.synchronize(0) is None
+    assert acc.visible_devices_envs() == ["CUDA_VISIBLE_DEVICES"]
+    env = {}
+    acc.set_visible_devices_envs(env, [0, 2])
+    assert env == {"CUDA_VISIBLE_DEVICES": "0,2"}
+
+
+def test_cpu_dtypes_match_deepspeeds_cpu_accelerator():
+    acc = CPU_Accelerator()
+    fp16 = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    assert acc.is_bf16_supported() is True and acc.is_fp16_supported() is fp16
+    assert set(acc.supported_dtypes()) == {torch.float32, torch.bfloat16} | ({torch.float16} if fp16 else set())
+    made = {name: getattr(acc, name)([1, 2]) for name in
+            ("FloatTensor", "HalfTensor", "BFloat16Tensor", "DoubleTensor", "LongTensor", "IntTensor", "ByteTensor")}
+    assert {n: t.dtype for n, t in made.items()} == {
+        "FloatTensor": torch.float32, "HalfTensor": torch.float16, "BFloat16Tensor": torch.bfloat16,
+        "DoubleTensor": torch.float64, "LongTensor": torch.int64, "IntTensor": torch.int32, "ByteTensor": torch.uint8}
+    assert all(t.tolist() == [1, 2] and t.device.type == "cpu" for t in made.values())
+
+
+def test_cpu_seeds_are_reproducible():
+    acc = CPU_Accelerator()
+    acc.manual_seed(1234)
+    a = torch.rand(4)
+    assert acc.initial_seed() == 1234
+    state = acc.get_rng_state()
+    b = torch.rand(4)
+    acc.set_rng_state(state)
+    assert torch.equal(torch.rand(4), b)
+    acc.manual_seed_all(1234)
+    assert torch.equal(torch.rand(4), a)
+    assert acc.default_generator(0) is torch.default_generator and acc.random() is torch.random
+    acc.default_generator(0).manual_seed(7)
+    first = torch.rand(2)
+    acc.manual_seed(7)
+    assert torch.equal(torch.rand(2), first) and not torch.equal(first, a[:2])
+
+
+def test_cpu_streams_and_events_are_usable():
+    acc = CPU_Accelerator()
+    stream = acc.Stream()
+    with acc.stream(stream):
+        x = torch.ones(3) * 2
+    stream.synchronize()
+    acc.current_stream().wait_stream(stream)
+    assert stream.query() and acc.default_stream() is acc.current_stream()
+    start, end = acc.Event(enable_timing=True), acc.Event(enable_timing=True)
+    with pytest.raises(RuntimeError, match="recorded"):
+        start.elapsed_time(end)
+    start.record()
+    time.sleep(0.02)
+    end.record(acc.current_stream())
+    end.synchronize()
+    end.wait(stream)
+    assert end.query() and 15.0 <= start.elapsed_time(end) < 5000.0  # milliseconds
+    event = stream.record_event()
+    stream.wait_event(event)
+    assert isinstance(event, acc.Event) and event.query() and x.tolist() == [2.0, 2.0, 2.0]
+    assert acc.range_push("step") is None and acc.range_pop() is None
+    assert acc.lazy_call(lambda: 42) == 42
+
+
+def test_cpu_pin_memory_and_placement():
+    acc = CPU_Accelerator()
+    t = torch.arange(6.0).view(2, 3)
+    pinned = acc.pin_memory(t)
+    assert isinstance(pinned, torch.Tensor) and torch.equal(pinned, t)
+    assert acc.pin_memory(t, make_copy=False, match_shape=False) is t and acc.is_pinned(t) is False
+    assert acc.on_accelerator(t) and not acc.on_accelerator(torch.empty(1, device="meta"))
+
+
+def test_cpu_memory_numbers_are_the_process_and_host():
+    acc = CPU_Accelerator()
+    acc.reset_peak_memory_stats()
+    before = acc.memory_allocated()
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, written so it is resident
+    during = acc.memory_allocated()
+    assert before > 0 and during - before > 32 * 2**20
+    del block
+    assert acc.max_memory_allocated() >= during and acc.max_memory_reserved() >= during
+    assert acc.memory_reserved() > 0 and acc.memory_cached() > 0 and acc.max_memory_cached() >= during
+    stats = acc.memory_stats()
+    assert stats["allocated_bytes.all.peak"] >= during and stats["allocated_bytes.all.current"] > 0
+    acc.reset_max_memory_allocated()  # the peak restarts from now, not from the 64 MiB above
+    assert acc.max_memory_allocated() - acc.memory_allocated() < 16 * 2**20
+    assert acc.total_memory() > acc.available_memory() > 0
+    assert acc.empty_cache() is None
+
+
+def _compile_backend():
+    acc = CPU_Accelerator()
+    before = acc.get_compile_backend()
+    acc.set_compile_backend("eager")
+    try:
+        acc.set_compile_backend("no-such-backend")
+    except ValueError as e:
+        return before, acc.get_compile_backend(), str(e)
+
+
+def test_compile_backend():
+    # in a rank process, whose fork server has already imported torch._dynamo (seconds, here)
+    (before, after, error), = run_ranks(_compile_backend, 1)
+    assert (before, after) == ("inductor", "eager") and "no-such-backend" in error and "inductor" in error
+
+
+def test_op_builders_say_what_to_use_instead():
+    acc = CPU_Accelerator()
+    for call in (lambda: acc.create_op_builder("CPUAdamBuilder"), lambda: acc.get_op_builder("FusedAdamBuilder"),
+                 acc.op_builder_dir):
+        with pytest.raises(NotImplementedError, match="zerotron compiles no ops.*FusedAdam"):
+            call()
+
+
+def test_cuda_accelerator_names_without_touching_a_gpu():
+    acc = CUDA_Accelerator()
+    assert (acc.name, acc.device_name(), acc.device_name(1)) == ("cuda", "cuda", "cuda:1")
+    assert acc.device(1) == torch.device("cuda", 1) and acc.communication_backend_name() == "nccl"
+    assert not acc.is_synchronized_device() and not acc.use_host_timers()
+    assert acc.Stream is torch.cuda.Stream and acc.Event is torch.cuda.Event
+    assert not acc.on_accelerator(torch.ones(1)) and acc.device_count() == torch.cuda.device_count()
+    assert acc.supported_dtypes()[0] == torch.float32
+
+
+# --- deepspeed.comm through zerotron.comm ---------------------------------------------------------
+
+def test_zerotron_comm_forwards_deepspeeds_names_and_keeps_its_own():
+    assert zerotron.comm.init_distributed is compat_comm.init_distributed
+    assert zerotron.comm.init_distributed.__module__ == "zerotron.comm"
+    assert zerotron.comm.all_reduce is compat_comm.all_reduce and zerotron.comm.get_rank is compat_comm.get_rank
+    assert zerotron.comm.ReduceOp is dist.ReduceOp
+    assert zerotron.comm.Comm.__module__ == "zerotron.comm" and zerotron.comm.shutdown.__module__ == "zerotron.comm"
+    for name in compat_comm.__all__:
+        assert getattr(zerotron.comm, name) is getattr(compat_comm, name), name
+    for missing in ("no_such_function", "_require", "logger", "enum"):
+        with pytest.raises(AttributeError, match=missing):
+            getattr(zerotron.comm, missing)
+    assert not hasattr(zerotron.comm, "__wrapped__")
+
+
+def test_core_comm_does_not_import_compat_at_import_time():
+    source = open(zerotron.comm.__file__).read()
+    top_level = [node for node in ast.parse(source).body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    names = [getattr(n, "module", None) or "" for n in top_level] + [a.name for n in top_level for a in n.names]
+    assert top_level and not any("compat" in name for name in names)
+
+
+def test_init_distributed_accepts_every_deepspeed_keyword():
+    ds_keywords = ["dist_backend", "auto_mpi_discovery", "distributed_port", "verbose", "timeout", "init_method",
+                   "dist_init_required", "config", "rank", "world_size"]
+    inspect.signature(zerotron.comm.init_distributed).bind(**{k: None for k in ds_keywords})
+
+
+def test_new_group_takes_zerotrons_group_timeout(monkeypatch):
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kwargs: calls.append((ranks, kwargs)) or "group")
+    assert zerotron.comm.new_group([0, 1]) == "group"
+    assert zerotron.comm.new_group([1], timeout=datetime.timedelta(seconds=5), backend="gloo") == "group"
+    assert calls == [([0, 1], {"timeout": zerotron.comm.group_timeout()}),
+                     ([1], {"timeout": datetime.timedelta(seconds=5), "backend": "gloo"})]
+
+
+@pytest.mark.skipif(dist.is_initialized(), reason="this process already has a process group")
+def test_rank_queries_before_any_process_group_name_the_fix():
+    with pytest.raises(RuntimeError, match="init_distributed"):
+        zerotron.comm.get_rank()
+    assert zerotron.comm.is_initialized() is False and zerotron.comm.is_available()
+
+
+class DeepSpeedReduceOp(enum.Enum):  # DeepSpeed's own enum, as deepspeed.comm.ReduceOp is there
+    SUM = 0
+    MAX = 3
+
+
+def _collectives():
+    import zerotron as deepspeed
+    import zerotron.comm as ds_dist
+    comm = deepspeed.comm
+    rank, world = comm.get_rank(), comm.get_world_size()
+    out = {"rank": rank, "world": world, "local_rank": comm.get_local_rank(), "initialized": comm.is_initialized()}
+    t = torch.tensor([rank + 1.0])
+    ds_dist.all_reduce(t, prof=True, log_name="grads", debug="caller")
+    out["all_reduce"] = t.item()
+    t = torch.tensor([rank + 1.0])
+    comm.all_reduce(t, op=comm.ReduceOp.MAX)
+    out["all_reduce_max"] = t.item()
+    t = torch.tensor([rank + 1.0])
+    comm.all_reduce(t, op=DeepSpeedReduceOp.MAX)
+    out["all_reduce_ds_enum"] = t.item()
+    t = torch.tensor([rank + 1.0])
+    comm.all_reduce(t, async_op=True).wait()
+    out["all_reduce_async"] = t.item()
+    a, b = torch.full((2,), rank + 1.0), torch.full((3,), 10.0 * (rank + 1))
+    comm.all_reduce_coalesced([a, b])
+    out["coalesced"] = (a.tolist(), b.tolist())
+    a = torch.full((2, 2), rank + 1.0)
+    comm.all_reduce_coalesced([a], async_op=True).wait()
+    out["coalesced_async"] = a.tolist()
+    out["inference_all_reduce"] = comm.inference_all_reduce(torch.tensor([rank + 2.0])).item()
+    t = torch.tensor([10.0 * (rank + 1)])
+    comm.broadcast(t, src=1)
+    out["broadcast"] = t.item()
+    objects = [{"from": rank}]
+    comm.broadcast_object_list(objects, src=1)
+    out["broadcast_object_list"] = objects
+    parts = [torch.zeros(2) for _ in range(world)]
+    comm.all_gather(parts, torch.full((2,), float(rank)))
+    out["all_gather"] = [p.tolist() for p in parts]
+    gathered = [None] * world
+    comm.all_gather_object(gathered, {"rank": rank})
+    out["all_gather_object"] = gathered
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        flat = torch.zeros(4)
+        comm.all_gather_into_tensor(flat, torch.full((2,), rank + 1.0))
+        flat2 = torch.zeros(4)
+        comm.allgather_fn(flat2, torch.full((2,), rank + 5.0), async_op=True).wait()
+        shard = torch.zeros(2)
+        comm.reduce_scatter_tensor(shard, torch.arange(4.0) + rank)
+        shard2 = torch.zeros(2)
+        comm.reduce_scatter_fn(shard2, torch.arange(4.0) * (rank + 1))
+        comm.all_reduce_coalesced([torch.ones(1)])
+    out["warnings"] = [str(w.message) for w in caught]
+    out["all_gather_into_tensor"], out["allgather_fn"] = flat.tolist(), flat2.tolist()
+    out["reduce_scatter_tensor"], out["reduce_scatter_fn"] = shard.tolist(), shard2.tolist()
+    shard3 = torch.zeros(2)
+    comm.reduce_scatter(shard3, [torch.full((2,), rank + 1.0), torch.full((2,), 10.0 * (rank + 1))])
+    out["reduce_scatter"] = shard3.tolist()
+    t = torch.tensor([rank + 1.0])
+    comm.reduce(t, dst=0)
+    out["reduce_on_0"] = t.item() if rank == 0 else None
+    received = torch.zeros(2)
+    comm.all_to_all_single(received, torch.tensor([10.0 * rank, 10.0 * rank + 1]))
+    out["all_to_all_single"] = received.tolist()
+    ins, outs = [torch.tensor([100.0 * rank + d]) for d in range(world)], [torch.zeros(1) for _ in range(world)]
+    comm.all_to_all(outs, ins)
+    out["all_to_all"] = [o.item() for o in outs]
+    targets = [torch.zeros(1) for _ in range(world)] if rank == 0 else None
+    comm.gather(torch.tensor([rank + 7.0]), gather_list=targets, dst=0)
+    out["gather"] = [g.item() for g in targets] if rank == 0 else None
+    got = torch.zeros(1)
+    comm.scatter(got, scatter_list=[torch.tensor([3.0]), torch.tensor([4.0])] if rank == 0 else None, src=0)
+    out["scatter"] = got.item()
+    comm.barrier()
+    comm.monitored_barrier(timeout=datetime.timedelta(seconds=20))
+    out["has"] = (comm.has_all_gather_into_tensor(), comm.has_reduce_scatter_tensor(),
+                  comm.has_all_reduce_coalesced(), comm.has_coalescing_manager())
+    comm.configure(enabled=False, prof_all=True, prof_ops=["all_reduce"], verbose=False, debug=False)
+    out["log_summary"] = comm.log_summary(return_dict=True)
+    # dist is initialized by the harness: DeepSpeed's keywords are accepted and it stays as it is
+    comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, distributed_port=29500, verbose=False,
+                          timeout=datetime.timedelta(minutes=30), init_method=None, dist_init_required=None,
+                          config=None, rank=-1, world_size=-1)
+    out["after_init_distributed"] = (comm.get_world_size(), dist.get_backend())
+    return out
+
+
+def test_collectives_give_deepspeeds_values_on_two_ranks():
+    r0, r1 = run_ranks(_collectives, 2)
+    assert [(r["rank"], r["world"], r["local_rank"], r["initialized"]) for r in (r0, r1)] == \
+        [(0, 2, 0, True), (1, 2, 1, True)]
+    for r in (r0, r1):
+        assert (r["all_reduce"], r["all_reduce_max"], r["all_reduce_ds_enum"], r["all_reduce_async"]) == (3, 2, 2, 3)
+        assert r["coalesced"] == ([3.0, 3.0], [30.0, 30.0, 30.0]) and r["coalesced_async"] == [[3.0, 3.0]] * 2
+        assert r["inference_all_reduce"] == 5.0
+        assert r["broadcast"] == 20.0 and r["broadcast_object_list"] == [{"from": 1}]
+        assert r["all_gather"] == [[0.0, 0.0], [1.0, 1.0]]
+        assert r["all_gather_object"] == [{"rank": 0}, {"rank": 1}]
+        assert r["all_gather_into_tensor"] == [1.0, 1.0, 2.0, 2.0] and r["allgather_fn"] == [5.0, 5.0, 6.0, 6.0]
+        assert r["warnings"] == []  # torch 2.13's deprecated names are not called
+        assert r["has"] == (True, True, True, True)
+        assert r["log_summary"]["summary"] == {} and r["log_summary"]["metadata"]["world_size"] == 2
+        assert r["after_init_distributed"] == (2, "gloo")
+    # sum of [0,1,2,3] and [1,2,3,4] is [1,3,5,7]; sum of [0,1,2,3] and [0,2,4,6] is [0,3,6,9]
+    assert (r0["reduce_scatter_tensor"], r1["reduce_scatter_tensor"]) == ([1.0, 3.0], [5.0, 7.0])
+    assert (r0["reduce_scatter_fn"], r1["reduce_scatter_fn"]) == ([0.0, 3.0], [6.0, 9.0])
+    assert (r0["reduce_scatter"], r1["reduce_scatter"]) == ([3.0, 3.0], [30.0, 30.0])
+    assert r0["reduce_on_0"] == 3.0
+    assert (r0["all_to_all_single"], r1["all_to_all_single"]) == ([0.0, 10.0], [1.0, 11.0])
+    assert (r0["all_to_all"], r1["all_to_all"]) == ([0.0, 100.0], [1.0, 101.0])
+    assert r0["gather"] == [7.0, 8.0] and (r0["scatter"], r1["scatter"]) == (3.0, 4.0)
+
+
+def _point_to_point_and_groups():
+    import zerotron as deepspeed
+    comm = deepspeed.comm
+    rank = comm.get_rank()
+    out = {}
+    buf = torch.zeros(3)
+    if rank == 0:
+        comm.send(torch.tensor([1.0, 2.0, 3.0]), dst=1)
+        comm.irecv(buf, src=1).wait()
+    else:
+        comm.recv(buf, src=0)
+        comm.isend(buf * 10, dst=0).wait()
+    out["p2p"] = buf.tolist()
+    group = comm.new_group([0, 1])
+    t = torch.tensor([rank + 1.0])
+    comm.all_reduce(t, group=group)
+    out["group_all_reduce"] = t.item()
+    out["group_ranks"] = comm.get_all_ranks_from_group(group)
+    out["group_global_rank"] = comm.get_global_rank(group, 1)
+    out["world_ranks"] = comm.get_all_ranks_from_group()
+    out["world_group"] = comm.get_world_group() is dist.group.WORLD
+    out["group_timeout_s"] = zerotron.comm.group_timeout().total_seconds()
+    singles = [comm.new_group([0]), comm.new_group([1])]  # new_group is collective: every rank creates each
+    mine = singles[rank]
+    t = torch.tensor([rank + 5.0])
+    comm.all_reduce(t, group=mine)
+    out["single_group"] = (t.item(), comm.get_world_size(mine), comm.get_rank(mine))
+    comm.barrier(group=group)
+    return out
+
+
+def test_point_to_point_and_new_groups_on_two_ranks():
+    r0, r1 = run_ranks(_point_to_point_and_groups, 2)
+    assert r1["p2p"] == [1.0, 2.0, 3.0] and r0["p2p"] == [10.0, 20.0, 30.0]
+    for r in (r0, r1):
+        assert r["group_all_reduce"] == 3.0 and r["group_ranks"] == [0, 1] and r["group_global_rank"] == 1
+        assert r["world_ranks"] == [0, 1] and r["world_group"] and r["group_timeout_s"] > 0
+    assert r0["single_group"] == (5.0, 1, 0) and r1["single_group"] == (6.0, 1, 0)
+
+
+def _destroy_process_group():
+    import zerotron as deepspeed
+    deepspeed.comm.barrier()
+    deepspeed.comm.destroy_process_group()
+    return deepspeed.comm.is_initialized()
+
+
+def test_destroy_process_group_tears_down():
+    assert run_ranks(_destroy_process_group, 2) == [False, False]

@@ -1,0 +1,103 @@
+"""Where DeepSpeed's module paths live in zerotron: the one table the import alias reads.
+
+`PATHS` maps a DeepSpeed module path, relative to the package (`"runtime.zero.partition_parameters"`
+for `deepspeed.runtime.zero.partition_parameters`), to the zerotron module that *is* that module
+under the alias. A path not in the table maps to the same place below its parent's module:
+`"runtime.foo"` -> `resolve("runtime") + ".foo"`, and a top-level `"foo"` -> `"zerotron.foo"` -- so
+`deepspeed.zero` is `zerotron.zero` without an entry. Entries that say what the rule would say
+anyway are listed on purpose: the table is also the list of paths the tests import.
+
+Several DeepSpeed modules may map onto one zerotron module (`ops.adam.fused_adam` and
+`ops.adam.cpu_adam` are both `zerotron.ops.adam`). Targets are real module names, never other
+aliases. Stdlib only: read when zerotron is imported (and by the start-up hook's resolver).
+
+`NAMES` are DeepSpeed's top-level names (`deepspeed.get_accelerator`, `deepspeed.DeepSpeedEngine`,
+...) that zerotron's package serves on first access (PEP 562), as (module path, attribute).
+"""
+from __future__ import annotations
+
+PATHS: dict[str, str] = {
+    # accelerator: one module holds DeepSpeed's whole accelerator package
+    "accelerator": "zerotron.compat.accelerator",
+    "accelerator.real_accelerator": "zerotron.compat.accelerator",
+    "accelerator.abstract_accelerator": "zerotron.compat.accelerator",
+    # comm: zerotron's core comm (it forwards DeepSpeed's functions to zerotron.compat.comm)
+    "comm": "zerotron.comm",
+    "comm.comm": "zerotron.compat.comm",
+    # utils
+    "utils": "zerotron.compat.utils",
+    "utils.groups": "zerotron.compat.utils.groups",
+    "utils.zero_to_fp32": "zerotron.compat.utils.zero_to_fp32",
+    # runtime
+    "runtime": "zerotron.compat.runtime",
+    "runtime.engine": "zerotron.compat.runtime.engine",
+    "runtime.utils": "zerotron.compat.runtime.utils",
+    "runtime.config": "zerotron.compat.runtime.config",
+    "runtime.constants": "zerotron.compat.runtime.constants",
+    "runtime.dataloader": "zerotron.compat.runtime.dataloader",
+    "runtime.lr_schedules": "zerotron.compat.runtime.lr_schedules",
+    "runtime.zero": "zerotron.compat.runtime.zero",
+    "runtime.zero.partition_parameters": "zerotron.compat.runtime.zero.partition_parameters",
+    "runtime.activation_checkpointing": "zerotron.compat.runtime.activation_checkpointing",
+    "runtime.activation_checkpointing.checkpointing": "zerotron.checkpointing",  # as deepspeed.checkpointing
+    "runtime.pipe": "zerotron.compat.runtime.pipe",
+    "runtime.pipe.module": "zerotron.compat.runtime.pipe.module",
+    "runtime.pipe.engine": "zerotron.compat.runtime.pipe.engine",
+    "runtime.pipe.topology": "zerotron.compat.runtime.pipe.topology",
+    # moe
+    "moe": "zerotron.compat.moe",
+    "moe.utils": "zerotron.compat.moe.utils",
+    "moe.layer": "zerotron.compat.moe.layer",
+    # zerotron's core, where DeepSpeed has the same top-level names
+    "zero": "zerotron.zero",
+    "pipe": "zerotron.pipe",
+    "checkpointing": "zerotron.checkpointing",
+    # ops: DeepSpeed's packages of one optimizer each are one module each in zerotron
+    "ops": "zerotron.ops",
+    "ops.adam": "zerotron.ops.adam",
+    "ops.adam.fused_adam": "zerotron.ops.adam",
+    "ops.adam.cpu_adam": "zerotron.ops.adam",
+    "ops.adagrad": "zerotron.ops.adagrad",
+    "ops.adagrad.cpu_adagrad": "zerotron.ops.adagrad",
+    "ops.lion": "zerotron.ops.lion",
+    "ops.lion.cpu_lion": "zerotron.ops.lion",
+    "ops.lion.fused_lion": "zerotron.ops.lion",
+    "ops.lamb": "zerotron.ops.lamb",
+    "ops.lamb.fused_lamb": "zerotron.ops.lamb",
+}
+
+# DeepSpeed's top-level names: name -> (DeepSpeed module path, attribute there).
+NAMES: dict[str, tuple[str, str]] = {
+    "get_accelerator": ("accelerator", "get_accelerator"),
+    "DeepSpeedEngine": ("runtime.engine", "DeepSpeedEngine"),
+    "PipelineEngine": ("runtime.pipe.engine", "PipelineEngine"),
+    "PipelineModule": ("pipe", "PipelineModule"),
+    "DeepSpeedConfig": ("runtime.config", "DeepSpeedConfig"),
+    "DeepSpeedConfigError": ("runtime.config", "DeepSpeedConfigError"),
+    "DeepSpeedDataLoader": ("runtime.dataloader", "DeepSpeedDataLoader"),
+    "log_dist": ("utils", "log_dist"),
+    "logger": ("utils", "logger"),
+    "OnDevice": ("utils", "OnDevice"),
+}
+
+
+def resolve(path: str) -> str:
+    """The zerotron module name for a DeepSpeed module path relative to the package ("" is the
+    package itself)."""
+    if not path:
+        return "zerotron"
+    if path in PATHS:
+        return PATHS[path]
+    parent, _, last = path.rpartition(".")
+    return f"{resolve(parent)}.{last}"
+
+
+def children(module_name: str) -> dict[str, str]:
+    """{attribute: target module} for the table's paths one level below a path that resolves to
+    `module_name`: what `<that module>.<attribute>` is under the alias."""
+    out = {}
+    for path, target in PATHS.items():
+        parent, _, last = path.rpartition(".")
+        if resolve(parent) == module_name:
+            out[last] = target
+    return out
