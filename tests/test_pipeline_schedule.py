@@ -41,7 +41,7 @@ def test_ideal_bubble_matches_theory(name, p, m, v):
         assert bubble == pytest.approx(expected, abs=1e-9)
 
 
-@pytest.mark.parametrize("p,m", itertools.product((1, 2, 4, 8), (1, 3, 8, 16)))
+@pytest.mark.parametrize("p,m", list(itertools.product((1, 2, 4, 8), (1, 3, 8, 16))))
 def test_one_f_one_b_bounds_activations_in_flight(p, m):
     sim = simulate(build_schedule("1f1b", p, m))
     for s, peak in enumerate(sim.max_in_flight):
