@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 
 import torch
 import torch.nn as nn
@@ -15,38 +16,265 @@ class ZeroParamStatus(enum.Enum):
     INFLIGHT = 3       # being gathered
 
 
-class Init:
-    """Build a model too large for one rank: inside the block every parameter is moved to the meta
-    device the moment it is registered (so at most one parameter is ever allocated), and
-    `zerotron.initialize` with ZeRO stage 3 then materializes one unit at a time, initializes it,
-    keeps this rank's shard and frees the rest. Buffers are built normally.
+_ds_ids = itertools.count()  # DeepSpeed's ds_id: construction order, the same on every rank
 
-    Initialization runs each submodule's `reset_parameters()` and then the model's
-    `_init_weights(module)` when it has one (Hugging Face models and the reference GPT do), seeded
-    identically on every rank.
+
+def built_under_init(p: torch.Tensor) -> bool:
+    """Partitioned by zero.Init and not yet taken over by an engine's ZeRO-3 units."""
+    return getattr(p, "zt_init_comm", None) is not None
+
+
+class Init:
+    """Build a model too large for one rank, partitioned as it is built (DeepSpeed's scheme).
+
+    Inside the block every module's `__init__` runs normally, so each parameter gets its module's
+    own initial values; the moment the outermost `__init__` of a module returns, each of its new
+    parameters is cut into equal flat pieces over the data-parallel ranks: this rank keeps only
+    its piece (`param.ds_tensor`) and the parameter becomes an empty placeholder (`ds_status`
+    NOT_AVAILABLE, `ds_shape`, `ds_numel`, `ds_id`). At most one module's own parameters are ever
+    whole on a rank.
+
+    A model whose root has `_init_weights(module)` and runs it over its modules inside its own
+    `__init__` (the reference GPT; `self.apply(self._init_weights)`) ran it on placeholders; when
+    that root's `__init__` returns, `_init_weights` runs again in `apply`'s order, each module's
+    parameters gathered around its call. Hugging Face models are left to Transformers' own ZeRO-3
+    initialization (`initialize_weights_zero3`, run by `from_config`/`from_pretrained`).
+
+    Every rank holds the same model: as in DeepSpeed, each parameter's initial value is rank 0's
+    (broadcast before it is cut, one module at a time), so ranks seeded differently still agree,
+    and a model built from one seed equals the model one process builds normally from that seed.
+
+    `GatheredParameters` works on these parameters before `zerotron.initialize` (all-gather,
+    `modifier_rank` broadcast, re-cut on exit), and `zerotron.initialize` with ZeRO stage 3 builds
+    its units from the pieces, one unit at a time. Buffers are built normally.
     """
 
-    def __init__(self, module=None, data_parallel_group=None, config_dict_or_path=None, config=None,
-                 enabled: bool = True, dtype=None, remote_device=None, pin_memory=False, mpu=None):
+    _active = 0  # nested Init blocks: only the outermost one patches
+
+    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
+                 pin_memory=False, config_dict_or_path=None, config=None, enabled: bool = True, dtype=None,
+                 mpu=None, **kwargs):
         self.enabled = enabled
-        self._original = None
+        self.group = data_parallel_group
+        self.dtype = dtype if dtype is not None else _config_dtype(config_dict_or_path if config is None else config)
+        self._patched = None
+        self._comm = None
+        if enabled and module is not None:  # DeepSpeed's Init(module=m): partition an existing model
+            for m in module.modules():
+                self._partition_module(m)
+
+    @property
+    def comm(self):
+        if self._comm is None:
+            import torch.distributed as dist
+            from ..comm import Comm, init_distributed
+            if not dist.is_initialized():
+                init_distributed()
+            self._comm = Comm(self.group, "dp")
+        return self._comm
 
     def __enter__(self):
-        if self.enabled:
-            self._original = original = nn.Module.register_parameter
+        if not self.enabled or Init._active:
+            Init._active += 1 if self.enabled else 0
+            return self
+        Init._active += 1
+        self.comm  # the process group, before any module is built
+        self._patched = {}
+        self._depth = 0
+        for cls in _module_classes():
+            self._wrap(cls)
+        init_subclass = nn.Module.__dict__.get("__init_subclass__")
+        owner = self
 
-            def register_on_meta(module, name, param):
-                if param is not None and not param.is_meta:  # a tie re-registers the (meta) original
-                    param = nn.Parameter(torch.empty_like(param.data, device="meta"), requires_grad=param.requires_grad)
-                original(module, name, param)
-            nn.Module.register_parameter = register_on_meta
+        def wrap_new_class(cls, **kwargs):  # classes defined inside the block
+            super(nn.Module, cls).__init_subclass__(**kwargs)
+            owner._wrap(cls)
+        self._init_subclass = init_subclass
+        nn.Module.__init_subclass__ = classmethod(wrap_new_class)
         return self
 
+    def _wrap(self, cls):
+        if self._patched is None or cls in self._patched or "__init__" not in cls.__dict__:
+            return
+        original = cls.__dict__["__init__"]
+        owner = self
+
+        def __init__(module, *args, **kwargs):
+            # Partition once, after the most derived __init__ (a subclass may still adjust its
+            # parent's parameters: DeepSpeed's rule).
+            first = not module.__dict__.get("_zt_init_entered", False)
+            if first:
+                object.__setattr__(module, "_zt_init_entered", True)
+                owner._depth += 1
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                if first:
+                    owner._depth -= 1
+                    module.__dict__.pop("_zt_init_entered", None)
+            if first:
+                owner._partition_module(module)
+                if owner._depth == 0:
+                    owner._reinit_root(module)
+        __init__.__wrapped__ = original
+        self._patched[cls] = original
+        cls.__init__ = __init__
+
     def __exit__(self, *exc):
-        if self._original is not None:
-            nn.Module.register_parameter = self._original
-            self._original = None
+        if not self.enabled:
+            return False
+        Init._active -= 1
+        if self._patched is not None:
+            for cls, original in self._patched.items():
+                cls.__init__ = original
+            if self._init_subclass is None:
+                del nn.Module.__init_subclass__
+            else:
+                nn.Module.__init_subclass__ = self._init_subclass
+            self._patched = None
         return False
+
+    @torch.no_grad()
+    def _partition_module(self, module: nn.Module) -> None:
+        _observe("partition", module)
+        for p in module._parameters.values():
+            if p is not None and not hasattr(p, "ds_id") and not p.is_meta:
+                _partition_param(p, self.comm, self.dtype)
+
+    @torch.no_grad()
+    def _reinit_root(self, root: nn.Module) -> None:
+        init = getattr(root, "_init_weights", None)
+        if init is None or _is_hf_model(root) or not _takes_a_module(init):
+            return
+        for m in _apply_order(root):  # Module.apply's order; each module's parameters gathered
+            params = [p for p in m.parameters(recurse=False) if built_under_init(p)]
+            _gather_init(params)
+            _observe("reinit", m)
+            init(m)
+            _reshard_init(params, modifier_rank=0)
+
+
+def _takes_a_module(fn) -> bool:
+    import inspect
+    try:
+        return len(inspect.signature(fn).parameters) >= 1
+    except (TypeError, ValueError):
+        return False
+
+
+def _apply_order(module: nn.Module):
+    for child in module.children():
+        yield from _apply_order(child)
+    yield module
+
+
+def _module_classes():
+    seen, todo = [], [nn.Module]
+    while todo:
+        cls = todo.pop()
+        for sub in cls.__subclasses__():
+            if sub not in seen:
+                seen.append(sub)
+                todo.append(sub)
+    return seen
+
+
+def _is_hf_model(module) -> bool:
+    import sys
+    mu = sys.modules.get("transformers.modeling_utils")
+    return mu is not None and isinstance(module, mu.PreTrainedModel)
+
+
+def _config_dtype(config):
+    """DeepSpeed's Init keeps parameters in the config's half type when it enables one."""
+    if isinstance(config, str):
+        import json
+        with open(config) as f:
+            config = json.load(f)
+    if not isinstance(config, dict):
+        return None
+    section = lambda key: config.get(key) if isinstance(config.get(key), dict) else {}  # noqa: E731
+    if (section("bf16") or section("bfloat16")).get("enabled") is True:
+        return torch.bfloat16
+    if section("fp16").get("enabled") is True:
+        return torch.float16
+    return None
+
+
+# A test's hook into Init's steps (see tests/test_zero3_hf.py): called with (what, module).
+observer = None
+
+
+def _observe(what, module):
+    if observer is not None:
+        observer(what, module)
+
+
+def _piece(numel: int, world: int) -> int:
+    return -(-numel // world)
+
+
+@torch.no_grad()
+def _partition_param(p: nn.Parameter, comm, dtype=None) -> None:
+    """Keep this rank's flat piece of `p` (DeepSpeed's ds_tensor); `p` becomes a placeholder."""
+    from ..comm import local_device
+    device = local_device()
+    value = p.data
+    if dtype is not None and value.is_floating_point():
+        value = value.to(dtype)
+    n, s = value.numel(), _piece(value.numel(), comm.size)
+    flat = torch.zeros(s * comm.size, dtype=value.dtype, device=device)
+    flat[:n].copy_(value.reshape(-1))
+    if comm.size > 1:  # rank 0's value: every rank holds the same model, however it was seeded
+        comm.broadcast(flat, src_group_rank=0)
+    p.ds_tensor = flat[comm.rank * s:(comm.rank + 1) * s].clone()
+    p.ds_id = next(_ds_ids)
+    p.ds_shape, p.ds_numel, p.ds_persist = value.shape, n, False
+    p.zt_init_comm = comm
+    p.zt_gathered = 0
+    p.data = torch.empty(0, dtype=value.dtype, device=device)
+    p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
+@torch.no_grad()
+def _gather_init(params) -> None:
+    """Make Init-partitioned parameters whole (nested calls count; one all-gather each, in ds_id order)."""
+    for p in sorted(params, key=lambda p: p.ds_id):
+        p.zt_gathered += 1
+        if p.zt_gathered > 1:
+            continue
+        comm = p.zt_init_comm
+        dtype = p.data.dtype  # the placeholder's: a model cast after Init (.to(dtype), initialize) decides
+        if p.ds_tensor.dtype != dtype or p.ds_tensor.device != p.data.device:
+            p.ds_tensor = p.ds_tensor.to(device=p.data.device, dtype=dtype)
+        p.ds_status = ZeroParamStatus.INFLIGHT
+        full = torch.empty(p.ds_tensor.numel() * comm.size, dtype=dtype, device=p.ds_tensor.device)
+        comm.all_gather_flat(full, p.ds_tensor)
+        p.data = full[:p.ds_numel].view(p.ds_shape)
+        p.ds_status = ZeroParamStatus.AVAILABLE
+
+
+@torch.no_grad()
+def _reshard_init(params, modifier_rank: int | None, keep_values: bool = True) -> None:
+    """End of a gather: with `modifier_rank`, that rank's values are broadcast first; every rank
+    then cuts its piece from the whole value (`keep_values`: the values every rank computed
+    alike are kept), and the last exit frees the whole value."""
+    for p in sorted(params, key=lambda p: p.ds_id):
+        comm = p.zt_init_comm
+        value = p.data
+        if modifier_rank is not None or keep_values:
+            s = p.ds_tensor.numel()
+            flat = torch.zeros(s * comm.size, dtype=value.dtype, device=p.ds_tensor.device)
+            flat[:p.ds_numel].copy_(value.reshape(-1))
+            if modifier_rank is not None and comm.size > 1:
+                comm.broadcast(flat, src_group_rank=modifier_rank)
+            p.ds_tensor = flat[comm.rank * s:(comm.rank + 1) * s].clone()
+            if p.zt_gathered > 1:  # an outer block still reads it whole: give it the new values
+                value.copy_(flat[:p.ds_numel].view(p.ds_shape))
+        p.zt_gathered -= 1
+        if p.zt_gathered == 0:
+            p.data = torch.empty(0, dtype=value.dtype, device=p.ds_tensor.device)
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
 def is_meta(module: nn.Module) -> bool:
@@ -77,12 +305,23 @@ def materialize(unit_module: nn.Module, root: nn.Module, params: list[nn.Paramet
 class GatheredParameters:
     """Within the block, the listed ZeRO-3 parameters are whole on every rank (every rank must
     enter). With `modifier_rank`, that rank's changes are broadcast and written back into the
-    shards and the fp32 master weights on exit. Parameters that are not partitioned pass through."""
+    shards (and, after `zerotron.initialize`, the fp32 master weights) on exit; without one,
+    changes are discarded, as in DeepSpeed. Parameters that are not partitioned pass through.
+
+    Before `zerotron.initialize` (parameters built under `zero.Init`) each parameter is gathered
+    from its pieces. After it, the units owning the parameters are gathered and pinned: forward
+    hooks leave them gathered until the (outermost) block ends, so ranks may run different
+    numbers of forwards inside (generation of different lengths)."""
 
     def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True):
         if isinstance(params, torch.Tensor):
             params = [params]
-        self.params = list(params)
+        seen, unique = set(), []
+        for p in params if params is not None else []:
+            if id(p) not in seen:
+                seen.add(id(p))
+                unique.append(p)
+        self.params = unique
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self.units = []
@@ -90,37 +329,42 @@ class GatheredParameters:
     def __enter__(self):
         if not self.enabled:  # DeepSpeed's scripts pass enabled=(stage == 3): a plain block then
             return self
-        seen = set()
         if any(p.is_meta for p in self.params):
-            raise RuntimeError("these parameters were built under zerotron.zero.Init and have no values until "
-                               "zerotron.initialize materializes them; load weights after initialize")
+            raise RuntimeError("these parameters are on the meta device (not built under zerotron.zero.Init, "
+                               "which gives every parameter real values): they have nothing to gather")
+        self.init_params = [p for p in self.params if built_under_init(p)]
+        _gather_init(self.init_params)
         self.persistent = [p for p in self.params if getattr(p, "zt_bucket", None) is not None]
+        seen = set()
         for p in self.params:
             unit = getattr(p, "zt_unit", None)
             if unit is not None and id(unit) not in seen:
                 seen.add(id(unit))
                 self.units.append(unit)
         self.units.sort(key=lambda u: u.index)  # the same collective order on every rank
-        self.was_gathered = [u.state == "gathered" for u in self.units]
+        self.was_gathered = [u.state == "gathered" and not u.pinned for u in self.units]
         for u in self.units:
             u.gather()
+            u.pinned += 1
         return self
 
     @torch.no_grad()
     def __exit__(self, *exc):
         if not self.enabled:
             return False
+        _reshard_init(self.init_params, self.modifier_rank, keep_values=False)
         if self.modifier_rank is not None:  # small ZeRO-3 parameters kept whole on every rank
             for b in {id(p.zt_bucket): p.zt_bucket for p in self.persistent}.values():
                 b.comm.broadcast(b.full, src_group_rank=self.modifier_rank)
                 b.master.copy_(b.own_slice(b.full).float())
         for unit, was in zip(self.units, self.was_gathered):
             b = unit.bucket
+            unit.pinned -= 1
             if self.modifier_rank is not None:
                 unit.comm.broadcast(b.full, src_group_rank=self.modifier_rank)
                 b.shard.copy_(b.own_slice(b.full))
                 b.master.copy_(b.shard.float())
-            if not was:
+            if not was and not unit.pinned:
                 unit.release()
         self.units = []
         return False
@@ -139,7 +383,11 @@ def consolidated_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     by_unit: dict[int, list] = {}
     for t in tensors.values():  # units in their index order: the same collectives on every rank
         unit = getattr(t, "zt_unit", None)
-        by_unit.setdefault(-1 if unit is None else unit.index, []).append(t)
+        if built_under_init(t):  # zero.Init pieces before initialize: one parameter at a time
+            key = -2 - t.ds_id
+        else:
+            key = -1 if unit is None else unit.index
+        by_unit.setdefault(key, []).append(t)
     state = {}
     for index in sorted(by_unit):
         group = by_unit[index]

@@ -15,10 +15,14 @@ The root unit wraps the whole forward, so it stays gathered from the start of fo
 of backward; that is also what makes parameters read outside their own module's forward (a head
 tied to the embedding, say) work. Parameters smaller than `stage3_param_persistence_threshold`
 stay whole on every rank, like stage 2's. Buffers are never partitioned.
+
+A model built under `zero.Init` arrives as per-parameter pieces (DeepSpeed's ds_tensor): each
+unit in turn is gathered from them, cut into its bucket's shard and released, so the model is
+never whole on a rank. Inside `GatheredParameters` the units it gathered are pinned: the hooks
+leave them gathered until the outermost block ends (ranks may then run different numbers of
+forwards, e.g. generation of different lengths).
 """
 from __future__ import annotations
-
-import itertools
 
 import torch
 import torch.nn as nn
@@ -26,7 +30,7 @@ import torch.nn as nn
 from ..comm import Comm, to_device
 from ..nested import tensors_in
 from .flat import FlatBucket
-from .partition_api import ZeroParamStatus, materialize
+from .partition_api import ZeroParamStatus, _ds_ids, _gather_init, built_under_init, materialize
 from .sharded import ShardedStates
 
 _RELEASED, _GATHERING, _GATHERED = "released", "gathering", "gathered"
@@ -66,6 +70,7 @@ class Unit:
         self.name, self.module, self.bucket, self.comm = name, module, bucket, comm
         self.state = _GATHERED  # a new bucket's parameters still point at its full buffer
         self.work = None
+        self.pinned = 0  # GatheredParameters blocks holding it gathered: hooks do not release it
         if bucket is not None:  # what a released parameter reads as (DeepSpeed's too): no elements
             self.placeholder = torch.empty(0, dtype=bucket.dtype, device=bucket.device)
 
@@ -102,7 +107,7 @@ class Unit:
         next gather regrows it in place. The parameters meanwhile read as empty placeholders (a
         view into freed storage would crash the process when a script reads it); a gather points
         them back at the buffer."""
-        if self.bucket is None or self.state == _RELEASED:
+        if self.bucket is None or self.state == _RELEASED or self.pinned:
             return
         self.wait()
         self.bucket.full.untyped_storage().resize_(0)
@@ -136,8 +141,14 @@ class Stage3States(ShardedStates):
         for index, (name, m) in enumerate(named_units):  # blocks claim their parameters first; the root the rest
             own = [p for p in m.parameters() if id(p) not in claimed]
             claimed.update(id(p) for p in own)
-            if any(p.is_meta for p in own):  # built under zero.Init: materialize this unit only
+            if any(p.is_meta for p in own):  # on the meta device: materialize this unit only
                 materialize(m, module, own, comm_device(comm), seed + index)
+            # Built under zero.Init: this unit's parameters are gathered from their pieces (only
+            # this unit is ever whole), cut into the unit's bucket shard below, and released.
+            from_init = [p for p in own if built_under_init(p)]
+            _gather_init(from_init)
+            for p in from_init:
+                _forget_init(p)
             big = [p for p in own if p.numel() >= threshold]
             small = [p for p in own if p.numel() < threshold and id(p) in trainable]
             unit = Unit(name, m, self._partition(big, comm, self.param_host, self.pin) if big else None, gather_comm)
@@ -159,14 +170,13 @@ class Stage3States(ShardedStates):
                     p.zt_bucket = persistent
                 _describe(persistent, persist=True)
                 buckets.append(persistent)
+            unit.release()  # one unit whole at a time
         self.root_unit = units[-1]
         self.units = units
         # Gradients complete in reverse forward order: blocks last-to-first, the root at the end.
         rank_of = {id(u): i for i, u in enumerate(list(reversed(units[:-1])) + [self.root_unit])}
         buckets.sort(key=lambda b: rank_of[id(b.owner)])
         partitioned = {i for i, b in enumerate(buckets) if b.unit is not None}
-        for u in self.units:
-            u.release()
         super().__init__(buckets, partitioned, group_of, comm, gather_comm, zero.stage, zero.allgather_bucket_size,
                          reduce_dtype, on_grads_done=self._grads_done, offload=offload)
         self.trace: list[Unit] = []
@@ -291,7 +301,11 @@ def _describe(bucket: FlatBucket, persist: bool) -> None:
         p.ds_tensor = p.data.view(-1) if persist else bucket.shard[start:start + length]
 
 
-_ds_ids = itertools.count()
+def _forget_init(p: nn.Parameter) -> None:
+    """A zero.Init parameter, whole now, handed to a unit: its per-parameter piece is dropped."""
+    for name in ("zt_init_comm", "zt_gathered", "ds_tensor"):
+        if hasattr(p, name):
+            delattr(p, name)
 
 
 def comm_device(comm: Comm) -> torch.device:
