@@ -177,8 +177,12 @@ class _Mpu:
         return 0
 
 
+def _with_mpu(tp):
+    engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(1, 1), mpu=_Mpu(tp))
+    return engine.dp_world_size
+
+
 def test_initialize_takes_a_megatron_mpu_of_data_parallel_ranks_and_refuses_a_presplit_model():
-    engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(1, 1), mpu=_Mpu(1))
-    assert engine.dp_world_size == 1
-    with pytest.raises(ValueError, match="already split over 2 tensor- and 1 pipeline-parallel ranks"):
-        zerotron.initialize(model=make_model(), config=ds_config(1, 1), mpu=_Mpu(2))
+    assert run_ranks(_with_mpu, 2, 1) == [2, 2]
+    with pytest.raises(RankError, match="already split over 2 tensor- and 1 pipeline-parallel ranks"):
+        run_ranks(_with_mpu, 2, 2)

@@ -160,6 +160,55 @@ class EngineAccessors:
                     state[key] = value.to(device, non_blocking=non_blocking)
         self._offloaded_from = None
 
+    # ---- DeepSpeed's full-weight accessors (accelerate's get_state_dict, Trainer.save_model) ------
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Whether saving the model gathers the full weights (DeepSpeed's
+        `stage3_gather_16bit_weights_on_model_save`, or its old fp16 name). Below ZeRO-3 with
+        tensor parallelism zerotron can always consolidate, so it says True there."""
+        zero = self.config.zero_optimization
+        if zero.stage3_gather_16bit_weights_on_model_save or zero.stage3_gather_fp16_weights_on_model_save:
+            return True
+        return zero.stage < 3 and self.config.tensor_parallel.autotp_size > 1
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """The whole model's state dict in the model dtype, in host memory, on global rank 0 (an
+        empty dict elsewhere, as DeepSpeed). Every rank must call it: ZeRO-3 units are gathered one
+        at a time and tensor-parallel slices joined (zerotron.zero.consolidated_state_dict); with
+        pipeline stages rank 0 collects every stage's layers."""
+        from .comm import comm_for
+        from .zero import consolidated_state_dict
+        state = consolidated_state_dict(self.module)
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        if self.topology.pp > 1 and self.coords.dp == 0 and self.coords.tp == 0:
+            parts = comm_for(self.topology.group("pp"), "pp").gather_object(state)
+            if self.global_rank == 0:
+                state = {k: v for part in parts for k, v in part.items()}
+        return state if self.global_rank == 0 else {}
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """DeepSpeed's ZeRO-3 name for `_consolidated_16bit_state_dict` (any stage works here)."""
+        return self._consolidated_16bit_state_dict(exclude_frozen_parameters)
+
+    def compile(self, backend=None, compile_kwargs: dict | None = None, schedule=None, **kwargs):
+        """DeepSpeed's `engine.compile()`: torch.compile the wrapped module in place
+        (`nn.Module.compile`), so the engine's hooks (ZeRO-3 gathers, gradient reduction) stay on
+        its submodules. `schedule` (DeepCompile's passes) is refused."""
+        if schedule is not None:
+            raise NotImplementedError("engine.compile(schedule=...) is DeepSpeed's DeepCompile; zerotron compiles "
+                                      "the module with torch.compile only: leave schedule out")
+        options = dict(compile_kwargs or {})
+        options.update(kwargs)
+        if backend is not None:
+            options["backend"] = backend
+        self.module.compile(**options)
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.__dict__.get("_is_compiled", False)
+
     def destroy(self):
         """Detach the engine from the model: its hooks are removed (the model's own hooks stay),
         ZeRO-3 parameters are left released and the optimizer's states are dropped."""

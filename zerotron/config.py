@@ -12,6 +12,7 @@ import math
 import os
 import typing
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -30,6 +31,11 @@ _ACCEPTED_NO_EFFECT = {
 
 def _is_auto(value) -> bool:
     return isinstance(value, str) and value == AUTO
+
+
+class IntOrInf(int):
+    """Type marker: an integer, or positive infinity (`steps_per_print: inf`, which accelerate writes
+    to silence DeepSpeed's progress prints; `step % inf` is never 0 after step 0)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -205,14 +211,21 @@ class ZerotronConfig:
                "use a positive integer")
 
 
-@dataclass
-class Config:
-    """The resolved training config. Build it with `Config.load(path_or_dict, world_size=...)`."""
+@dataclass(eq=True)
+class Config(Mapping):
+    """The resolved training config. Build it with `Config.load(path_or_dict, world_size=...)`.
+
+    Also a read-only Mapping over DeepSpeed's key names and the resolved values, as code written
+    for DeepSpeed reads `engine.config` (`engine.config.get("zero_optimization", {}).get("stage")`,
+    `engine.config["train_batch_size"]`): every top-level key of the JSON (unknown ones included,
+    as written) plus every section zerotron parses, with "auto" and the batch triple resolved;
+    sections are plain dicts (copies: editing them changes nothing). `raw` is the JSON as given
+    (after renaming DeepSpeed's aliases and resolving "auto"); attributes stay the typed view."""
     train_batch_size: Optional[int] = None
     train_micro_batch_size_per_gpu: Optional[int] = None
     gradient_accumulation_steps: Optional[int] = None
     gradient_clipping: float = 1.0  # DeepSpeed's default
-    steps_per_print: int = 10
+    steps_per_print: IntOrInf = 10
     wall_clock_breakdown: bool = False  # time the pipeline stages (pipeline_bubble); synchronizes the device
     communication_data_type: Optional[str] = None
     zero_allow_untested_optimizer: bool = False  # ZeRO 1-3: run an optimizer the elementwise probe could not clear
@@ -271,6 +284,39 @@ class Config:
     def to_dict(self) -> dict:
         return copy.deepcopy(self.raw)
 
+    # ---- read-only Mapping over DeepSpeed's keys (engine.config.get(...)) --------------------
+    def _resolved(self) -> dict:
+        out = {k: v for k, v in self.raw.items()}
+        for f in dataclasses.fields(self):
+            if f.name in ("raw", "world_size"):
+                continue
+            value = getattr(self, f.name)
+            if value is None:
+                out.pop(f.name, None)
+                continue
+            if dataclasses.is_dataclass(value):
+                given = self.raw.get(f.name)
+                value = _section_dict(value, given if isinstance(given, dict) else {})
+            out[f.name] = value
+        return out
+
+    def __getitem__(self, key):
+        return copy.deepcopy(self._resolved()[key])
+
+    def __iter__(self):
+        return iter(self._resolved())
+
+    def __len__(self):
+        return len(self._resolved())
+
+    def __contains__(self, key):
+        return key in self._resolved()
+
+    def __bool__(self):  # a Config is always a config, even one with few keys
+        return True
+
+    __hash__ = None
+
     # ---- validation ------------------------------------------------------------------------
     def _validate(self):
         _check(self.world_size >= 1, "world_size", self.world_size, "the number of processes must be >= 1")
@@ -306,9 +352,31 @@ class Config:
         self._resolve_batch()
 
     def _resolve_batch(self):
-        """train_batch_size = micro x accumulation x data-parallel size; any two give the third."""
-        tbs, mbs, gas, dp = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
-                             self.gradient_accumulation_steps, self.dp_size)
+        """train_batch_size = micro x accumulation x data-parallel size; any two give the third.
+
+        With tensor parallelism (no pipeline), DeepSpeed's AutoTP counts train_batch_size over all
+        ranks (its batch arithmetic uses the world size: the Transformers Trainer fills "auto" as
+        world x micro x accumulation, and accelerate feeds the tensor-parallel ranks of one replica
+        the same batch). A batch that only adds up that way is accepted, and train_batch_size is
+        then the samples one step really trains on (micro x accumulation x data-parallel size)."""
+        try:
+            self._resolve_batch_over(self.dp_size)
+        except ConfigError:
+            tp = self.tensor_parallel.autotp_size
+            if tp == 1 or self.pipeline.stages != 1:
+                raise
+            given = (self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps)
+            try:
+                self._resolve_batch_over(self.world_size)
+            except ConfigError:
+                self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = given
+                self._resolve_batch_over(self.dp_size)  # raise the data-parallel message
+            self.train_batch_size = (self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps
+                                     * self.dp_size)
+
+    def _resolve_batch_over(self, dp: int):
+        tbs, mbs, gas = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                         self.gradient_accumulation_steps)
         for key, v in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", mbs),
                        ("gradient_accumulation_steps", gas)):
             _check(v is None or v >= 1, key, v, "use a positive integer")
@@ -332,6 +400,22 @@ class Config:
             gas = gas or 1
             tbs = mbs * gas * dp
         self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = tbs, mbs, gas
+
+
+def _section_dict(section, given: dict) -> dict:
+    """A parsed section as a plain dict with DeepSpeed's keys: the given keys zerotron does not
+    model, then every field's resolved value (nested sections likewise; an unset optional one is
+    left out)."""
+    out = dict(given)
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if value is None and f.name not in given:
+            continue
+        if dataclasses.is_dataclass(value):
+            sub = given.get(f.name)
+            value = _section_dict(value, sub if isinstance(sub, dict) else {})
+        out[f.name] = copy.deepcopy(value)
+    return out
 
 
 def _check(ok: bool, key: str, value, fix: str):
@@ -515,6 +599,10 @@ def _convert(tp, value, key: str):
         if isinstance(value, bool):
             return value
         raise ConfigError(key, value, "expected true or false")
+    if tp is IntOrInf:
+        if value == math.inf or (isinstance(value, str) and value.strip().lower() in ("inf", "infinity")):
+            return math.inf
+        tp = int
     if tp is int:
         if (isinstance(value, bool) or not isinstance(value, (int, float))
                 or (isinstance(value, float) and not value.is_integer())):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,68 @@ from .zero import make_model_states
 IGNORE_INDEX = -100  # the label PyTorch's cross_entropy and Transformers' losses skip
 
 
+class _Holder:
+    """What a model keeps of the engine that wraps it (the engine itself may be gone while its
+    ZeRO-3 hooks stay on the model): enough to hand the model back whole (`_take_over`)."""
+
+    def __init__(self, engine):
+        self.states, self.grad_hooks = engine.states, engine.__dict__.get("_grad_hooks")
+        self.engine = weakref.ref(engine)
+        self.topology, self.device, self.config = engine.topology, engine.device, engine.config
+
+    def engine_destroyed(self) -> bool:
+        engine = self.engine()
+        return engine is not None and getattr(engine, "_destroyed", False)
+
+    def destroy(self):
+        engine = self.engine()
+        if engine is not None:
+            engine.destroy()
+            return
+        if self.states is not None:
+            self.states.destroy()
+        for h in self.grad_hooks or []:
+            h.remove()
+
+    def __deepcopy__(self, memo):  # a copied model is not wrapped by this engine
+        return None
+
+
+@torch.no_grad()
+def _take_over(module: nn.Module) -> None:
+    """A model a live engine already wraps (the Trainer's evaluate() before train(), which builds
+    an engine without an optimizer first, then the training one): the old engine hands the model
+    back whole -- its ZeRO-3 units gathered to full parameters, its hooks removed -- and is
+    destroyed, so the new one partitions it afresh. Every rank builds engines together, so the
+    gathers line up. A tensor-parallel model is refused (its layers are already split)."""
+    old = module.__dict__.get("_zerotron_engine")
+    if old is None or old.engine_destroyed():
+        return
+    if old.topology.tp > 1:
+        raise RuntimeError("this model is already wrapped by a zerotron engine with tensor parallelism (its layers are "
+                           "split): build a new model for a second engine")
+    full = None
+    if old.config.zero_optimization.stage == 3:
+        from .zero import consolidated_state_dict
+        full = consolidated_state_dict(module)
+    old.destroy()
+    if full is not None:
+        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+            if name in full:
+                t.data = full[name].to(old.device).clone()
+            for attr in [a for a in vars(t) if a.startswith(("zt_", "ds_"))]:
+                delattr(t, attr)
+    module.__dict__.pop("_zerotron_engine", None)
+
+
+class _NoOptimizer(torch.optim.SGD):
+    """The optimizer of an engine built without one (DeepSpeed's initialize without an optimizer,
+    for inference/evaluation): no state, lr 0; the engine refuses to step with it."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.0)
+
+
 class Engine(EngineAccessors, nn.Module):
     """What `zerotron.initialize` returns; DeepSpeed's engine API.
 
@@ -42,6 +105,7 @@ class Engine(EngineAccessors, nn.Module):
         self.local_rank = int(__import__("os").environ.get("LOCAL_RANK", 0))
         self.coords = topology.coords(self.global_rank)
         self.dtype = model_dtype(config)
+        _take_over(module)
         self.module = self._place(module)
 
         self.dp_comm = Comm(topology.group("dp"), "dp")
@@ -55,7 +119,7 @@ class Engine(EngineAccessors, nn.Module):
         params = [p for p in self.module.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no parameters that require gradients; nothing to train")
-        self._param_numels = [p.numel() for p in params]  # before ZeRO-3 partitions them (memory prediction)
+        self._param_numels = [getattr(p, "ds_numel", p.numel()) for p in params]  # before ZeRO-3 partitions them (memory prediction)
         self._backward_owner = None  # "engine" inside engine.backward, "autograd" inside a direct loss.backward()
         self._grad_hooks = [p.register_hook(self._scale_direct_grad) for p in params] \
             if config.gradient_accumulation_steps > 1 else []
@@ -63,6 +127,7 @@ class Engine(EngineAccessors, nn.Module):
         # Gradient reduction, master weights and parameter updates, for the configured ZeRO stage.
         self.states = make_model_states(self.module, self.optimizer, config, self.grad_comm, self.dp_comm,
                                         isolate=self._isolated_params())
+        self.module.__dict__["_zerotron_engine"] = _Holder(self)  # (not an nn.Module attribute: no recursion)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.loss_scaler = LossScaler(config.fp16)
         self.monitor = Monitor(config, self.global_rank)
@@ -94,10 +159,11 @@ class Engine(EngineAccessors, nn.Module):
     # ---- construction helpers ---------------------------------------------------------------
     def _place(self, module: nn.Module) -> nn.Module:
         """Move the model to this rank's device and dtype; parameters built under zero.Init stay
-        on the meta device until ZeRO-3 materializes them one unit at a time."""
-        meta = any(p.is_meta for p in module.parameters())
+        partitioned (placeholders plus this rank's pieces) until ZeRO-3 builds its units from them."""
+        from .zero.partition_api import built_under_init
+        meta = any(p.is_meta or built_under_init(p) for p in module.parameters())
         if meta and self.config.zero_optimization.stage != 3:
-            raise ValueError("the model was built under zerotron.zero.Init (meta parameters), which needs "
+            raise ValueError("the model was built under zerotron.zero.Init (partitioned parameters), which needs "
                              "zero_optimization.stage 3")
         if meta and self.topology.tp > 1:
             raise ValueError("zerotron.zero.Init with tensor parallelism is not supported yet: build the model "
@@ -161,7 +227,7 @@ class Engine(EngineAccessors, nn.Module):
         """Start every data-parallel replica from dp-rank 0's weights, seeded or not."""
         if self.topology.dp > 1:
             for t in list(self.module.parameters()) + list(self.module.buffers()):
-                if not t.is_meta:
+                if not t.is_meta and not hasattr(t, "zt_init_comm"):  # zero.Init pieces agree already
                     self.dp_comm.broadcast(t.data, src_group_rank=0)
 
     def _make_optimizer(self, client, model_parameters, params):
@@ -171,8 +237,9 @@ class Engine(EngineAccessors, nn.Module):
         groups = list(model_parameters) if model_parameters is not None else params
         if client is None:
             if self.config.optimizer is None:
-                raise ConfigError("optimizer", None, "no optimizer: add an 'optimizer' section to the config "
-                                  "or pass optimizer= to zerotron.initialize")
+                # DeepSpeed builds an engine without an optimizer for inference and evaluation (the
+                # Trainer's evaluate() before train()): forward works, step() says what is missing.
+                return _NoOptimizer(groups)
             off = self.config.zero_optimization.offload_optimizer
             return build_optimizer(self.config.optimizer.type, self.config.optimizer.params, groups,
                                    on_host=off is not None and off.device == "cpu")
@@ -269,6 +336,10 @@ class Engine(EngineAccessors, nn.Module):
         self.tput_timer.stop(global_step=boundary)
 
     def _take_model_step(self, lr_kwargs):
+        if isinstance(self.optimizer, _NoOptimizer):
+            raise ConfigError("optimizer", None, "this engine was built without an optimizer (for inference or "
+                              "evaluation), so it cannot step: add an 'optimizer' section to the config or pass "
+                              "optimizer= to zerotron.initialize")
         scaled = self.loss_scaler.enabled
         nonfinite = self.states.unscale_and_check(1.0 / self.loss_scaler.scale if scaled else 1.0)
         bad_ranks, bad_loss_ranks, preempting = self._agree(nonfinite)  # every rank skips, or none does
@@ -526,18 +597,26 @@ class Engine(EngineAccessors, nn.Module):
         return report
 
     # ---- checkpoints (zerotron/checkpoint/) -------------------------------------------------------
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
-        """Every rank writes its own shard (safetensors + JSON), atomically; see checkpoint/save.py."""
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """Every rank writes its own shard (safetensors + JSON), atomically; see checkpoint/save.py.
+        `exclude_frozen_parameters` (DeepSpeed's) is accepted; frozen parameters are still written
+        (a larger checkpoint, nothing lost)."""
         from .checkpoint.save import save_checkpoint
         return save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False, custom_load_fn=None):
         """Load a checkpoint written under any topology; returns (path, client_state), or
-        (None, None) when `load_dir` has no `latest` and no tag is given."""
+        (None, None) when `load_dir` has no `latest` and no tag is given. DeepSpeed's signature
+        and argument order; `load_module_strict=False` keeps the current values of parameters the
+        checkpoint lacks (strict: an error naming them). `custom_load_fn` is refused."""
+        if custom_load_fn is not None:
+            raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported by zerotron: checkpoints "
+                                      "are read by zerotron.checkpoint (any layout, any topology); leave it out")
         from .checkpoint.load import load_checkpoint
         return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                               load_module_only)
+                               load_module_only, load_module_strict=load_module_strict)
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors") -> bool:
         """The whole model's weights in the model dtype, one safetensors file written by rank 0."""

@@ -94,7 +94,8 @@ def resolve_tag(load_dir: Path, tag) -> str | None:
 
 @torch.no_grad()
 def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False, *,
+                    load_module_strict: bool = True):
     root = Path(load_dir)
     tag = resolve_tag(root, tag)
     if tag is None:
@@ -109,7 +110,12 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     want_states = load_optimizer_states and not load_module_only
     for piece, param, master, offset in rank_pieces(engine):
         found = saved.by_name.get(piece.name)
-        if found and tuple(found[0][2].shape) != tuple(piece.shape):
+        if not found:
+            if load_module_strict:
+                raise CheckpointError(f"parameter {piece.name!r} is not in {directory}: the checkpoint is from a "
+                                      "different model (load_module_strict=False keeps its current value)")
+            continue
+        if tuple(found[0][2].shape) != tuple(piece.shape):
             raise CheckpointError(f"parameter {piece.name!r} has shape {tuple(found[0][2].shape)} in {directory} but "
                                   f"{tuple(piece.shape)} in this model: the checkpoint is from a different model")
         n = piece.hi - piece.lo

@@ -44,6 +44,15 @@ PATHS: dict[str, str] = {
     "runtime.pipe.module": "zerotron.compat.runtime.pipe.module",
     "runtime.pipe.engine": "zerotron.compat.runtime.pipe.engine",
     "runtime.pipe.topology": "zerotron.compat.runtime.pipe.topology",
+    "runtime.tensor_parallel": "zerotron.compat.tensor_parallel",
+    # refused with a message when used (imports succeed: accelerate imports them inside branches)
+    "runtime.sequence_parallel": "zerotron.compat.sequence_parallel",
+    "runtime.sequence_parallel.ulysses_sp": "zerotron.compat.sequence_parallel",
+    # checkpoint is zerotron's own package; DeepSpeed's helpers below it live in compat
+    "checkpoint.utils": "zerotron.compat.checkpoint_utils",
+    # launcher: constants only (launch with torchrun / zerotron run)
+    "launcher": "zerotron.compat.launcher",
+    "launcher.runner": "zerotron.compat.launcher",
     # moe
     "moe": "zerotron.compat.moe",
     "moe.utils": "zerotron.compat.moe.utils",
@@ -78,6 +87,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "log_dist": ("utils", "log_dist"),
     "logger": ("utils", "logger"),
     "OnDevice": ("utils", "OnDevice"),
+    "tp_model_init": ("runtime.tensor_parallel", "tp_model_init"),
 }
 
 

@@ -10,6 +10,31 @@ from ....zero import GatheredParameters, Init
 from ....zero.partition_api import ZeroParamStatus  # the enum stage 3 sets on each parameter's ds_status
 
 
+# DeepSpeed's zero.Init swaps torch's tensor constructors for wrappers that cast floating-point
+# results to the Init dtype (and place them on the device); Transformers' `prevent_arange_dtype_change`
+# reads and replaces the wrapper factory around `zero.Init` so RoPE's `torch.arange(..., dtype=...)`
+# keeps its dtype. zerotron's Init does not wrap the constructors (parameters are cast and
+# partitioned after each module's __init__), so the factory here is the DeepSpeed-shaped hook with
+# nothing calling it: replacing it is harmless and changes nothing.
+_orig_torch_arange = torch.arange
+_orig_torch_empty = torch.empty
+_orig_torch_zeros = torch.zeros
+_orig_torch_ones = torch.ones
+_orig_torch_full = torch.full
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype, target_device=None):
+    """DeepSpeed's factory: `fn` with floating-point results cast to `target_fp_dtype` on
+    `target_device`. zerotron's zero.Init never calls it (see above); provided for code that
+    reads, wraps or calls it."""
+    def wrapped_fn(*args, **kwargs):
+        if kwargs.get("device") is None and target_device is not None:
+            kwargs["device"] = target_device
+        tensor = fn(*args, **kwargs)
+        return tensor.to(target_fp_dtype) if tensor.is_floating_point() else tensor
+    return wrapped_fn
+
+
 class ZeroParamType(enum.Enum):
     NORMAL = 1       # an ordinary parameter
     PARTITIONED = 2  # partitioned over the data-parallel ranks
@@ -36,5 +61,5 @@ def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.P
     del module._external_params[id(parameter)]
 
 
-__all__ = ["Init", "GatheredParameters", "ZeroParamStatus", "ZeroParamType", "register_external_parameter",
+__all__ = ["zero_wrapper_for_fp_tensor_constructor", "Init", "GatheredParameters", "ZeroParamStatus", "ZeroParamType", "register_external_parameter",
            "unregister_external_parameter"]

@@ -1,0 +1,170 @@
+"""The Hugging Face Trainer on zerotron through the `deepspeed` import alias (issue 17 A).
+
+examples/hf_trainer.py runs under torchrun on 2 ranks with ZEROTRON_AS_DEEPSPEED=1; each run with
+`TrainingArguments(deepspeed=<the Transformers docs' all-"auto" ZeRO-2/ZeRO-3 config>)` is held
+to the same script on plain DDP (no deepspeed argument): the Trainer's logged losses within 1e-5
+relative, evaluate() alone, save (ZeRO-3 checkpoint-N/global_stepN + consolidated
+model.safetensors) and resume to the same losses. The docs' "scheduler" block is left out (the
+Trainer's own schedule is handed to the engine) because DeepSpeed's WarmupLR and the Trainer's
+schedules differ by design; the model is built before TrainingArguments (not inside zero.Init).
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from distributed import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(900)  # torchrun runs of ~15 s each on an idle 2-core machine; the fixture makes four
+SCRIPT = ROOT / "examples" / "hf_trainer.py"
+RTOL = 1e-5
+
+_COMMON = {
+    "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+ZERO2 = dict(_COMMON, zero_optimization={
+    "stage": 2, "offload_optimizer": {"device": "none"}, "allgather_partitions": True, "allgather_bucket_size": 2e8,
+    "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": "auto", "contiguous_gradients": True})
+ZERO3 = dict(_COMMON, zero_optimization={
+    "stage": 3, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"}, "overlap_comm": True,
+    "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+    "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+    "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+    "stage3_gather_16bit_weights_on_model_save": True})
+
+
+def _run(tmp: Path, name: str, config=None, *extra, nproc=2):
+    out = tmp / name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
+           str(SCRIPT), "--use-cpu", "--model-first", "--output-dir", str(out), "--history", str(tmp / f"{name}.json"),
+           *extra]
+    if config is not None:
+        path = tmp / f"{name}.ds.json"
+        path.write_text(json.dumps(config))
+        cmd += ["--deepspeed", str(path)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    env.update(ZEROTRON_AS_DEEPSPEED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    result = json.loads((tmp / f"{name}.json").read_text())
+    if config is not None:  # zerotron's engine did the work, at the configured stage and TP size
+        assert result["engine"].startswith("zerotron."), result["engine"]
+        assert result["zero_stage"] == config["zero_optimization"]["stage"], result
+        assert result["tp"] == config.get("tensor_parallel", {}).get("autotp_size", 1), result
+    else:
+        assert not result["engine"].startswith("zerotron."), result["engine"]
+    return result
+
+
+def _losses(result):
+    return [(h["step"], h["loss"]) for h in result["history"] if "loss" in h]
+
+
+def _close(a, b):
+    return abs(a - b) <= RTOL * abs(b)
+
+
+def _assert_same_losses(got, want):
+    assert [s for s, _ in got] == [s for s, _ in want], (got, want)
+    bad = [(s, g, w) for (s, g), (_, w) in zip(got, want) if not _close(g, w)]
+    assert not bad, f"losses differ beyond {RTOL} relative (step, got, DDP): {bad}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hf_trainer")
+    return tmp, {
+        "ddp": _run(tmp, "ddp", None, "--save-model", str(tmp / "ddp_model")),
+        "ddp_eval": _run(tmp, "ddp_eval", None, "--eval-only"),
+        "z2": _run(tmp, "z2", ZERO2),
+        "z3": _run(tmp, "z3", ZERO3, "--save-steps", "3", "--save-model", str(tmp / "z3_model")),
+    }
+
+
+def test_zero2_matches_ddp(runs):
+    _, r = runs
+    assert len(_losses(r["ddp"])) == 6
+    _assert_same_losses(_losses(r["z2"]), _losses(r["ddp"]))
+    assert _close(r["z2"]["eval"]["eval_loss"], r["ddp"]["eval"]["eval_loss"])
+
+
+def test_zero3_matches_ddp_and_saves_full_weights(runs):
+    tmp, r = runs
+    _assert_same_losses(_losses(r["z3"]), _losses(r["ddp"]))
+    assert _close(r["z3"]["eval"]["eval_loss"], r["ddp"]["eval"]["eval_loss"])
+    # checkpoint layout the Trainer resumes from, and the consolidated (ZeRO-3 gathered) weights
+    ckpt = tmp / "z3" / "checkpoint-3"
+    assert (ckpt / "global_step3").is_dir() and (ckpt / "latest").read_text().strip() == "global_step3"
+    from safetensors.torch import load_file
+    import torch
+    got, want = load_file(str(tmp / "z3_model" / "model.safetensors")), load_file(str(tmp / "ddp_model" / "model.safetensors"))
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k].shape == want[k].shape, k
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_evaluate_alone(runs):
+    tmp, r = runs
+    e = _run(tmp, "z3_eval", ZERO3, "--eval-only")  # an engine without an optimizer
+    assert _close(e["eval"]["eval_loss"], r["ddp_eval"]["eval"]["eval_loss"]), (e["eval"], r["ddp_eval"]["eval"])
+
+
+def test_resume_same_losses(runs):
+    tmp, r = runs
+    resumed = _run(tmp, "z3_resume", ZERO3, "--resume", str(tmp / "z3" / "checkpoint-3"))
+    losses = _losses(resumed)
+    _assert_same_losses(losses, _losses(r["ddp"]))
+    runtimes = [h for h in resumed["history"] if "train_runtime" in h]
+    assert runtimes and runtimes[-1]["step"] == 6
+
+
+def test_torch_compile_through_engine_compile(runs):
+    """TrainingArguments(torch_compile=True): accelerate calls engine.compile(backend=..., compile_kwargs=...)."""
+    tmp, r = runs
+    c = _run(tmp, "z3_compile", ZERO3, "--compile-backend", "eager")
+    _assert_same_losses(_losses(c), _losses(r["ddp"]))
+
+
+def test_autotp_matches_one_process(tmp_path):
+    """tensor_parallel.autotp_size 2 on 2 ranks (one replica): the Trainer fills train_batch_size over
+    all ranks (DeepSpeed's AutoTP count) and feeds both ranks the same batch; the same losses and
+    consolidated weights as one process."""
+    import torch
+    from safetensors.torch import load_file
+    one = _run(tmp_path, "one", None, "--save-model", str(tmp_path / "one_model"), nproc=1)
+    tp = _run(tmp_path, "tp", dict(ZERO2, zero_optimization={"stage": 1}, tensor_parallel={"autotp_size": 2}),
+              "--save-model", str(tmp_path / "tp_model"))
+    _assert_same_losses(_losses(tp), _losses(one))
+    got, want = load_file(str(tmp_path / "tp_model" / "model.safetensors")), load_file(str(tmp_path / "one_model" / "model.safetensors"))
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_config_is_a_read_only_mapping_and_accepts_inf():
+    from zerotron.config import Config
+    c = Config.load({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                     "steps_per_print": float("inf"), "zero_optimization": {"stage": 3}}, world_size=2)
+    assert math.isinf(c.steps_per_print)
+    assert c["train_batch_size"] == 8 and c.get("zero_optimization", {}).get("stage") == 3
+    assert c.zero_optimization.stage == 3 and "optimizer" not in c and c.get("optimizer") is None
+    c["zero_optimization"]["stage"] = 1  # a copy
+    assert c["zero_optimization"]["stage"] == 3
+    with pytest.raises(TypeError):
+        c["train_batch_size"] = 1
+    from zerotron.errors import ConfigError
+    with pytest.raises(ConfigError):
+        Config.load({"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0.5})
