@@ -97,3 +97,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # a clean teardown: gloo may abort at interpreter exit otherwise
+        torch.distributed.destroy_process_group()

@@ -275,6 +275,7 @@ engine = type(trainer.model_wrapped).__module__
 if trainer.is_world_process_zero():
     with open(out + f"/{mode}.json", "w") as f:
         json.dump({"losses": losses, "engine": engine, "partitioned": partitioned}, f)
+torch.distributed.destroy_process_group()  # a clean teardown: gloo may abort at interpreter exit otherwise
 """
 
 

@@ -63,8 +63,9 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     global _timeout
     if timeout is not None and timeout != DEFAULT_TIMEOUT:
         _timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
-    if dist.is_initialized():
+    if dist.is_initialized():  # the script (or accelerate, the Trainer) made the group: still tear it down cleanly
         use_local_device()
+        _shutdown_at_exit()
         return
     if dist_init_required is False:
         raise RuntimeError("init_distributed(dist_init_required=False) but no process group exists: initialize "
@@ -81,7 +82,17 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         dist.init_process_group(backend, init_method=init_method, timeout=timeout, **explicit)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    atexit.register(shutdown)
+    _shutdown_at_exit()
+
+
+def _shutdown_at_exit() -> None:
+    global _shutdown_registered
+    if not _shutdown_registered:
+        atexit.register(shutdown)
+        _shutdown_registered = True
+
+
+_shutdown_registered = False
 
 
 def shutdown() -> None:

@@ -50,3 +50,4 @@ accelerator.unwrap_model(model).save_pretrained(f"{out_dir}/model", state_dict=s
                                                 save_function=accelerator.save)
 if accelerator.is_main_process:
     print("RESULT " + json.dumps({"first": first, "after": after, "again": again}), flush=True)
+torch.distributed.destroy_process_group()  # a clean teardown: gloo may abort at interpreter exit otherwise
