@@ -197,26 +197,34 @@ def safe_get_full_grad(param):
     """The whole gradient of `param` after backward and before the step, in fp32 and unscaled (a
     collective under ZeRO 1-3). Under ZeRO 0 and 1 it is the reduced gradient once the boundary
     backward of an accumulation has run."""
+    return _get_grad(param, local=False)
+
+
+def safe_set_full_grad(param, value):
+    """Replace `param`'s gradient (full shape, unscaled terms) before the step."""
+    _set_grad(param, value, local=False)
+
+
+def _get_grad(param, local: bool):
     lay = _layout(param)
     if lay is None or not lay.trains(param):
         return None
     pieces = lay.grad_pieces(param)
     if pieces is None:
         return None
-    grad = lay.full(param, pieces)
+    grad = lay.local(param, pieces) if local else lay.full(param, pieces)
     scale = lay.loss_scale()
     return grad / scale if scale != 1.0 else grad
 
 
-def safe_set_full_grad(param, value):
-    """Replace `param`'s gradient (full shape, unscaled terms) before the step."""
+def _set_grad(param, value, local: bool):
     lay = _layout(param)
     if lay is None or not lay.trains(param):
         return
     pieces = lay.grad_pieces(param)
     if pieces is None:
         raise RuntimeError("this parameter has no gradient yet: call it after backward")
-    lay.write(pieces, value.detach().float() * lay.loss_scale())
+    lay.write(pieces, value.detach().float() * lay.loss_scale(), local=local)
     lay.grads_changed(param)
 
 
@@ -266,26 +274,11 @@ def safe_set_local_optimizer_state(param, value, optim_state_key):
 
 def safe_get_local_grad(param):
     """This rank's piece of `param`'s reduced gradient, flat, fp32, unscaled."""
-    lay = _layout(param)
-    if lay is None or not lay.trains(param):
-        return None
-    pieces = lay.grad_pieces(param)
-    if pieces is None:
-        return None
-    grad = lay.local(param, pieces)
-    scale = lay.loss_scale()
-    return grad / scale if scale != 1.0 else grad
+    return _get_grad(param, local=True)
 
 
 def safe_set_local_grad(param, value):
-    lay = _layout(param)
-    if lay is None or not lay.trains(param):
-        return
-    pieces = lay.grad_pieces(param)
-    if pieces is None:
-        raise RuntimeError("this parameter has no gradient yet: call it after backward")
-    lay.write(pieces, value.detach().float() * lay.loss_scale(), local=True)
-    lay.grads_changed(param)
+    _set_grad(param, value, local=True)
 
 
 def _existing_state(lay, param, key):
