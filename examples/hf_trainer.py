@@ -14,7 +14,6 @@ every parameter where the Trainer's own skips biases and norms.
 """
 import argparse
 import json
-import os
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
@@ -40,7 +39,9 @@ def main():
     p.add_argument("--save-steps", type=int, default=0)
     p.add_argument("--resume", default=None, help="checkpoint dir, or 'last'")
     p.add_argument("--eval-only", action="store_true")
-    p.add_argument("--eval-first", action="store_true", help="evaluate() before train()")
+    p.add_argument("--eval-on-start", action="store_true", help="evaluate once as training starts (eval_on_start)")
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--init-from", default=None, help="from_pretrained this directory instead of from_config")
     p.add_argument("--use-cpu", action="store_true")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--history", default=None)
@@ -63,9 +64,12 @@ def main():
         torch_compile=a.compile_backend is not None, torch_compile_backend=a.compile_backend,
         logging_steps=1, report_to=[], seed=0, data_seed=0, dataloader_num_workers=0,
         save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
-        eval_strategy="no", disable_tqdm=True, remove_unused_columns=False)
-    if model is None:  # after TrainingArguments(deepspeed=<ZeRO-3>): built inside deepspeed.zero.Init
-        model = AutoModelForCausalLM.from_config(config)
+        eval_strategy="steps" if a.eval_on_start else "no", eval_steps=10_000, eval_on_start=a.eval_on_start,
+        gradient_checkpointing=a.gradient_checkpointing, disable_tqdm=True, remove_unused_columns=False)
+    if a.init_from:  # after TrainingArguments(deepspeed=<ZeRO-3>): each rank loads its pieces inside zero.Init
+        model = AutoModelForCausalLM.from_pretrained(a.init_from)
+    elif model is None:  # inside deepspeed.zero.Init under ZeRO-3: Transformers re-initializes the weights
+        model = AutoModelForCausalLM.from_config(config)  # on rank 0, so they differ from a plain build's
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(64, 16, 128),
                       eval_dataset=Tokens(16, 16, 128, seed=1))
     out = {}
@@ -75,8 +79,6 @@ def main():
         resume = a.resume
         if resume == "last":
             resume = True
-        if a.eval_first:
-            out["eval_before"] = trainer.evaluate()
         trainer.train(resume_from_checkpoint=resume)
         out["eval"] = trainer.evaluate()
         if a.save_model:
@@ -87,6 +89,8 @@ def main():
     if hasattr(engine, "zero_optimization_stage"):
         out["zero_stage"] = engine.zero_optimization_stage()
         out["tp"] = engine.config.get("tensor_parallel", {}).get("autotp_size", 1)
+        out["host_bytes"] = engine.memory_report().get("host", 0)  # model states kept in host memory (offload)
+    out["gradient_checkpointing"] = trainer.model.is_gradient_checkpointing
     if a.history and trainer.is_world_process_zero():
         with open(a.history, "w") as f:
             json.dump(out, f)

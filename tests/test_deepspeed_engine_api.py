@@ -154,6 +154,10 @@ def _accessors_and_states():
     engine.destroy()
     out["hooks"] = (hooks_before, sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()))
     out["state_cleared"] = len(optimizer.state) == 0
+    try:
+        engine(x, y)
+    except RuntimeError as e:
+        out["after_destroy"] = str(e)
     return out
 
 
@@ -164,6 +168,7 @@ def test_engine_accessors_offload_states_and_destroy():
         assert out["on_host"] and out["reloaded_equal"] and "optim_states" in out["refused"]
         assert out["samples_per_s"] > 0
         assert out["hooks"][0] > 0 and out["hooks"][1] == 0 and out["state_cleared"]
+        assert "engine was destroyed" in out["after_destroy"] and "eval_on_start=True" in out["after_destroy"]
 
 
 class _Mpu:

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("accelerate")
 from distributed import free_port
 
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "accelerate_loop.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "hf_accelerate.py"
 RTOL = 1e-5
 
 

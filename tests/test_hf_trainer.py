@@ -6,7 +6,9 @@ to the same script on plain DDP (no deepspeed argument): the Trainer's logged lo
 relative, evaluate() alone, save (ZeRO-3 checkpoint-N/global_stepN + consolidated
 model.safetensors) and resume to the same losses. The docs' "scheduler" block is left out (the
 Trainer's own schedule is handed to the engine) because DeepSpeed's WarmupLR and the Trainer's
-schedules differ by design; the model is built before TrainingArguments (not inside zero.Init).
+schedules differ by design; the model is built before TrainingArguments (not inside zero.Init), or
+loaded with from_pretrained after it (inside zero.Init, each rank loading its pieces). The docs' CPU
+offload configs run with gradient checkpointing and eval_on_start (an evaluate() at step 0).
 """
 import json
 import math
@@ -42,13 +44,17 @@ ZERO3 = dict(_COMMON, zero_optimization={
     "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
     "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
     "stage3_gather_16bit_weights_on_model_save": True})
+_CPU = {"device": "cpu", "pin_memory": True}
+ZERO2_OFFLOAD = dict(ZERO2, zero_optimization=dict(ZERO2["zero_optimization"], offload_optimizer=_CPU))
+ZERO3_OFFLOAD = dict(ZERO3, zero_optimization=dict(ZERO3["zero_optimization"], offload_optimizer=_CPU, offload_param=_CPU))
 
 
 def _run(tmp: Path, name: str, config=None, *extra, nproc=2):
     out = tmp / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
-           str(SCRIPT), "--use-cpu", "--model-first", "--output-dir", str(out), "--history", str(tmp / f"{name}.json"),
-           *extra]
+           str(SCRIPT), "--use-cpu", "--output-dir", str(out), "--history", str(tmp / f"{name}.json"), *extra]
+    if "--init-from" not in extra:
+        cmd.append("--model-first")
     if config is not None:
         path = tmp / f"{name}.ds.json"
         path.write_text(json.dumps(config))
@@ -82,9 +88,20 @@ def _assert_same_losses(got, want):
     assert not bad, f"losses differ beyond {RTOL} relative (step, got, DDP): {bad}"
 
 
+def _save_initial_model(path):
+    """The weights examples/hf_trainer.py builds with --model-first (seed 0), saved for from_pretrained."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf_trainer")
+    _save_initial_model(tmp / "init")
     return tmp, {
         "ddp": _run(tmp, "ddp", None, "--save-model", str(tmp / "ddp_model")),
         "ddp_eval": _run(tmp, "ddp_eval", None, "--eval-only"),
@@ -127,8 +144,23 @@ def test_resume_same_losses(runs):
     resumed = _run(tmp, "z3_resume", ZERO3, "--resume", str(tmp / "z3" / "checkpoint-3"))
     losses = _losses(resumed)
     _assert_same_losses(losses, _losses(r["ddp"]))
+    assert losses[3:] == _losses(r["z3"])[3:], (losses, _losses(r["z3"]))  # bit for bit the uninterrupted run
     runtimes = [h for h in resumed["history"] if "train_runtime" in h]
     assert runtimes and runtimes[-1]["step"] == 6
+
+
+@pytest.mark.parametrize("name,config,extra", [
+    ("z2_offload", ZERO2_OFFLOAD, ()),
+    ("z3_offload", ZERO3_OFFLOAD, ("--init-from", "init")),  # from_pretrained inside zero.Init, then offloaded
+])
+def test_cpu_offload_with_gradient_checkpointing_and_eval_on_start(runs, name, config, extra):
+    tmp, r = runs
+    got = _run(tmp, name, config, "--gradient-checkpointing", "--eval-on-start", *extra)
+    assert got["gradient_checkpointing"] and got["host_bytes"] > 0, got
+    _assert_same_losses(_losses(got), _losses(r["ddp"]))
+    at_start = [h["eval_loss"] for h in got["history"] if "eval_loss" in h and h["step"] == 0]
+    assert len(at_start) == 1 and _close(at_start[0], r["ddp_eval"]["eval"]["eval_loss"]), got["history"]
+    assert _close(got["eval"]["eval_loss"], r["ddp"]["eval"]["eval_loss"])
 
 
 def test_torch_compile_through_engine_compile(runs):

@@ -272,6 +272,12 @@ class Engine(EngineAccessors, nn.Module):
 
     # ---- the training verbs -----------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self.__dict__.get("_destroyed"):
+            raise RuntimeError(
+                "this engine was destroyed (engine.destroy(); accelerate's free_memory() calls it when Trainer.train() "
+                "starts) and its ZeRO state is gone: build a new one with zerotron.initialize. The Hugging Face Trainer "
+                "reuses the engine of an evaluate() run before train(), with DeepSpeed too (huggingface/transformers#44889): "
+                "evaluate at the start of training with TrainingArguments(eval_on_start=True), or train with a new Trainer")
         self.tput_timer.start()
         args, kwargs = self._check_inputs(args, kwargs)
         output = self.module(*args, **kwargs)
