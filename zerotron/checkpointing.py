@@ -27,7 +27,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-POLICIES = ("none", "every_block", "every_k", "selective")
+from .config_sections import CHECKPOINT_POLICIES
+
 
 
 class _Settings:
@@ -180,8 +181,8 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 def apply_policy(model: nn.Module, policy: str, every: int = 2) -> int:
     """Checkpoint the model's repeated blocks by `policy`; returns how many blocks it wraps."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown checkpoint policy {policy!r}; use one of {', '.join(POLICIES)}")
+    if policy not in CHECKPOINT_POLICIES:
+        raise ValueError(f"unknown checkpoint policy {policy!r}; use one of {', '.join(CHECKPOINT_POLICIES)}")
     if policy == "none":
         return 0
     blocks = repeated_blocks(model)

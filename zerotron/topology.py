@@ -11,6 +11,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from .errors import ConfigError
+from .timeouts import group_timeout
 
 DIMS = ("pp", "dp", "tp")
 
@@ -67,7 +68,6 @@ class Topology:
         return self
 
     def _make_groups(self) -> dict:
-        from .comm import group_timeout
         groups = {}
         for dim in DIMS + ("dp_grad",):
             along = "dp" if dim == "dp_grad" else dim
@@ -104,7 +104,6 @@ def _cached(key, make):
 def shared_group(ranks: list[int], purpose: str = "") -> dist.ProcessGroup:
     """`dist.new_group(ranks)`, made once per job and `purpose` (every rank must call it with the
     same arguments, in the same order). Two purposes over the same ranks get two groups."""
-    from .comm import group_timeout
     return _cached(("group", purpose, tuple(ranks)), lambda: dist.new_group(list(ranks), timeout=group_timeout()))
 
 

@@ -27,11 +27,11 @@ import time
 import torch.distributed as dist
 
 from .errors import EXIT_FAULT, CollectiveMismatch
+from .timeouts import requested_timeout
 
 def default_timeout_s() -> float:
     """$ZEROTRON_COLLECTIVE_TIMEOUT, else the timeout init_distributed was given, else 600 s (the
     config's zerotron.collective_timeout overrides all three)."""
-    from .comm import requested_timeout
     if "ZEROTRON_COLLECTIVE_TIMEOUT" in os.environ:
         return float(os.environ["ZEROTRON_COLLECTIVE_TIMEOUT"])
     requested = requested_timeout()

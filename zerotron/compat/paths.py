@@ -21,9 +21,9 @@ PATHS: dict[str, str] = {
     "accelerator": "zerotron.compat.accelerator",
     "accelerator.real_accelerator": "zerotron.compat.accelerator",
     "accelerator.abstract_accelerator": "zerotron.compat.accelerator",
-    # comm: zerotron's core comm (it forwards DeepSpeed's functions to zerotron.compat.comm)
+    # comm: zerotron.comm is DeepSpeed's functions (comm/api.py) plus zerotron's Comm
     "comm": "zerotron.comm",
-    "comm.comm": "zerotron.compat.comm",
+    "comm.comm": "zerotron.comm.api",
     # utils
     "utils": "zerotron.compat.utils",
     "utils.groups": "zerotron.compat.utils.groups",

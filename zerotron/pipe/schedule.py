@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config_sections import SCHEDULES
 from ..errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,8 @@ and up) and recomputes the rest.
 """
 from __future__ import annotations
 
+from ..config_sections import CHECKPOINT_POLICIES as POLICIES
 from .memory import ModelShape
-
-POLICIES = ("none", "every_block", "every_k", "selective")
 
 
 def bytes_per_activation(dtype: str) -> int:

@@ -16,9 +16,9 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
-from . import watchdog
-
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+from .. import watchdog
+from ..timeouts import DEFAULT_TIMEOUT, group_timeout, request
+from ..topology import forget_groups
 
 # torch 2.13 deprecates *_into_tensor / *_tensor in favour of *_single; older releases lack the latter.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -33,21 +33,6 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
-_timeout: datetime.timedelta | None = None  # what a script gave init_distributed, if anything
-
-
-def group_timeout() -> datetime.timedelta:
-    """The timeout of every process group zerotron creates: init_distributed's (DeepSpeed's
-    argument), else 30 minutes. The watchdog takes the same timeout (watchdog.default_timeout_s)
-    and reports first; the backend's own, a few seconds later, is the backstop."""
-    timeout = _timeout or DEFAULT_TIMEOUT
-    return timeout + max(datetime.timedelta(seconds=10), timeout * 0.1)
-
-
-def requested_timeout() -> datetime.timedelta | None:
-    return _timeout
-
-
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
                      verbose: bool = True, timeout: datetime.timedelta = DEFAULT_TIMEOUT, init_method: str | None = None,
                      dist_init_required: bool | None = None, config=None, rank: int = -1, world_size: int = -1) -> None:
@@ -60,9 +45,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     `distributed_port`, `verbose` and `config` are accepted for DeepSpeed's callers (zerotron does
     no MPI discovery: launch with torchrun or `zerotron run`).
     """
-    global _timeout
-    if timeout is not None and timeout != DEFAULT_TIMEOUT:
-        _timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
+    request(timeout)
     if dist.is_initialized():  # the script (or accelerate, the Trainer) made the group: still tear it down cleanly
         use_local_device()
         _shutdown_at_exit()
@@ -104,7 +87,6 @@ def shutdown() -> None:
     if dog is not None:
         dog.stop()
     if dist.is_initialized():
-        from .topology import forget_groups
         forget_groups()
         _comms.clear()
         try:
@@ -337,14 +319,3 @@ def comm_for(group: dist.ProcessGroup | None, name: str | None = None) -> Comm:
     if key not in _comms:
         _comms[key] = Comm(group, name)
     return _comms[key]
-
-
-def __getattr__(name: str):
-    """DeepSpeed's `deepspeed.comm` functions this module lacks (get_rank, all_reduce, barrier, ...)
-    come from zerotron.compat.comm, imported on first use (PEP 562): the core never imports the
-    compat edge at import time, and this module's own names always win."""
-    if not name.startswith("_"):
-        from .compat import comm as compat_comm
-        if name in compat_comm.__all__:
-            return getattr(compat_comm, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

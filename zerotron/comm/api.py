@@ -1,7 +1,7 @@
 """`deepspeed.comm`: DeepSpeed's module of communication functions, over torch.distributed.
 
     import zerotron as deepspeed            # or: import zerotron.comm as dist
-    deepspeed.comm.all_reduce(t)            # zerotron.comm forwards the names it lacks to here
+    deepspeed.comm.all_reduce(t)            # zerotron.comm is this API plus zerotron's Comm
 
 Each function takes DeepSpeed's arguments, including its logging ones (`prof`, `log_name`, `debug`),
 which are accepted and ignored: zerotron keeps no per-call comms log (engine.comm_stats() counts the
@@ -16,8 +16,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..comm import _all_gather_flat, _reduce_scatter_flat, group_timeout, init_distributed, shutdown
 from ..log import logger
+from ..timeouts import group_timeout
+from .core import _all_gather_flat, _reduce_scatter_flat, init_distributed, shutdown
 
 ReduceOp = dist.ReduceOp
 

@@ -1,0 +1,208 @@
+"""The sections of the config (DeepSpeed's JSON schema, plus zerotron's own "zerotron" section):
+typed dataclasses with their defaults and per-section checks, and the names they check against
+(pipeline schedules, activation-checkpoint policies) kept here as plain data so the config needs
+nothing of the modules that implement them."""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .errors import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")  # zerotron/pipe/schedule.py builds each
+CHECKPOINT_POLICIES = ("none", "every_block", "every_k", "selective")  # zerotron/checkpointing.py applies each
+
+AUTO = "auto"
+
+# DeepSpeed keys we accept but that change nothing about the math here; no warning for them.
+_ACCEPTED_NO_EFFECT = {
+    "memory_breakdown", "dump_state",
+    "zero_force_ds_cpu_optimizer", "dataloader_drop_last", "flops_profiler", "comms_logger",
+    "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "gradient_accumulation_dtype",
+    "log_level", "timers", "seq_parallel_communication_data_type", "use_data_before_expert_parallel_",
+}
+
+def _is_auto(value) -> bool:
+    return isinstance(value, str) and value == AUTO
+
+
+class IntOrInf(int):
+    """Type marker: an integer, or positive infinity (`steps_per_print: inf`, which accelerate writes
+    to silence DeepSpeed's progress prints; `step % inf` is never 0 after step 0)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Typed sections. Field names are DeepSpeed's JSON keys; defaults are DeepSpeed's defaults.
+# --------------------------------------------------------------------------------------------
+@dataclass
+class FP16Config:
+    enabled: bool = False
+    loss_scale: float = 0.0  # 0 means dynamic
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+    auto_cast: bool = False
+
+    def validate(self, p: str):
+        _check(self.loss_scale >= 0, p + ".loss_scale", self.loss_scale, "use 0 for dynamic scaling or a positive static scale")
+        _check(0 <= self.initial_scale_power <= 64, p + ".initial_scale_power", self.initial_scale_power, "use a power of two exponent in [0, 64], e.g. 16")
+        _check(self.loss_scale_window >= 1, p + ".loss_scale_window", self.loss_scale_window, "use a positive number of steps, e.g. 1000")
+        _check(self.hysteresis >= 1, p + ".hysteresis", self.hysteresis, "use a positive integer, e.g. 2")
+        _check(self.min_loss_scale > 0, p + ".min_loss_scale", self.min_loss_scale, "use a positive scale, e.g. 1")
+
+
+@dataclass
+class BF16Config:
+    enabled: bool = False
+
+
+@dataclass
+class OffloadConfig:
+    device: str = "none"
+    pin_memory: bool = False
+    nvme_path: Optional[str] = None
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+    fast_init: bool = False
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    ratio: float = 1.0
+
+    def validate(self, p: str):
+        _check(self.device in ("none", "cpu", "nvme"), p + ".device", self.device, "use 'none', 'cpu' or 'nvme'")
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 0
+    contiguous_gradients: bool = True
+    overlap_comm: bool = True
+    reduce_scatter: bool = True
+    reduce_bucket_size: int = 500_000_000
+    allgather_partitions: bool = True
+    allgather_bucket_size: int = 500_000_000
+    load_from_fp32_weights: bool = True
+    round_robin_gradients: bool = False
+    sub_group_size: int = 1_000_000_000
+    offload_optimizer: Optional[OffloadConfig] = None
+    offload_param: Optional[OffloadConfig] = None
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    stage3_gather_fp16_weights_on_model_save: bool = False
+    ignore_unused_parameters: bool = True
+    elastic_checkpoint: bool = False
+
+    def validate(self, p: str):
+        _check(self.stage in (0, 1, 2, 3), p + ".stage", self.stage, "use 0 (data parallel), 1, 2 or 3")
+        for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size",
+                    "stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
+            value = getattr(self, key)
+            _check(value > 0, f"{p}.{key}", value, "use a positive number of elements, e.g. 5e8")
+        _check(self.stage3_param_persistence_threshold >= 0, p + ".stage3_param_persistence_threshold",
+               self.stage3_param_persistence_threshold, "use a non-negative number of elements")
+        for key in ("offload_optimizer", "offload_param"):
+            off = getattr(self, key)
+            if off is None:
+                continue
+            off.validate(f"{p}.{key}")
+            if key == "offload_param" and self.stage != 3:
+                continue  # ignored below stage 3 (warned about below)
+            _check(off.device != "nvme", f"{p}.{key}.device", off.device,
+                   "NVMe offload (ZeRO-Infinity) is not supported by zerotron; use \"cpu\" (host memory) instead")
+        if self.offload_optimizer is not None and self.offload_optimizer.device == "cpu":
+            _check(self.stage >= 1, f"{p}.offload_optimizer.device", "cpu",
+                   "optimizer offload shards the optimizer: it needs zero_optimization.stage 1, 2 or 3")
+        if self.offload_param is not None and self.offload_param.device != "none" and self.stage != 3:
+            # DeepSpeed offloads parameters only at stage 3 and ignores the key below it.
+            warnings.warn(f"{p}.offload_param is ignored at zero_optimization.stage {self.stage} (as DeepSpeed "
+                          "ignores it): parameters stay on the device; parameter offload needs stage 3", stacklevel=4)
+
+
+@dataclass
+class OptimizerConfig:
+    type: str = "AdamW"
+    params: dict = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerConfig:
+    type: str = "WarmupLR"
+    params: dict = field(default_factory=dict)
+
+
+@dataclass
+class MonitorConfig:
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+@dataclass
+class TensorParallelConfig:
+    autotp_size: int = 1
+
+    def validate(self, p: str):
+        _check(self.autotp_size >= 1, p + ".autotp_size", self.autotp_size, "use a positive integer")
+
+
+@dataclass
+class PipelineConfig:
+    """DeepSpeed's "pipeline" section. The PipelineModule decides the stages ("auto" takes its
+    num_stages) and the partition; zerotron adds the schedule."""
+    stages: int = 1
+    schedule: str = "1f1b"   # "gpipe", "1f1b", or "interleaved" (1F1B over the module's virtual stages)
+    partition: str = "best"  # accepted for DeepSpeed configs; PipelineModule(partition_method=...) decides
+    seed_layers: bool = False
+    activation_checkpoint_interval: int = 0
+    pipe_partitioned: bool = True
+    grad_partitioned: bool = True
+
+    def validate(self, p: str):
+        _check(self.stages >= 1, p + ".stages", self.stages, "use a positive integer (or \"auto\")")
+        _check(self.schedule in SCHEDULES, p + ".schedule", self.schedule, f"use one of {', '.join(SCHEDULES)}")
+
+
+@dataclass
+class ActivationCheckpointingConfig:
+    """DeepSpeed's "activation_checkpointing" section (for zerotron.checkpointing.checkpoint)."""
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False   # accepted; torch's allocator already reuses the memory
+    number_checkpoints: Optional[int] = None       # accepted; the policy decides what is checkpointed
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+@dataclass
+class ZerotronConfig:
+    """Settings zerotron adds to DeepSpeed's schema, in their own "zerotron" section."""
+    sequence_parallel: bool = False
+    check_tensor_parallel_plan: bool = True  # run a few tokens through the model split and unsplit first
+    checkpoint_policy: str = "none"   # activation checkpointing the engine applies: none, every_block, every_k, selective
+    checkpoint_every: int = 2         # with every_k: checkpoint one block in this many
+    # Fault tolerance (zerotron/watchdog.py, engine.py):
+    collective_timeout: Optional[float] = None  # seconds a collective may wait (None: $ZEROTRON_COLLECTIVE_TIMEOUT or 600)
+    collective_checks: bool = False   # debug: compare each collective's op/shape/dtype across ranks first
+    max_nonfinite_steps: int = 8      # bf16/fp32: stop after this many consecutive steps with NaN/Inf gradients
+    save_on_preemption: Optional[str] = None  # SIGTERM/SIGINT: finish the step, checkpoint here, exit 75
+
+    def validate(self, p: str):
+        _check(self.checkpoint_policy in CHECKPOINT_POLICIES, p + ".checkpoint_policy", self.checkpoint_policy,
+               f"use one of {', '.join(CHECKPOINT_POLICIES)}")
+        _check(self.checkpoint_every >= 1, p + ".checkpoint_every", self.checkpoint_every, "use a positive integer")
+        _check(self.collective_timeout is None or self.collective_timeout > 0, p + ".collective_timeout",
+               self.collective_timeout, "use a positive number of seconds")
+        _check(self.max_nonfinite_steps >= 1, p + ".max_nonfinite_steps", self.max_nonfinite_steps,
+               "use a positive integer")
+
+
+def _check(ok: bool, key: str, value, fix: str):
+    if not ok:
+        raise ConfigError(key, value, fix)
