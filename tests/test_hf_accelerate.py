@@ -60,7 +60,7 @@ def test_accelerate_deepspeed_trains_saves_and_resumes_like_ddp(tmp_path, ddp, m
     from transformers import AutoModelForCausalLM
     (want, want_dir), got = ddp, _run(mode, tmp_path, model_dir)
     # zerotron's engine did the work (accelerate silently falls back to DDP when DeepSpeed is off)
-    assert got["engine"] == "zerotron.engine.Engine" and got["stage"] == stage, got
+    assert got["engine"] == "zerotron.engine.engine.Engine" and got["stage"] == stage, got
     assert want["type"] == "DistributedType.MULTI_CPU" and got["type"] == "DistributedType.DEEPSPEED"
     assert _close(got["first"] + got["after"], want["first"] + want["after"]), (got, want)
     assert _close(got["norms"], want["norms"]), (got["norms"], want["norms"])

@@ -267,7 +267,7 @@ def test_trl_sft_trainer_under_zero3_matches_ddp(tmp_path):
         _torchrun(SFT_SCRIPT, mode, tmp_path / "model", tmp_path)
     ddp = json.loads((tmp_path / "ddp.json").read_text())
     ds = json.loads((tmp_path / "ds.json").read_text())
-    assert ds["engine"] == "zerotron.engine" and ddp["engine"] != "zerotron.engine"
+    assert ds["engine"].startswith("zerotron.engine") and not ddp["engine"].startswith("zerotron.")
     assert ds["partitioned"]  # from_pretrained ran inside zero.Init: pieces only
     assert len(ds["losses"]) == 3
     assert_losses_close(ds["losses"], ddp["losses"], rtol=1e-5)

@@ -50,7 +50,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     topology.build_groups(local_device().type)
     engine_class = Engine
     if pipelined:
-        from .pipe.engine import PipelineEngine as engine_class
+        from .engine import PipelineEngine as engine_class
     engine = engine_class(model, cfg, topology, optimizer=optimizer, lr_scheduler=lr_scheduler,
                           model_parameters=model_parameters, training_data=training_data, collate_fn=collate_fn)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

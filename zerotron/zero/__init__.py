@@ -1,4 +1,5 @@
-"""ZeRO: model states sharded over the data-parallel ranks (stages 1-3)."""
+"""ZeRO: the model states of each stage: replicated with all-reduced gradients (stage 0,
+replicated.py), sharded over the data-parallel ranks (stages 1-2, sharded.py; stage 3, stage3.py)."""
 from __future__ import annotations
 
 from .partition_api import GatheredParameters, Init, consolidated_state_dict
@@ -8,10 +9,11 @@ import torch
 from ..comm import Comm
 from ..config import Config
 from ..precision import DTYPES
+from .strategy import ModelStates
 
 
 def make_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Config, comm: Comm,
-                      gather_comm: Comm, isolate: list[list[torch.nn.Parameter]] = ()):
+                      gather_comm: Comm, isolate: list[list[torch.nn.Parameter]] = ()) -> ModelStates:
     """The object that reduces gradients (over `comm`), owns master weights and publishes updated
     parameters (gathering over `gather_comm`, the same ranks in a second process group), for the
     configured ZeRO stage; it takes over the optimizer's param groups. Each list in `isolate` gets
@@ -25,7 +27,7 @@ def make_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     # Module order, reversed below: roughly the order backward produces the gradients.
     params = [p for p in module.parameters() if id(p) in group_of]
     if zero.stage == 0:
-        from ..data_parallel import ReplicatedStates
+        from .replicated import ReplicatedStates
         states = ReplicatedStates(_bucketed(params, zero.reduce_bucket_size, isolate), comm, reduce_dtype)
     elif zero.stage == 3:
         from .stage3 import Stage3States
@@ -33,13 +35,8 @@ def make_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     else:
         from .flat import FlatBucket
         from .sharded import ShardedStates
-        buckets = []
-        for ps in _bucketed(params, zero.reduce_bucket_size, isolate):
-            b = FlatBucket(ps, comm.size, comm.rank)
-            b.full = b.flatten_params()
-            b.point_params_at(b.full)
-            b.shard = b.own_slice(b.full)
-            buckets.append(b)
+        buckets = [FlatBucket.partition(ps, comm.size, comm.rank)
+                   for ps in _bucketed(params, zero.reduce_bucket_size, isolate)]
         states = ShardedStates(buckets, set(), group_of, comm, gather_comm, zero.stage, zero.allgather_bucket_size,
                                reduce_dtype, offload=offload)
     states.adopt(optimizer, allow_untested=config.zero_allow_untested_optimizer)

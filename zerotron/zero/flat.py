@@ -25,6 +25,8 @@ def split_into_buckets(params: list[torch.nn.Parameter], max_numel: int) -> list
 
 
 class FlatBucket:
+    """Every field a bucket ever carries is declared here; the stage that uses a field sets it."""
+
     def __init__(self, params: list[torch.nn.Parameter], world: int, rank: int):
         self.params = params
         self.world, self.rank = world, rank
@@ -41,6 +43,36 @@ class FlatBucket:
         self.full: torch.Tensor | None = None     # the whole bucket, when materialised
         self.shard: torch.Tensor | None = None    # this rank's part of the parameters
         self.master: torch.Tensor | None = None   # fp32 view into the group's master shard
+        # Where the bucket sits in the stage's master buffer (sharded.py).
+        self.index = 0
+        self.offset = 0
+        # Gradients (sharded.py's holders): stage 1 accumulates into grad_full (each parameter's
+        # .grad a view of it, grad_views); stages 2-3 add each backward into staging, reduce it
+        # at once and keep the reduced shard in grad_shard.
+        self.grad_full: torch.Tensor | None = None
+        self.grad_views: list[torch.Tensor] = []
+        self.staging: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        self.ready: set[int] = set()          # parameters whose gradient arrived in this backward
+        self.expected = sum(p.requires_grad for p in params)
+        self.launched_in_backward = False
+        # Stage 3 (stage3.py): the unit gathering this bucket (None: kept whole, "persistent"),
+        # the unit whose module owns it, and the Comm that gathers it.
+        self.unit = None
+        self.owner = None
+        self.comm = None
+
+    @classmethod
+    def partition(cls, params: list[torch.nn.Parameter], world: int, rank: int, keep=None) -> "FlatBucket":
+        """A bucket over `params` whose parameters become views into one new full buffer (their
+        current values copied in); `shard` is this rank's slice of it, or what `keep(slice)`
+        returns (stage 3: a copy that outlives the full buffer)."""
+        b = cls(params, world, rank)
+        b.full = b.flatten_params()
+        b.point_params_at(b.full)
+        own = b.own_slice(b.full)
+        b.shard = own if keep is None else keep(own)
+        return b
 
     @property
     def shard_range(self) -> tuple[int, int]:

@@ -23,10 +23,110 @@ from collections import deque
 import torch
 
 from ..comm import Comm
-from ..data_parallel import InOrderReduction
+from .replicated import InOrderReduction
 from .flat import FlatBucket
 
 _MAX_REDUCTIONS_IN_FLIGHT = 2
+
+
+class AccumulatedGrads:
+    """Stage 1's gradient holder: every micro-batch accumulates into full buckets (each parameter's
+    .grad a view of its bucket, as in data parallelism); at the boundary backward each bucket is
+    reduce-scattered once and its own slice becomes the reduced shard."""
+    accumulates = True  # nothing is reduced before the boundary (pipelines: reduce_accumulated)
+    flat = None         # no separate shard buffer
+
+    def __init__(self):
+        self._reduced = False
+
+    def attach(self, b: FlatBucket, total_offset: int) -> None:
+        b.grad_full = torch.zeros(b.padded_numel, dtype=b.dtype, device=b.device)
+        b.grad_views = b.views(b.grad_full)
+        for p, view in zip(b.params, b.grad_views):
+            p.grad = view
+
+    def allocate(self, total: int, dtype, device) -> None:
+        pass
+
+    def take(self, b: FlatBucket, i: int, param, sync: bool) -> bool:
+        """A parameter's gradient is in; True when it now counts toward launching the reduction."""
+        view = b.grad_views[i]
+        if param.grad is not view:
+            if param.grad is not None:
+                view.add_(param.grad)
+            param.grad = view
+        return sync
+
+    def to_reduce(self, b: FlatBucket):
+        return b.grad_full
+
+    def reduced(self, b: FlatBucket, received: torch.Tensor) -> None:
+        b.own_slice(b.grad_full).copy_(received)
+
+    def shard(self, b: FlatBucket) -> torch.Tensor:
+        return b.own_slice(b.grad_full)
+
+    def begin_reduction(self, sync: bool) -> bool:
+        if not sync:
+            return False
+        if self._reduced:  # the full buckets now hold reduced and unreduced parts side by side
+            raise RuntimeError("ZeRO stage 1 reduces the accumulated gradients once, at the boundary "
+                               "backward; call engine.step() after it before another backward")
+        self._reduced = True
+        return True
+
+    def zero(self, buckets) -> None:
+        self._reduced = False
+        for b in buckets:
+            b.grad_full.zero_()
+            for p, view in zip(b.params, b.grad_views):
+                p.grad = view
+
+    def nbytes(self, buckets) -> int:
+        return sum(b.grad_full.numel() * b.grad_full.element_size() for b in buckets)
+
+
+class StreamedGrads:
+    """Stages 2-3's gradient holder: each backward's gradients are added into a short-lived
+    bucket buffer (staging) as they arrive and reduce-scattered at once; the reduced shard is
+    added into one buffer of gradient shards (grad_shard: a view per bucket)."""
+    accumulates = False
+
+    def __init__(self):
+        self.flat: torch.Tensor | None = None
+
+    def allocate(self, total: int, dtype, device) -> None:
+        self.flat = torch.zeros(total, dtype=dtype, device=device)
+
+    def attach(self, b: FlatBucket, total_offset: int) -> None:
+        b.grad_shard = self.flat[total_offset:total_offset + b.shard_numel]
+
+    def take(self, b: FlatBucket, i: int, param, sync: bool) -> bool:
+        if b.staging is None:
+            b.staging = torch.zeros(b.padded_numel, dtype=b.dtype, device=b.device)
+        off = b.offsets[i]
+        b.staging[off:off + b.numels[i]].add_(param.grad.reshape(-1))
+        param.grad = None
+        return True
+
+    def to_reduce(self, b: FlatBucket):
+        full, b.staging = b.staging, None
+        return full
+
+    def reduced(self, b: FlatBucket, received: torch.Tensor) -> None:
+        b.grad_shard.add_(received)
+
+    def shard(self, b: FlatBucket) -> torch.Tensor:
+        return b.grad_shard
+
+    def begin_reduction(self, sync: bool) -> bool:
+        return True
+
+    def zero(self, buckets) -> None:
+        self.flat.zero_()
+
+    def nbytes(self, buckets) -> int:
+        return self.flat.numel() * self.flat.element_size()
 
 
 class ShardedStates(InOrderReduction):
@@ -47,7 +147,7 @@ class ShardedStates(InOrderReduction):
         self.offload = offload              # OffloadConfig of offload_optimizer, or None
         self.host = None                    # HostBuffers when offloading
         self.sync = True
-        self._reduced = False
+        self.grads = AccumulatedGrads() if stage == 1 else StreamedGrads()
         self._next_launch = 0
         self._in_flight: deque = deque()
         self._where: dict[int, tuple[FlatBucket, int]] = {}
@@ -55,15 +155,6 @@ class ShardedStates(InOrderReduction):
         for b in buckets:
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
-            b.ready = set()
-            b.expected = sum(p.requires_grad for p in b.params)
-            b.staging = None
-            b.grad_full = None
-            if stage == 1:
-                b.grad_full = torch.zeros(b.padded_numel, dtype=b.dtype, device=b.device)
-                b.grad_views = b.views(b.grad_full)
-                for p, view in zip(b.params, b.grad_views):
-                    p.grad = view
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for b in buckets for p in b.params if p.requires_grad]
 
@@ -86,8 +177,7 @@ class ShardedStates(InOrderReduction):
         else:
             self.master_flat = None if self.masters_are_params else torch.zeros(total, dtype=torch.float32,
                                                                                 device=device)
-        # Stage 1 keeps the reduced shard inside its full gradient bucket; stages 2-3 keep one buffer.
-        self.grad_shard_flat = None if self.stage == 1 else torch.zeros(total, dtype=dtype, device=device)
+        self.grads.allocate(total, dtype, device)
         self.master_grad_flat = None  # fp32 gradients, during the step only
         self.runs: list[tuple[int | None, torch.nn.Parameter]] = []  # (optimizer group, master tensor)
         self._run_bounds: list[tuple[int, int]] = []
@@ -102,8 +192,7 @@ class ShardedStates(InOrderReduction):
             else:
                 b.master = self.master_flat[offset:offset + b.shard_numel]
                 b.master.copy_(b.shard.float())
-            if self.grad_shard_flat is not None:
-                b.grad_shard = self.grad_shard_flat[offset:offset + b.shard_numel]
+            self.grads.attach(b, offset)
             # [(optimizer group, norm share), start in shard, a parameter of the run]; padding
             # joins the last run
             runs: list[list] = []
@@ -156,25 +245,24 @@ class ShardedStates(InOrderReduction):
     def _make_master_grads(self):
         """The fp32 gradients of the master shard, pointed at by every master run's .grad. In fp32
         they are the reduced gradient shards themselves; otherwise an fp32 copy for the step."""
-        if self.stage == 1 and self.masters_are_params:
+        if self.masters_are_params:  # fp32 without offload: the reduced shards themselves
             self.master_grad_flat = None
             for (_, m), (b, lo, hi) in zip(self.runs, self._run_in_bucket):
-                m.grad = b.own_slice(b.grad_full)[lo:hi]
+                m.grad = self.grads.shard(b)[lo:hi]
             return
         if self.host is not None:
-            self.master_grad_flat = self.host.gradients_ready(self.buckets, self._reduced_shard)
-        elif self.grad_shard_flat is not None and self.grad_shard_flat.dtype == torch.float32:
-            self.master_grad_flat = self.grad_shard_flat
+            self.master_grad_flat = self.host.gradients_ready(self.buckets, self.reduced_shard)
         else:
             self.master_grad_flat = torch.empty(self.total_numel, dtype=torch.float32,
                                                 device=self.buckets[0].device)
             for b in self.buckets:
-                self.master_grad_flat[b.offset:b.offset + b.shard_numel].copy_(self._reduced_shard(b))
+                self.master_grad_flat[b.offset:b.offset + b.shard_numel].copy_(self.grads.shard(b))
         for (_, m), (lo, hi) in zip(self.runs, self._run_bounds):
             m.grad = self.master_grad_flat[lo:hi]
 
-    def _reduced_shard(self, b: FlatBucket) -> torch.Tensor:
-        return b.grad_shard if self.stage != 1 else b.own_slice(b.grad_full)
+    def reduced_shard(self, b: FlatBucket) -> torch.Tensor:
+        """This rank's reduced gradient shard of bucket `b` (after the boundary's reduction)."""
+        return self.grads.shard(b)
 
     @property
     def norm_group(self):
@@ -186,24 +274,11 @@ class ShardedStates(InOrderReduction):
 
     def _on_grad_ready(self, param: torch.nn.Parameter):
         bucket, i = self._where[id(param)]
-        if self.stage == 1:
-            view = bucket.grad_views[i]
-            if param.grad is not view:
-                if param.grad is not None:
-                    view.add_(param.grad)
-                param.grad = view
-            if not self.sync:
-                return
-        else:
-            if bucket.staging is None:
-                bucket.staging = torch.zeros(bucket.padded_numel, dtype=bucket.dtype, device=bucket.device)
-            off = bucket.offsets[i]
-            bucket.staging[off:off + bucket.numels[i]].add_(param.grad.reshape(-1))
-            param.grad = None
-        self._mark_ready(bucket, i, param)
+        if self.grads.take(bucket, i, param, self.sync):
+            self._mark_ready(bucket, i, param)
 
     def _launch(self, bucket: FlatBucket, in_backward: bool):
-        full = bucket.grad_full if self.stage == 1 else bucket.staging
+        full = self.grads.to_reduce(bucket)
         if full is None:  # no parameter of this bucket got a gradient in this backward
             full = torch.zeros(bucket.padded_numel, dtype=bucket.dtype, device=bucket.device)
         if self.reduce_dtype is not None and self.reduce_dtype != full.dtype:
@@ -211,7 +286,6 @@ class ShardedStates(InOrderReduction):
         full.div_(self.comm.size)  # average; dividing first keeps fp16 sums in range
         received = torch.empty(bucket.shard_numel, dtype=full.dtype, device=full.device)
         work = self.comm.reduce_scatter_flat(received, full, async_op=True)
-        bucket.staging = None
         bucket.launched_in_backward = in_backward
         self._in_flight.append((bucket, work, received, full))
         if self.on_grads_done is not None:
@@ -222,25 +296,17 @@ class ShardedStates(InOrderReduction):
     def _complete_oldest(self):
         bucket, work, received, _ = self._in_flight.popleft()
         work.wait()
-        if self.stage == 1:  # the bucket's own slice becomes the reduced gradient shard
-            bucket.own_slice(bucket.grad_full).copy_(received)
-        else:
-            bucket.grad_shard.add_(received)
+        self.grads.reduced(bucket, received)
         # The boundary backward: this shard is final, send it out while backward goes on. What is
         # reduced after backward (a pipeline's reduction, whose tied weights are then summed between
         # stages) goes out at the step.
         if self.host is not None and self.sync and bucket.launched_in_backward:
-            self.host.gradient_out(bucket, self._reduced_shard(bucket))
+            self.host.gradient_out(bucket, self.grads.shard(bucket))
 
     def end_backward(self) -> None:
         """Reduce what is left (buckets without gradients too), and wait for every reduction."""
-        if self.stage == 1 and not self.sync:
+        if not self.grads.begin_reduction(self.sync):
             return
-        if self.stage == 1:
-            if self._reduced:  # the full buckets now hold reduced and unreduced parts side by side
-                raise RuntimeError("ZeRO stage 1 reduces the accumulated gradients once, at the boundary "
-                                   "backward; call engine.step() after it before another backward")
-            self._reduced = True
         self._launch_ready(in_backward=False)
         while self._in_flight:
             self._complete_oldest()
@@ -251,7 +317,7 @@ class ShardedStates(InOrderReduction):
     def reduce_accumulated(self) -> None:
         """Pipeline schedules accumulate every micro-batch without reducing (stage 1) and reduce
         once after the last backward; stage 2 already reduced each backward's gradients."""
-        if self.stage == 1:
+        if self.grads.accumulates:
             self.sync = True
             self.end_backward()
 
@@ -266,7 +332,7 @@ class ShardedStates(InOrderReduction):
                 raise RuntimeError("reduced_grads needs the parameters in buckets of their own")
             if b not in buckets:
                 buckets.append(b)
-        return [b.own_slice(b.grad_full) if self.stage == 1 else b.grad_shard for b in buckets]
+        return [self.grads.shard(b) for b in buckets]
 
     replicated = False  # each data-parallel rank holds its own shard
 
@@ -313,22 +379,13 @@ class ShardedStates(InOrderReduction):
             h.remove()
 
     def zero_grads(self) -> None:
-        self._reduced = False
         self.master_grad_flat = None
         for _, m in self.runs:
             m.grad = None
-        if self.grad_shard_flat is not None:
-            self.grad_shard_flat.zero_()
-        for b in self.buckets:
-            if b.grad_full is not None:
-                b.grad_full.zero_()
-                for p, view in zip(b.params, b.grad_views):
-                    p.grad = view
+        self.grads.zero(self.buckets)
 
     def memory(self) -> dict[str, int]:
-        grads = 0 if self.grad_shard_flat is None else self.grad_shard_flat.numel() * self.grad_shard_flat.element_size()
-        grads += sum(b.grad_full.numel() * b.grad_full.element_size() for b in self.buckets if b.grad_full is not None)
-        out = {"grads": grads, "master_weights": 0 if self.master_flat is None else self.master_flat.numel() * 4}
+        out = {"grads": self.grads.nbytes(self.buckets), "master_weights": 0 if self.master_flat is None else self.master_flat.numel() * 4}
         if self.host is not None:  # in host memory: masters, their gradients, the staging buffer
             out["grads"] += self.host.grads.numel() * 4
             out["host"] = self.host.nbytes()

@@ -161,11 +161,8 @@ class Stage3States(ShardedStates):
                 _describe(unit.bucket, persist=False)
                 buckets.append(unit.bucket)
             if small:
-                persistent = FlatBucket(small, comm.size, comm.rank)
-                persistent.full = persistent.flatten_params()
-                persistent.point_params_at(persistent.full)
-                persistent.shard = persistent.own_slice(persistent.full)
-                persistent.unit, persistent.owner, persistent.comm = None, unit, gather_comm
+                persistent = FlatBucket.partition(small, comm.size, comm.rank)
+                persistent.owner, persistent.comm = unit, gather_comm
                 for p in small:
                     p.zt_bucket = persistent
                 _describe(persistent, persist=True)
@@ -187,18 +184,12 @@ class Stage3States(ShardedStates):
 
     @staticmethod
     def _partition(params, comm, on_host: bool = False, pin: bool = False) -> FlatBucket:
-        b = FlatBucket(params, comm.size, comm.rank)
-        b.full = b.flatten_params()
-        b.point_params_at(b.full)
-        own = b.own_slice(b.full)
-        # the only copy this rank keeps (in host memory with offload_param)
-        if on_host:
+        def keep(own):  # the only copy this rank keeps (in host memory with offload_param)
+            if not on_host:
+                return own.clone()
             from .offload import host_empty
-            b.shard = host_empty(own.numel(), own.dtype, pin)
-            b.shard.copy_(own)
-        else:
-            b.shard = own.clone()
-        return b
+            return host_empty(own.numel(), own.dtype, pin).copy_(own)
+        return FlatBucket.partition(params, comm.size, comm.rank, keep=keep)
 
     # ---- hooks ------------------------------------------------------------------------------
     def _make_pre_forward(self, unit: Unit):

@@ -108,8 +108,7 @@ class _Layout:
         if self.replicated:
             g = param.grad
             return None if g is None else [(0, param.numel(), g, 0)]
-        stage = self.states.stage
-        return [(start, length, b.grad_shard if stage != 1 else b.own_slice(b.grad_full), at)
+        return [(start, length, self.states.reduced_shard(b), at)
                 for start, length, b, at in self.grads.get(id(param), [])]
 
     def loss_scale(self) -> float:

@@ -1,4 +1,4 @@
 """`deepspeed.runtime.pipe.engine`: zerotron's PipelineEngine (what initialize returns for a PipelineModule)."""
-from ....pipe.engine import PipelineEngine
+from ....engine import PipelineEngine
 
 __all__ = ["PipelineEngine"]

@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Comm, comm_for
-from ..engine import Engine
+from .engine import Engine
 from ..nested import to_device
 from ..topology import shared_group
 from ..errors import ConfigError
-from .module import PipelineModule
-from .p2p import P2P, as_tuple, flows
-from .schedule import Action, build_schedule, location, theoretical_bubble, virtual_stage
+from ..pipe.module import PipelineModule
+from ..pipe.p2p import P2P, as_tuple, flows
+from ..pipe.schedule import Action, build_schedule, location, theoretical_bubble, virtual_stage
 
 
 class PipelineEngine(Engine):

@@ -175,8 +175,8 @@ class EngineAccessors:
         empty dict elsewhere, as DeepSpeed). Every rank must call it: ZeRO-3 units are gathered one
         at a time and tensor-parallel slices joined (zerotron.zero.consolidated_state_dict); with
         pipeline stages rank 0 collects every stage's layers."""
-        from .comm import comm_for
-        from .zero import consolidated_state_dict
+        from ..comm import comm_for
+        from ..zero import consolidated_state_dict
         state = consolidated_state_dict(self.module)
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}

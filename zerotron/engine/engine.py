@@ -8,20 +8,19 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import preemption, watchdog
+from .. import preemption, watchdog
 from .accessors import EngineAccessors, ThroughputTimer
-from .comm import Comm, comm_for, local_device
-from .config import Config
-from .errors import EXIT_PREEMPTED, BadBatchError, ConfigError, NonFiniteError
-from .log import logger
-from .monitor import Monitor
-from .nested import tensors_in, to_device
-from .optim import build_optimizer
-from .precision import LossScaler, clip_by_global_norm, model_dtype
-from .topology import Topology
-from .zero import make_model_states
+from .step import StepStages
+from ..comm import Comm, comm_for, local_device
+from ..config import Config
+from ..errors import BadBatchError, ConfigError
+from ..monitor import Monitor
+from ..nested import tensors_in, to_device
+from ..optim import build_optimizer
+from ..precision import LossScaler, model_dtype
+from ..topology import Topology
+from ..zero import make_model_states
 
-IGNORE_INDEX = -100  # the label PyTorch's cross_entropy and Transformers' losses skip
 
 
 class _Holder:
@@ -66,7 +65,7 @@ def _take_over(module: nn.Module) -> None:
                            "split): build a new model for a second engine")
     full = None
     if old.config.zero_optimization.stage == 3:
-        from .zero import consolidated_state_dict
+        from ..zero import consolidated_state_dict
         full = consolidated_state_dict(module)
     old.destroy()
     if full is not None:
@@ -82,11 +81,13 @@ class _NoOptimizer(torch.optim.SGD):
     """The optimizer of an engine built without one (DeepSpeed's initialize without an optimizer,
     for inference/evaluation): no state, lr 0; the engine refuses to step with it."""
 
+    placeholder = True  # engine/step.py: refuses to step with it
+
     def __init__(self, params):
         super().__init__(params, lr=0.0)
 
 
-class Engine(EngineAccessors, nn.Module):
+class Engine(StepStages, EngineAccessors, nn.Module):
     """What `zerotron.initialize` returns; DeepSpeed's engine API.
 
     Gradients accumulate over `gradient_accumulation_steps` micro-batches without communication;
@@ -160,7 +161,7 @@ class Engine(EngineAccessors, nn.Module):
     def _place(self, module: nn.Module) -> nn.Module:
         """Move the model to this rank's device and dtype; parameters built under zero.Init stay
         partitioned (placeholders plus this rank's pieces) until ZeRO-3 builds its units from them."""
-        from .zero.partition_api import built_under_init
+        from ..zero.partition_api import built_under_init
         meta = any(p.is_meta or built_under_init(p) for p in module.parameters())
         if meta and self.config.zero_optimization.stage != 3:
             raise ValueError("the model was built under zerotron.zero.Init (partitioned parameters), which needs "
@@ -177,8 +178,8 @@ class Engine(EngineAccessors, nn.Module):
         return []
 
     def _apply_tensor_parallel(self):
-        from .parallel.tensor import apply_tensor_parallel
-        from . import hf
+        from ..parallel.tensor import apply_tensor_parallel
+        from .. import hf
         tp = self.topology.tp
         is_hf = hf.is_hf_model(self.module) and not hasattr(self.module, "tensor_parallel_plan")
         if is_hf and self.config.zerotron.sequence_parallel:
@@ -204,8 +205,8 @@ class Engine(EngineAccessors, nn.Module):
         vocab = _vocab_size(self.module)
         if not self.config.zerotron.check_tensor_parallel_plan or vocab is None:  # (pipeline stages: no vocab)
             return contextlib.nullcontext()
-        from . import hf
-        from .parallel.probe import PlanProbe
+        from .. import hf
+        from ..parallel.probe import PlanProbe
         if hf.is_hf_model(self.module):
             call = lambda model, ids: model(input_ids=ids, labels=ids).loss  # noqa: E731
         else:
@@ -213,12 +214,12 @@ class Engine(EngineAccessors, nn.Module):
         return PlanProbe(self.module, call, self.tp_comm, vocab, tokens=2 * self.topology.tp + 1)
 
     def _configure_checkpointing(self):
-        from . import checkpointing
+        from .. import checkpointing
         checkpointing.reset()
         checkpointing.configure(deepspeed_config=self.config, tp_comm=self.tp_comm)
         z = self.config.zerotron
         if checkpointing.apply_policy(self.module, z.checkpoint_policy, z.checkpoint_every):
-            from . import hf
+            from .. import hf
             if hf.is_hf_model(self.module):
                 hf.prepare_checkpointing(self.module)
 
@@ -254,13 +255,13 @@ class Engine(EngineAccessors, nn.Module):
             return client(self.optimizer) if callable(client) and not hasattr(client, "step") else client
         if self.config.scheduler is None:
             return None
-        from .schedulers import build_scheduler
+        from ..schedulers import build_scheduler
         return build_scheduler(self.config.scheduler.type, self.config.scheduler.params, self.optimizer)
 
     def _make_dataloader(self, dataset, collate_fn):
         if dataset is None:
             return None
-        from .data import ResumableDistributedSampler
+        from ..data import ResumableDistributedSampler
         if len(dataset) < self.train_batch_size():
             raise ValueError(f"training_data holds {len(dataset)} samples, fewer than one global batch "
                              f"({self.train_batch_size()} = micro-batch x accumulation x data-parallel ranks): "
@@ -340,180 +341,6 @@ class Engine(EngineAccessors, nn.Module):
             self._take_model_step(lr_kwargs)
         self.micro_steps += 1
         self.tput_timer.stop(global_step=boundary)
-
-    def _take_model_step(self, lr_kwargs):
-        if isinstance(self.optimizer, _NoOptimizer):
-            raise ConfigError("optimizer", None, "this engine was built without an optimizer (for inference or "
-                              "evaluation), so it cannot step: add an 'optimizer' section to the config or pass "
-                              "optimizer= to zerotron.initialize")
-        scaled = self.loss_scaler.enabled
-        nonfinite = self.states.unscale_and_check(1.0 / self.loss_scaler.scale if scaled else 1.0)
-        bad_ranks, bad_loss_ranks, preempting = self._agree(nonfinite)  # every rank skips, or none does
-        overflow = bool(bad_ranks or bad_loss_ranks)
-        self.optimizer.overflow = overflow  # DeepSpeed's fp16 optimizers expose it; scripts read it
-        if scaled:
-            previous_scale = self.loss_scaler.scale
-            self.loss_scaler.update(overflow)
-        if overflow:
-            self.skipped_steps += 1
-            if scaled:  # dynamic loss scaling: overflow is expected now and then
-                logger.warning(f"step {self.global_steps}: fp16 gradients overflowed, step skipped; "
-                               f"loss scale {previous_scale:g} -> {self.loss_scaler.scale:g}")
-            else:
-                self._nonfinite_streak += 1
-                self._check_nonfinite_streak(bad_ranks, bad_loss_ranks)
-        else:
-            self._nonfinite_streak = 0
-            if self.config.gradient_clipping > 0:
-                self._global_grad_norm = clip_by_global_norm(
-                    self.states.master_grads(), self.config.gradient_clipping,
-                    self._norm_groups(),
-                    self.states.norm_weights(self.topology.tp))
-            else:  # no clipping: skip the norm and its all-reduces (one more sync point per step)
-                self._global_grad_norm = None
-            self.optimizer.step()
-            self._step_applied = True
-            self.states.publish()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
-        self.states.zero_grads()
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
-        watchdog.set_step(self.global_steps)
-        if self.global_steps == 1:  # optimizer states exist from the first step on
-            self._log_memory_prediction()
-        self._report()
-        self.preemption_requested = bool(preempting)
-        if self.preemption_requested and self.config.zerotron.save_on_preemption:
-            self.save_checkpoint(self.config.zerotron.save_on_preemption)
-            logger.warning(f"preempted (signal on rank(s) {preempting}): checkpoint saved at step "
-                           f"{self.global_steps} in {self.config.zerotron.save_on_preemption}; exiting {EXIT_PREEMPTED}")
-            raise SystemExit(EXIT_PREEMPTED)
-
-    # ---- faults (see also zerotron/watchdog.py) ------------------------------------------------------
-    def _agree(self, nonfinite: torch.Tensor | None) -> tuple[list[int], list[int], list[int]]:
-        """The step's one host sync: a small all-gather, so that every rank takes the same decision.
-        It names the ranks whose gradients hold NaN/Inf, those whose loss did (after the gradient
-        reduction every rank's gradients are bad; the loss says where it started), those that
-        received SIGTERM/SIGINT, and those that were fed token ids outside the vocabulary (then every
-        rank raises BadBatchError before the update)."""
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        flag = lambda t: zero if t is None else t.to(self.device, torch.float64).reshape(())  # noqa: E731
-        bad_input = self._bad_input if self._bad_input is not None else (zero, zero)
-        mine = torch.stack([flag(nonfinite), flag(self._bad_loss),
-                            zero + float(preemption.requested() is not None), flag(bad_input[0]), flag(bad_input[1])])
-        self._bad_loss = self._bad_input = None
-        every = self.world_comm.all_gather_list(mine) if self.world_size > 1 else [mine]
-        rows = torch.stack(every).tolist()  # the sync
-        ranks = [[r for r, row in enumerate(rows) if row[i]] for i in range(4)]
-        if ranks[3]:
-            raise BadBatchError(f"bad input at step {self.global_steps}: token id {int(rows[ranks[3][0]][4])} on "
-                                f"rank(s) {ranks[3]} is outside the vocabulary [0, {self._vocab_size}): check the "
-                                "tokenizer against the model's vocab_size (the step was not applied)")
-        return ranks[0], ranks[1], ranks[2]
-
-    def _check_nonfinite_streak(self, bad_ranks: list[int], bad_loss_ranks: list[int]) -> None:
-        limit = self.config.zerotron.max_nonfinite_steps
-        where = (f"NaN/Inf loss on rank(s) {bad_loss_ranks}" if bad_loss_ranks else
-                 f"NaN/Inf gradients on rank(s) {bad_ranks}")
-        logger.warning(f"step {self.global_steps}: {where}; step skipped on every rank "
-                       f"({self._nonfinite_streak} in a row, stopping at {limit})")
-        if self._nonfinite_streak >= limit:
-            raise NonFiniteError(
-                f"training stopped at step {self.global_steps}: {limit} consecutive steps had NaN/Inf values "
-                f"(last: {where}). The weights are those of the last good step. Lower the learning rate, check "
-                "the data, or raise zerotron.max_nonfinite_steps.")
-
-    def _check_inputs(self, args, kwargs):
-        """An empty batch is named before the forward runs. Token ids outside the vocabulary (in
-        the input ids or the labels) would fail deep inside the embedding or the loss (or read
-        garbage on a GPU): in training they are replaced for the forward (ids by 0, labels by the
-        ignore index), and the step's agreement (`_agree`) names them on every rank before the
-        update, so no host sync is spent per micro-batch; without gradients (evaluation) they are
-        named at once. Returns the arguments to call the model with."""
-        args, kwargs = list(args), dict(kwargs)
-        ids = "input_ids" if "input_ids" in kwargs else 0
-        labels = next((k for k in ("labels", "targets") if k in kwargs), 1)
-        for where, replacement, allowed in ((ids, 0, None), (labels, IGNORE_INDEX, IGNORE_INDEX)):
-            place = kwargs if isinstance(where, str) else dict(enumerate(args))
-            tokens = place.get(where)
-            if not torch.is_tensor(tokens):
-                continue
-            if where is ids and tokens.numel() == 0:
-                self._bad_input_now(f"an empty batch (shape {list(tokens.shape)}): every micro-batch needs at "
-                                    "least one sequence")
-            if tokens.is_floating_point() or tokens.dtype == torch.bool or not self._vocab_size:
-                continue
-            checked = self._outside_vocabulary(tokens, replacement, allowed)
-            if isinstance(where, str):
-                kwargs[where] = checked
-            else:
-                args[where] = checked
-        return tuple(args), kwargs
-
-    def _outside_vocabulary(self, tokens: torch.Tensor, replacement: int, allowed: int | None) -> torch.Tensor:
-        outside = (tokens < 0) | (tokens >= self._vocab_size)
-        if allowed is not None:
-            outside &= tokens != allowed
-        worst = torch.where(outside, tokens, torch.iinfo(tokens.dtype).min).max()
-        if not torch.is_grad_enabled():
-            if bool(outside.any()):
-                self._bad_input_now(f"token id {int(worst)} is outside the vocabulary [0, {self._vocab_size}) (batch "
-                                    f"shape {list(tokens.shape)}): check the tokenizer against the model's vocab_size")
-            return tokens
-        seen = outside.any()
-        if self._bad_input is not None:
-            seen, worst = seen | self._bad_input[0], torch.maximum(worst.long(), self._bad_input[1])
-        self._bad_input = (seen, worst.long())
-        return tokens.masked_fill(outside, replacement)
-
-    def _bad_input_now(self, problem: str):
-        message = f"bad input at step {self.global_steps} on rank {self.global_rank}: {problem}"
-        watchdog.abort(message)  # the other ranks stop with this message instead of waiting
-        raise BadBatchError(message)
-
-    def predicted_memory(self) -> dict[str, int]:
-        """The planner's model-state bytes for this rank (zerotron.planner.memory), from the
-        parameters it trains and the configured ZeRO stage, precision and offload."""
-        from .planner.memory import rank_state_bytes
-        z = self.config.zero_optimization
-        return rank_state_bytes(self._param_numels, dp=self.grad_comm.size, stage=z.stage,
-                                dtype={torch.float32: "fp32", torch.bfloat16: "bf16"}.get(self.dtype, "fp16"),
-                                offload_optimizer=z.offload_optimizer is not None and z.offload_optimizer.device == "cpu",
-                                offload_param=z.offload_param is not None and z.offload_param.device == "cpu",
-                                persistence_threshold=z.stage3_param_persistence_threshold)
-
-    def _log_memory_prediction(self):
-        predicted, measured = self.predicted_memory(), self.memory_report()
-        mib = 2 ** 20
-        logger.info(f"rank {self.global_rank} model states: predicted {predicted['total'] / mib:.1f} MiB, measured "
-                    f"{measured['total'] / mib:.1f} MiB (" + ", ".join(
-                        f"{k} {predicted[k] / mib:.1f}/{measured.get(k, 0) / mib:.1f}"
-                        for k in ("params", "grads", "master_weights", "optimizer")) + ")")
-
-    def _norm_groups(self) -> list:
-        """The groups over which squared gradient norms are summed: the ZeRO shards (if any), and
-        the model-parallel dimensions, whose ranks hold different parameters."""
-        return [self.states.norm_group] + [self.topology.group(d) for d in ("tp", "pp")
-                                           if getattr(self.topology, d) > 1]
-
-    def _report(self):
-        losses, self._micro_losses = self._micro_losses, []
-        print_now = self.global_steps % self.config.steps_per_print == 0
-        if not (print_now or self.monitor.enabled) or not losses:
-            return
-        loss = torch.stack(losses).float().mean().item()
-        if self.monitor.enabled:
-            events = [("Train/Samples/train_loss", loss, self.global_samples),
-                      ("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
-            if self.loss_scaler.enabled:
-                events.append(("Train/Samples/loss_scale", self.loss_scaler.scale, self.global_samples))
-            self.monitor.write(events)
-        if print_now:
-            elapsed = time.perf_counter() - self._step_start
-            self._step_start = time.perf_counter()
-            logger.info(f"step={self.global_steps} loss={loss:.4f} lr={self.get_lr()} skipped={self.skipped_steps} "
-                        f"samples/s={self.config.steps_per_print * self.train_batch_size() / elapsed:.1f}")
 
     def train_batch(self, data_iter=None) -> torch.Tensor:
         """One global batch: all micro-batches, reduction and step. Returns the mean loss (all ranks)."""
@@ -599,7 +426,7 @@ class Engine(EngineAccessors, nn.Module):
         host = report.pop("host", None)
         report["total"] = sum(report.values())
         if host is not None:  # offloaded: what of the above lives in host memory
-            report["host"] = host + (report["optimizer"] if getattr(self.states, "host", None) is not None else 0)
+            report["host"] = host + (report["optimizer"] if self.states.host is not None else 0)
         return report
 
     # ---- checkpoints (zerotron/checkpoint/) -------------------------------------------------------
@@ -608,7 +435,7 @@ class Engine(EngineAccessors, nn.Module):
         """Every rank writes its own shard (safetensors + JSON), atomically; see checkpoint/save.py.
         `exclude_frozen_parameters` (DeepSpeed's) is accepted; frozen parameters are still written
         (a larger checkpoint, nothing lost)."""
-        from .checkpoint.save import save_checkpoint
+        from ..checkpoint.save import save_checkpoint
         return save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
@@ -620,13 +447,13 @@ class Engine(EngineAccessors, nn.Module):
         if custom_load_fn is not None:
             raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported by zerotron: checkpoints "
                                       "are read by zerotron.checkpoint (any layout, any topology); leave it out")
-        from .checkpoint.load import load_checkpoint
+        from ..checkpoint.load import load_checkpoint
         return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                                load_module_only, load_module_strict=load_module_strict)
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors") -> bool:
         """The whole model's weights in the model dtype, one safetensors file written by rank 0."""
-        from .checkpoint.export import save_16bit_model
+        from ..checkpoint.export import save_16bit_model
         return save_16bit_model(self, save_dir, save_filename)
 
     def data_state(self) -> dict | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .comm import Comm
+from ..comm import Comm
 
 
 class Bucket:
@@ -137,9 +137,10 @@ class ReplicatedStates:
     full gradients all-reduced in buckets, full fp32 masters (separate only in bf16/fp16)."""
 
     norm_group = None  # gradients are identical on every rank after the all-reduce
+    host = None        # stage 0 never offloads
 
     def __init__(self, buckets: list[list[torch.nn.Parameter]], comm: Comm, reduce_dtype: torch.dtype | None = None):
-        from .precision import MasterWeights
+        from ..precision import MasterWeights
         params = [p for ps in buckets for p in ps]
         self.grad_buckets = GradBuckets(buckets, comm, reduce_dtype)
         self.buckets = self.grad_buckets.buckets
@@ -161,7 +162,7 @@ class ReplicatedStates:
         return self.master.grads()
 
     def norm_weights(self, tp: int) -> list[float] | None:
-        from .precision import norm_share
+        from ..precision import norm_share
         weights = [norm_share(p, tp) for p in self.master.model_params]
         return None if all(w == 1.0 for w in weights) else weights
 
