@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 from distributed import RankError, run_ranks  # noqa: E402
 from parity import EPS, LR, global_batches, hf_loss, micro_batches, param_groups, reference_training  # noqa: E402
+from zerotron.parallelize import to_pipeline
 
 STEPS = 4
 MODELS = ("gpt", "gpt_tied", "llama", "qwen2", "gpt2")
@@ -168,9 +169,8 @@ def _initialize(name: str, layers: int, l: Layout, grouped: bool):
     import zerotron
     model = build_model(name, layers)
     if l.pp > 1:
-        from zerotron import hf
-        model = hf.to_pipeline(model, l.pp, num_virtual_stages=l.chunks) if _is_hf(name) else \
-            model.to_pipeline(l.pp, partition_method="type:_PipeBlock", num_virtual_stages=l.chunks)
+        model = to_pipeline(model, l.pp, num_virtual_stages=l.chunks) if _is_hf(name) else \
+            to_pipeline(model, l.pp, partition_method="type:_PipeBlock", num_virtual_stages=l.chunks)
     config, kwargs = _config(l), {}
     adamw = lambda params: torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), eps=EPS, weight_decay=0.1)  # noqa: E731
     groups = param_groups(model) if grouped else list(model.parameters())

@@ -12,6 +12,7 @@ import zerotron
 from distributed import RankError, run_ranks
 from parity import assert_losses_close, ds_config, global_batches, make_model, micro_batches
 from zerotron.checkpoint import CheckpointError
+from zerotron.parallelize import to_pipeline
 
 STEPS = 6
 GLOBAL_BATCH = 4
@@ -26,7 +27,7 @@ def _engine(stage=1, tp=1, pp=1, pipe_form=False, layers=4, **extra):
                        scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-3}},
                        **extra)
     model = make_model(n_layer=layers, n_kv_head=4)
-    module = model.to_pipeline(pp, partition_method="type:_PipeBlock") if pp > 1 or pipe_form else model
+    module = to_pipeline(model, pp, partition_method="type:_PipeBlock") if pp > 1 or pipe_form else model
     engine, *_ = zerotron.initialize(model=module, config=config)
     return engine, dp, gas
 

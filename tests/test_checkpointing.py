@@ -11,6 +11,7 @@ from parity import (assert_losses_close, ds_config, global_batches, make_model, 
 from zerotron import checkpointing
 from zerotron.errors import ConfigError
 from zerotron.models.gpt import GPT, config_for
+from zerotron.parallelize import to_pipeline
 
 STEPS = 3
 
@@ -98,7 +99,7 @@ def test_parity_with_checkpointing(stage, tp, policy, extra):
 
 
 def _pipeline(policy, interval):
-    module = make_model(n_layer=4, n_kv_head=4).to_pipeline(2, partition_method="type:_PipeBlock",
+    module = to_pipeline(make_model(n_layer=4, n_kv_head=4), 2, partition_method="type:_PipeBlock",
                                                              activation_checkpoint_interval=interval)
     engine, *_ = zerotron.initialize(model=module, config=ds_config(1, 4, zerotron={"checkpoint_policy": policy}))
     return [engine.train_batch(iter(micro_batches(b, 0, 1, 4))).item() for b in global_batches(STEPS, 4)]

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import zerotron
 from distributed import run_ranks
 from parity import EPS, LR, SEQ, ds_config, global_batches, make_model, micro_batches, reference_training
+from zerotron.parallelize import to_pipeline
 
 GOLDEN = Path(__file__).parent / "golden" / "gpt_losses.json"
 STEPS = 8
@@ -53,7 +54,7 @@ def _engine_losses(micro, gas, extra, pipeline_stages=1):
     dp_rank = rank if dp == world else 0  # only the pure data-parallel layouts split the rows here
     model = make_model(MODEL_SEED)
     if pipeline_stages > 1:
-        model = model.to_pipeline(pipeline_stages, partition_method="type:_PipeBlock")
+        model = to_pipeline(model, pipeline_stages, partition_method="type:_PipeBlock")
     engine, *_ = zerotron.initialize(model=model, config=ds_config(micro, gas, **extra))
     assert micro * gas * dp == ROWS
     return [engine.train_batch(iter(micro_batches(b, dp_rank, dp, gas))).item()

@@ -15,6 +15,7 @@ import zerotron
 from bench.common import SyncCounter
 from distributed import RankError, run_ranks
 from parity import ds_config, global_batches, make_model, micro_batches
+from zerotron.parallelize import to_pipeline
 
 STRICT = {"ZEROTRON_STRICT_COMM": "1"}
 
@@ -91,7 +92,7 @@ def _count_syncs(kind, steps=3):
     dp = world // (tp * pp)
     config = ds_config(1, gas, tensor_parallel={"autotp_size": tp}, zero_optimization={"stage": stage})
     model = make_model(n_kv_head=4)
-    module = model.to_pipeline(pp, partition_method="type:_PipeBlock") if pp > 1 else model
+    module = to_pipeline(model, pp, partition_method="type:_PipeBlock") if pp > 1 else model
     engine, *_ = zerotron.initialize(model=module, config=config)
     batches = global_batches(steps + 1, gas * dp)
     engine.train_batch(iter(micro_batches(batches[0], engine.coords.dp, dp, gas)))  # first step: one-time work

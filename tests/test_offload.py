@@ -9,6 +9,7 @@ from distributed import run_ranks
 from parity import (assert_losses_close, ds_config, global_batches, make_model, max_weight_diff, micro_batches,
                     reference_training)
 from zerotron.ops.adam import CPUAdam, DeepSpeedCPUAdam
+from zerotron.parallelize import to_pipeline
 
 STEPS = 4
 
@@ -96,7 +97,7 @@ def test_memory_report_shows_the_optimizer_states_in_host_memory():
 
 
 def _pipeline_offload():
-    module = make_model(n_layer=4, n_kv_head=4).to_pipeline(2, partition_method="type:_PipeBlock")
+    module = to_pipeline(make_model(n_layer=4, n_kv_head=4), 2, partition_method="type:_PipeBlock")
     zero = {"stage": 1, "offload_optimizer": {"device": "cpu"}}
     engine, *_ = zerotron.initialize(model=module, config=ds_config(1, 4, zero_optimization=zero))
     return [engine.train_batch(iter(micro_batches(b, 0, 1, 4))).item() for b in global_batches(STEPS, 4)]

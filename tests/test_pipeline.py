@@ -9,6 +9,7 @@ from distributed import RankError, run_ranks
 from parity import Dense, assert_losses_close, ds_config, global_batches, make_model, micro_batches, reference_training
 from zerotron.errors import ConfigError
 from zerotron.pipe import LayerSpec, PipelineModule
+from zerotron.parallelize import to_pipeline
 
 STEPS = 3
 
@@ -18,7 +19,7 @@ def _model(layers, tie):
 
 
 def _train_pipeline(pp, gas, schedule="1f1b", chunks=1, stage=0, tp=1, tie=False, layers=4):
-    module = _model(layers, tie).to_pipeline(pp, partition_method="type:_PipeBlock", num_virtual_stages=chunks)
+    module = to_pipeline(_model(layers, tie), pp, partition_method="type:_PipeBlock", num_virtual_stages=chunks)
     config = ds_config(1, gas, zero_optimization={"stage": stage}, pipeline={"schedule": schedule},
                        tensor_parallel={"autotp_size": tp})
     engine, *_ = zerotron.initialize(model=module, config=config)
@@ -36,7 +37,7 @@ def _reference(batch, tie=False, layers=4, norms=None):
                                        tie_embeddings=tie)
     model = _model(layers, tie)
     model.load_state_dict(state)
-    return losses, model.to_pipeline(1).state_dict()
+    return losses, to_pipeline(model, 1).state_dict()
 
 
 def _check(results, ref_losses, ref_state, ref_norms=None):
@@ -144,7 +145,7 @@ def test_measured_bubble_is_close_to_theory(schedule, chunks):
 
 # ---- errors ------------------------------------------------------------------------------------------
 def _initialize(config_extra, chunks=1):
-    module = _model(4, False).to_pipeline(2, num_virtual_stages=chunks)
+    module = to_pipeline(_model(4, False), 2, num_virtual_stages=chunks)
     zerotron.initialize(model=module, config=ds_config(1, 2, **config_extra))
 
 
@@ -160,7 +161,7 @@ def test_unsupported_combinations_get_clear_errors(extra, message):
 
 
 def _forward_on_pipeline_engine():
-    module = _model(4, False).to_pipeline(2)
+    module = to_pipeline(_model(4, False), 2)
     engine, *_ = zerotron.initialize(model=module, config=ds_config(1, 2))
     engine(torch.zeros(1, 4, dtype=torch.long))
 

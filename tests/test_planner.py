@@ -6,6 +6,7 @@ import zerotron
 from distributed import run_ranks
 from parity import ds_config, make_model
 from zerotron.planner import ModelShape, model_state_bytes
+from zerotron.parallelize import to_pipeline
 
 
 def _report(stage, tp, pp, bf16, offload, threshold):
@@ -13,7 +14,7 @@ def _report(stage, tp, pp, bf16, offload, threshold):
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     model = make_model(n_layer=4, n_kv_head=4)
-    module = model.to_pipeline(pp, partition_method="type:_PipeBlock") if pp > 1 else model
+    module = to_pipeline(model, pp, partition_method="type:_PipeBlock") if pp > 1 else model
     engine, *_ = zerotron.initialize(model=module, config=ds_config(
         1, 2 if pp > 1 else 1, zero_optimization=zero, tensor_parallel={"autotp_size": tp}, bf16={"enabled": bf16}))
     x = torch.randint(0, 256, (1, 16))

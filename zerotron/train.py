@@ -11,6 +11,7 @@ import torch.distributed as dist
 from . import preemption
 from .comm import comm_for
 from .errors import EXIT_PREEMPTED
+from .parallelize import to_pipeline
 
 # Dense bf16 peak FLOP/s per GPU, for MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
@@ -152,7 +153,7 @@ def train(args) -> None:
     # Counted whole, before tensor parallelism splits the model (a rank's shard is 1/tp of it).
     n_params, flops_per_token = model.num_params(), model.flops_per_token(args.seq_len)
     pipelined = (args.pp or 1) > 1
-    module = model.to_pipeline(args.pp, partition_method="type:_PipeBlock", num_virtual_stages=args.virtual_stages) \
+    module = to_pipeline(model, args.pp, partition_method="type:_PipeBlock", num_virtual_stages=args.virtual_stages) \
         if pipelined else model
     engine, *_ = zerotron.initialize(model=module, config=build_config(args, gpu))
     rank0 = engine.global_rank == 0

@@ -132,5 +132,5 @@ def _jsonable(value):
 
 def _hf_config(module) -> dict | None:
     """A Transformers model's config, so `zerotron convert` can write a Hugging Face directory."""
-    from ..hf import is_hf_model
+    from ..parallelize.hf import is_hf_model
     return module.config.to_dict() if is_hf_model(module) else None

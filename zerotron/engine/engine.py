@@ -17,6 +17,7 @@ from ..errors import BadBatchError, ConfigError
 from ..monitor import Monitor
 from ..nested import tensors_in, to_device
 from ..optim import build_optimizer
+from ..parallelize import parallelize, vocab_size
 from ..precision import LossScaler, model_dtype
 from ..topology import Topology
 from ..zero import make_model_states
@@ -113,9 +114,7 @@ class Engine(StepStages, EngineAccessors, nn.Module):
         self.grad_comm = Comm(topology.group("dp_grad"), "dp_grad")  # gradient reductions (see zero/sharded.py)
         self.tp_comm = Comm(topology.group("tp"), "tp")
         self.world_comm = comm_for(None, "world")
-        if topology.tp > 1:
-            self._apply_tensor_parallel()
-        self._configure_checkpointing()
+        parallelize(self.module, config, topology, self.tp_comm)  # tensor parallelism, activation checkpointing
         self._broadcast_module()
         params = [p for p in self.module.parameters() if p.requires_grad]
         if not params:
@@ -147,7 +146,7 @@ class Engine(StepStages, EngineAccessors, nn.Module):
         if config.zerotron.save_on_preemption:
             preemption.install()
         watchdog.configure(config.zerotron.collective_timeout, config.zerotron.collective_checks)
-        self._vocab_size = _vocab_size(self.module)
+        self._vocab_size = vocab_size(self.module)
         self._micro_losses: list[torch.Tensor] = []
         self._boundary_override: bool | None = None
         self._step_start = time.perf_counter()
@@ -176,52 +175,6 @@ class Engine(StepStages, EngineAccessors, nn.Module):
     def _isolated_params(self) -> list[list[nn.Parameter]]:
         """Parameter lists that need gradient buckets of their own (see pipe.engine)."""
         return []
-
-    def _apply_tensor_parallel(self):
-        from ..parallel.tensor import apply_tensor_parallel
-        from .. import hf
-        tp = self.topology.tp
-        is_hf = hf.is_hf_model(self.module) and not hasattr(self.module, "tensor_parallel_plan")
-        if is_hf and self.config.zerotron.sequence_parallel:
-            raise ConfigError("zerotron.sequence_parallel", True, "Transformers' tensor-parallel plans do not "
-                              "mark the sequence-split regions (norm gradients, position embeddings), so it "
-                              "would train wrong: turn it off for Transformers models")
-        if is_hf:
-            plan = hf.tensor_parallel_plan(self.module, tp)
-        elif hasattr(self.module, "tensor_parallel_plan"):
-            plan = self.module.tensor_parallel_plan(tp)
-        else:
-            raise ValueError(f"{type(self.module).__name__} has no tensor_parallel_plan(tp); tensor parallelism "
-                             "needs a plan (module-name patterns -> column/row/vocab/head/norm)")
-        with self._plan_probe():  # records the whole model first
-            if is_hf:
-                hf.prepare_tensor_parallel(self.module, tp)
-            apply_tensor_parallel(self.module, plan, self.tp_comm, self.config.zerotron.sequence_parallel)
-
-    def _plan_probe(self):
-        """Refuse a plan that changes what the model computes (parallel/probe.py): on by default,
-        `zerotron.check_tensor_parallel_plan: false` skips it."""
-        import contextlib
-        vocab = _vocab_size(self.module)
-        if not self.config.zerotron.check_tensor_parallel_plan or vocab is None:  # (pipeline stages: no vocab)
-            return contextlib.nullcontext()
-        from .. import hf
-        from ..parallel.probe import PlanProbe
-        if hf.is_hf_model(self.module):
-            call = lambda model, ids: model(input_ids=ids, labels=ids).loss  # noqa: E731
-        else:
-            call = lambda model, ids: model(ids[:, :-1], ids[:, 1:])  # noqa: E731
-        return PlanProbe(self.module, call, self.tp_comm, vocab, tokens=2 * self.topology.tp + 1)
-
-    def _configure_checkpointing(self):
-        from .. import checkpointing
-        checkpointing.reset()
-        checkpointing.configure(deepspeed_config=self.config, tp_comm=self.tp_comm)
-        z = self.config.zerotron
-        if checkpointing.apply_policy(self.module, z.checkpoint_policy, z.checkpoint_every):
-            from .. import hf
-            if hf.is_hf_model(self.module):
-                hf.prepare_checkpointing(self.module)
 
     @torch.no_grad()
     def _broadcast_module(self):
@@ -498,12 +451,6 @@ class _RepeatingIterator:
                 self.loader.sampler.set_epoch(self.epoch)
             self.it = iter(self.loader)
             return next(self.it)
-
-
-def _vocab_size(module: nn.Module) -> int | None:
-    """The vocabulary size the model declares (zerotron's GPT and Transformers models: config.vocab_size)."""
-    v = getattr(getattr(module, "config", None), "vocab_size", None)
-    return v if isinstance(v, int) and v > 0 else None
 
 
 def _collate(samples):

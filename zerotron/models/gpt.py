@@ -139,48 +139,6 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
-# ---- the pipeline form's layers (one input, one output each) ---------------------------------
-class _Embedding(nn.Module):
-    def __init__(self, tok_emb: nn.Embedding, lm_head: nn.Linear | None):
-        super().__init__()
-        self.tok_emb, self.lm_head = tok_emb, lm_head  # lm_head: the tied head, used by the last stage
-
-    def forward(self, tokens):
-        return self.tok_emb(tokens)
-
-    @staticmethod
-    def project(module, x):
-        return module.lm_head(x)
-
-
-class _PipeBlock(nn.Module):
-    def __init__(self, block: "Block", cfg: GPTConfig):
-        super().__init__()
-        self.block, self.config = block, cfg
-
-    def forward(self, x):
-        cos, sin = rotary_tables(self.config, x.shape[1], x.device)
-        return self.block(x, cos, sin)
-
-
-class _Norm(nn.Module):
-    def __init__(self, norm: nn.Module):
-        super().__init__()
-        self.norm = norm
-
-    def forward(self, x):
-        return self.norm(x)
-
-
-class _Head(_Norm):
-    def __init__(self, norm: nn.Module, lm_head: nn.Linear):
-        super().__init__(norm)
-        self.lm_head = lm_head
-
-    def forward(self, x):
-        return self.lm_head(self.norm(x))
-
-
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -217,41 +175,6 @@ class GPT(nn.Module):
         if targets is None:
             return logits if self.output_fn is None else self.output_fn(logits)
         return self.loss_fn(logits, targets)
-
-    def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
-        """Megatron's split: q/k/v and gate/up by output (whole heads per rank), o and down by
-        input, the vocabulary across ranks for the embedding, head and loss."""
-        cfg = self.config
-        for what, n in (("attention heads", cfg.n_head), ("key/value heads", cfg.n_kv_head),
-                        ("vocabulary", cfg.vocab_size), ("MLP hidden size", cfg.ffn)):
-            if n % tp:
-                from ..errors import ConfigError
-                raise ConfigError("tensor_parallel.autotp_size", tp,
-                                  f"the model's {what} ({n}) must be divisible by it; choose a size that divides it")
-        # Leading "*": the same plan fits the model and its pipeline form (names like "layers.3.block.attn.wq").
-        return {"*tok_emb": "vocab", "*attn.wq": "column", "*attn.wk": "column", "*attn.wv": "column",
-                "*attn.wo": "row", "*mlp.w1": "column", "*mlp.w3": "column", "*mlp.w2": "row", "*lm_head": "head",
-                "*norm": "norm"}
-
-    def to_pipeline(self, num_stages: int, partition_method: str = "parameters", **kwargs):
-        """This model as a zerotron.pipe.PipelineModule over the same modules (same weights):
-        embedding, one layer per block, final norm, head. With tied embeddings the embedding is a
-        TiedLayerSpec shared by the first and last stage. kwargs go to PipelineModule."""
-        from ..pipe import LayerSpec, PipelineModule, TiedLayerSpec
-        cfg = self.config
-        embed = _Embedding(self.tok_emb, self.lm_head if cfg.tie_embeddings else None)
-        blocks = [LayerSpec(_PipeBlock, block, cfg) for block in self.layers]
-        if cfg.tie_embeddings:
-            first = TiedLayerSpec("embed", lambda: embed, tied_weight_attr="tok_emb.weight")
-            last = [LayerSpec(_Norm, self.norm),
-                    TiedLayerSpec("embed", lambda: embed, forward_fn=_Embedding.project,
-                                  tied_weight_attr="tok_emb.weight")]
-        else:
-            first = LayerSpec(lambda: embed)
-            last = [LayerSpec(_Head, self.norm, self.lm_head)]
-        return PipelineModule([first, *blocks, *last], num_stages=num_stages, loss_fn=self.loss_fn,
-                              partition_method=partition_method, tensor_parallel_plan=self.tensor_parallel_plan,
-                              source_module=self, **kwargs)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

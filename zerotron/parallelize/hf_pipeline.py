@@ -65,7 +65,7 @@ class _Final(nn.Module):
 def to_pipeline(model, num_stages: int, partition_method: str = "type:_Decoder", **kwargs) -> PipelineModule:
     """`model` (a Transformers causal LM) as a zerotron PipelineModule; kwargs go to PipelineModule.
     Batches are (input_ids, labels) with labels as Transformers takes them (shifted inside the loss)."""
-    from . import prepare_tensor_parallel, tensor_parallel_plan
+    from .hf import prepare_tensor_parallel, tensor_parallel_plan
     cfg = model.config
     if getattr(cfg, "_attn_implementation", "sdpa") == "eager":
         cfg._attn_implementation = "sdpa"  # the causal mask must come from the attention kernel

@@ -1,0 +1,86 @@
+"""zerotron's reference GPT (models/gpt.py), parallelized from outside: its tensor-parallel plan
+(Megatron's split) and its pipeline form (the same modules as one layer each)."""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from ..errors import ConfigError
+from ..models.gpt import GPT, Block, GPTConfig, rotary_tables
+from ..pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+
+# ---- the pipeline form's layers (one input, one output each) ---------------------------------
+class _Embedding(nn.Module):
+    def __init__(self, tok_emb: nn.Embedding, lm_head: nn.Linear | None):
+        super().__init__()
+        self.tok_emb, self.lm_head = tok_emb, lm_head  # lm_head: the tied head, used by the last stage
+
+    def forward(self, tokens):
+        return self.tok_emb(tokens)
+
+    @staticmethod
+    def project(module, x):
+        return module.lm_head(x)
+
+
+class _PipeBlock(nn.Module):
+    def __init__(self, block: "Block", cfg: GPTConfig):
+        super().__init__()
+        self.block, self.config = block, cfg
+
+    def forward(self, x):
+        cos, sin = rotary_tables(self.config, x.shape[1], x.device)
+        return self.block(x, cos, sin)
+
+
+class _Norm(nn.Module):
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+class _Head(_Norm):
+    def __init__(self, norm: nn.Module, lm_head: nn.Linear):
+        super().__init__(norm)
+        self.lm_head = lm_head
+
+    def forward(self, x):
+        return self.lm_head(self.norm(x))
+
+
+def gpt_plan(model: GPT, tp: int) -> dict[str, str]:
+    """Megatron's split: q/k/v and gate/up by output (whole heads per rank), o and down by
+    input, the vocabulary across ranks for the embedding, head and loss."""
+    cfg = model.config
+    for what, n in (("attention heads", cfg.n_head), ("key/value heads", cfg.n_kv_head),
+                    ("vocabulary", cfg.vocab_size), ("MLP hidden size", cfg.ffn)):
+        if n % tp:
+            raise ConfigError("tensor_parallel.autotp_size", tp,
+                              f"the model's {what} ({n}) must be divisible by it; choose a size that divides it")
+    # Leading "*": the same plan fits the model and its pipeline form (names like "layers.3.block.attn.wq").
+    return {"*tok_emb": "vocab", "*attn.wq": "column", "*attn.wk": "column", "*attn.wv": "column",
+            "*attn.wo": "row", "*mlp.w1": "column", "*mlp.w3": "column", "*mlp.w2": "row", "*lm_head": "head",
+            "*norm": "norm"}
+
+
+def gpt_pipeline(model: GPT, num_stages: int, partition_method: str = "parameters", **kwargs) -> PipelineModule:
+    """This model as a zerotron.pipe.PipelineModule over the same modules (same weights):
+    embedding, one layer per block, final norm, head. With tied embeddings the embedding is a
+    TiedLayerSpec shared by the first and last stage. kwargs go to PipelineModule."""
+    cfg = model.config
+    embed = _Embedding(model.tok_emb, model.lm_head if cfg.tie_embeddings else None)
+    blocks = [LayerSpec(_PipeBlock, block, cfg) for block in model.layers]
+    if cfg.tie_embeddings:
+        first = TiedLayerSpec("embed", lambda: embed, tied_weight_attr="tok_emb.weight")
+        last = [LayerSpec(_Norm, model.norm),
+                TiedLayerSpec("embed", lambda: embed, forward_fn=_Embedding.project,
+                              tied_weight_attr="tok_emb.weight")]
+    else:
+        first = LayerSpec(lambda: embed)
+        last = [LayerSpec(_Head, model.norm, model.lm_head)]
+    return PipelineModule([first, *blocks, *last], num_stages=num_stages, loss_fn=model.loss_fn,
+                          partition_method=partition_method, tensor_parallel_plan=lambda tp: gpt_plan(model, tp),
+                          source_module=model, **kwargs)
