@@ -135,13 +135,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     engine.states.publish(from_masters=True)  # model weights = masters in the model dtype
 
     if not load_module_only:
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
-        for k in ("global_steps", "global_samples", "skipped_steps"):
-            setattr(engine, k, meta["counters"][k])
-        engine.start_at_boundary()
-        engine.load_data_state(meta.get("data"))
+        engine.load_training_state(meta, load_lr_scheduler_states)
         _load_rng(saved, meta)
     comm_for(None, "world").barrier()
     return str(directory), meta["client_state"]

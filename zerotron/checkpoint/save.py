@@ -60,16 +60,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
 
     if rank == 0:
         meta = {"format": FORMAT, "version": VERSION, "tag": tag, "world_size": dist.get_world_size(),
-                "topology": {"dp": engine.topology.dp, "tp": engine.topology.tp, "pp": engine.topology.pp},
-                "zero_stage": engine.zero_optimization_stage(), "dtype": engine.config.model_dtype_name,
-                "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                             "skipped_steps": engine.skipped_steps},
-                "loss_scaler": engine.loss_scaler.state_dict(),
-                "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-                "optimizer_groups": [{k: v for k, v in g.items() if k != "params"}
-                                     for g in engine.optimizer.param_groups],
-                "data": engine.data_state(),
-                "hf_config": _hf_config(engine.module),
+                **engine.training_state(),
                 "client_state": client_state, "files": dict(digests)}
         (partial / META).write_text(json.dumps(meta, indent=1, default=_jsonable))
         fsync_dir(partial)
@@ -128,9 +119,3 @@ def _jsonable(value):
     if torch.is_tensor(value):
         return value.tolist()
     return value
-
-
-def _hf_config(module) -> dict | None:
-    """A Transformers model's config, so `zerotron convert` can write a Hugging Face directory."""
-    from ..parallelize.hf import is_hf_model
-    return module.config.to_dict() if is_hf_model(module) else None

@@ -1,0 +1,110 @@
+"""The engine's state beyond the model: what it holds in memory, what a checkpoint keeps of it
+(training_state / load_training_state, read and written by checkpoint/), its data position and
+its communication counters. A mixin of engine.Engine."""
+from __future__ import annotations
+
+import torch
+
+from ..comm import Comm
+from ..parallelize.hf import is_hf_model
+
+
+class EngineState:
+    def start_at_boundary(self):
+        """Stand at the start of a global batch after `global_steps` whole steps, with nothing
+        accumulated: a loaded checkpoint holds whole steps, whatever accumulation (another
+        data-parallel size changes it) it was saved under."""
+        self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
+        self.states.zero_grads()
+        self._micro_losses, self._bad_loss, self._bad_input = [], None, None
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds for model states."""
+        def nbytes(tensors):
+            seen, total = set(), 0
+            for t in tensors:
+                if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    total += t.untyped_storage().nbytes()
+            return total
+        report = {"params": nbytes(self.module.parameters()), **self.states.memory(),
+                  "optimizer": nbytes(v for s in self.optimizer.state.values() for v in s.values())}
+        host = report.pop("host", None)
+        report["total"] = sum(report.values())
+        if host is not None:  # offloaded: what of the above lives in host memory
+            report["host"] = host + (report["optimizer"] if self.states.host is not None else 0)
+        return report
+
+    # ---- checkpoints (zerotron/checkpoint/) -------------------------------------------------------
+    def training_state(self) -> dict:
+        """What a checkpoint keeps of this engine besides the tensors: layout, counters, loss
+        scaler, scheduler, optimizer hyperparameters, data position and the model's metadata."""
+        return {"topology": {"dp": self.topology.dp, "tp": self.topology.tp, "pp": self.topology.pp},
+                "zero_stage": self.zero_optimization_stage(), "dtype": self.config.model_dtype_name,
+                "counters": {"global_steps": self.global_steps, "global_samples": self.global_samples,
+                             "skipped_steps": self.skipped_steps},
+                "loss_scaler": self.loss_scaler.state_dict(),
+                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                "optimizer_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+                "data": self.data_state(),
+                # A Transformers model's config, so `zerotron convert` can write a Hugging Face directory.
+                "hf_config": self.module.config.to_dict() if is_hf_model(self.module) else None}
+
+    def load_training_state(self, state: dict, load_lr_scheduler_states: bool = True) -> None:
+        """Counters, loss scaler, scheduler and data position from `training_state()`'s dict; the
+        engine then stands at the start of the next global batch."""
+        if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.loss_scaler.load_state_dict(state["loss_scaler"])
+        for k in ("global_steps", "global_samples", "skipped_steps"):
+            setattr(self, k, state["counters"][k])
+        self.start_at_boundary()
+        self.load_data_state(state.get("data"))
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """Every rank writes its own shard (safetensors + JSON), atomically; see checkpoint/save.py.
+        `exclude_frozen_parameters` (DeepSpeed's) is accepted; frozen parameters are still written
+        (a larger checkpoint, nothing lost)."""
+        from ..checkpoint.save import save_checkpoint
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False, custom_load_fn=None):
+        """Load a checkpoint written under any topology; returns (path, client_state), or
+        (None, None) when `load_dir` has no `latest` and no tag is given. DeepSpeed's signature
+        and argument order; `load_module_strict=False` keeps the current values of parameters the
+        checkpoint lacks (strict: an error naming them). `custom_load_fn` is refused."""
+        if custom_load_fn is not None:
+            raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported by zerotron: checkpoints "
+                                      "are read by zerotron.checkpoint (any layout, any topology); leave it out")
+        from ..checkpoint.load import load_checkpoint
+        return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                               load_module_only, load_module_strict=load_module_strict)
+
+    def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors") -> bool:
+        """The whole model's weights in the model dtype, one safetensors file written by rank 0."""
+        from ..checkpoint.export import save_16bit_model
+        return save_16bit_model(self, save_dir, save_filename)
+
+    def data_state(self) -> dict | None:
+        """Where the engine's own dataloader is (for exact resume)."""
+        if self.training_dataloader is None:
+            return None
+        return {"sampler": self.training_dataloader.sampler.state_dict()}
+
+    def load_data_state(self, state: dict | None):
+        if state is not None and self.training_dataloader is not None:
+            self.training_dataloader.sampler.load_state_dict(state["sampler"])
+            self._data_iter = None  # the next train_batch starts from the restored position
+
+    def comm_stats(self) -> dict[str, int]:
+        """Bytes of the full tensors each kind of collective moved since start or the last reset."""
+        return {k: sum(c.stats()[k] for c in self._comms()) for k in Comm.KINDS}
+
+    def reset_comm_stats(self):
+        for c in self._comms():
+            c.reset_stats()
+
+    def _comms(self) -> list[Comm]:
+        return [self.dp_comm, self.grad_comm, self.tp_comm, self.world_comm]
