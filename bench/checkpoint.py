@@ -35,6 +35,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent.parent))
 
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from bench import common  # noqa: E402
+from zerotron.checkpoint.files import rank_file, sha256  # noqa: E402
+from zerotron.models.gpt import GPT, config_for  # noqa: E402
+from zerotron.zero import consolidated_state_dict  # noqa: E402
+
 STAGES = (1, 3)
 
 
@@ -87,8 +95,6 @@ def mapped_rss(pattern: str) -> int:
 
 
 def model_facts(size: str) -> dict:
-    import torch
-    from zerotron.models.gpt import GPT, config_for
     torch.manual_seed(0)
     model = GPT(config_for(size))
     params = dict(model.named_parameters())
@@ -101,22 +107,12 @@ def model_facts(size: str) -> dict:
 
 # ---- phase: the 2-rank job ----------------------------------------------------------------------------
 def engine_for(size, stage, per_rank, seed):
-    import torch
-    import zerotron
-    from bench import common
-    from zerotron.models.gpt import GPT, config_for
     torch.manual_seed(seed)
-    model = GPT(config_for(size))
-    engine, *_ = zerotron.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": per_rank, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-        "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0,
-        "optimizer": {"type": "AdamW", "params": {**common.ADAMW, "betas": list(common.ADAMW["betas"])}}})
-    return engine
+    return common.zerotron_step(GPT(config_for(size)), per_rank, 0.0, stage=stage)[0]
 
 
 def train_steps(engine, batches) -> list[float]:
     """Losses of `batches` (mean over ranks, i.e. the global-batch loss)."""
-    import torch.distributed as dist
     out = []
     for tokens, targets in batches:
         loss = engine(tokens, targets)
@@ -158,7 +154,6 @@ def timed(fn, sync: bool = False, peak: list | None = None):
     """(seconds of fn between barriers, seconds of os.sync() after it or None). With `peak` (a list),
     appends this rank's RSS growth during fn: {"peak": VmHWM after - VmRSS before (the high-water
     mark reset first), "anon" / "file": the largest RssAnon / RssFile growth probe_loads saw}."""
-    import torch.distributed as dist
     dist.barrier()
     if peak is not None:
         reset_peak()
@@ -183,7 +178,6 @@ def timed(fn, sync: bool = False, peak: list | None = None):
 
 
 def gather_ranks(value: int) -> list[int]:
-    import torch.distributed as dist
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
@@ -193,19 +187,30 @@ def max_diff(state: dict, ref: dict) -> float:
     return max((state[k].float() - ref[k].float()).abs().max().item() for k in ref)
 
 
+def load_case(args, key, stage, src, per_rank, repeats, ref_weights, ref_losses, batches, log) -> dict:
+    """A fresh engine of `stage` (other weights until loaded) loads the zero{src} checkpoint `repeats` times:
+    seconds, RSS growth per rank, weights against the saved ones, next two losses against the run that went on."""
+    engine = engine_for(args.model, stage, per_rank, seed=1)
+    ckpt = str(args.workdir / f"zero{src}")
+    peaks = []
+    loads = [timed(lambda: engine.load_checkpoint(ckpt), peak=peaks)[0] for _ in range(repeats)]
+    peaks = gather_ranks(peaks)
+    diff = max_diff(consolidated_state_dict(engine.module), ref_weights())  # (loaded after the timed loads)
+    losses = train_steps(engine, batches[1:3])
+    log(f"{key}: load {', '.join(f'{s:.2f}' for s in loads)} s; max |dw| {diff:.1e}; next losses "
+        f"{losses} vs {ref_losses}")
+    return {"seconds": loads, "median_s": statistics.median(loads), "max_abs_weight_diff": diff,
+            "rss_growth_per_rank": peaks, "losses": losses, "ref_losses": ref_losses,
+            "max_rel_loss_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))}
+
+
 def phase_main(args):
-    import torch
-    import torch.distributed as dist
-    from bench import common
-    from zerotron.checkpoint.files import rank_file, sha256
-    from zerotron.zero import consolidated_state_dict
 
     rank, world = common.init_gloo()
     log = print if rank == 0 else (lambda *a, **k: None)
     probe_loads()
     work = args.workdir
     per_rank = args.batch // world
-    from zerotron.models.gpt import config_for
     cfg = config_for(args.model)
     batches = common.make_batches(3, args.batch, args.seq, cfg.vocab_size, rank, world)
     res = {"environment": common.environment(), "save": {}, "load": {}, "torch": {}, "sha256": {},
@@ -242,7 +247,6 @@ def phase_main(args):
 
         # the reference: torch.save of a plain full state dict (model + torch AdamW state) from rank 0
         if rank == 0:
-            from zerotron.models.gpt import GPT
             plain = GPT(cfg)
             plain.load_state_dict(full)
             opt = torch.optim.AdamW(plain.parameters(), **common.ADAMW)
@@ -276,24 +280,10 @@ def phase_main(args):
 
     refs = {s: torch.load(work / f"full_zero{s}.0.pt", weights_only=True) for s in STAGES}
     for stage in STAGES:
-        for src in STAGES:
-            engine = engine_for(args.model, stage, per_rank, seed=1)  # other weights until loaded
-            ckpt = str(work / f"zero{src}")
-            peaks = []
-            loads = [timed(lambda: engine.load_checkpoint(ckpt), peak=peaks)[0]
-                     for _ in range(args.repeats if src == stage else 1)]  # other stage: once (runtime)
-            peaks = gather_ranks(peaks)
-            diff = max_diff(consolidated_state_dict(engine.module), refs[src])
-            losses = train_steps(engine, batches[1:3])
-            ref = res["ref_losses"][f"zero{src}"]
+        for src in STAGES:  # the other stage's checkpoint: once (runtime)
             key = f"zero{src}_2ranks->zero{stage}_2ranks"
-            res["load"][key] = {"seconds": loads, "median_s": statistics.median(loads), "max_abs_weight_diff": diff,
-                                "rss_growth_per_rank": peaks,
-                                "losses": losses, "ref_losses": ref,
-                                "max_rel_loss_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, ref))}
-            log(f"{key}: load {', '.join(f'{s:.2f}' for s in loads)} s; max |dw| {diff:.1e}; next losses "
-                f"{losses} vs {ref}")
-            engine = None
+            res["load"][key] = load_case(args, key, stage, src, per_rank, args.repeats if src == stage else 1,
+                                         lambda: refs[src], res["ref_losses"][f"zero{src}"], batches, log)
     if rank == 0:
         (work / "main.json").write_text(json.dumps(res, indent=1))
     dist.barrier()
@@ -302,11 +292,6 @@ def phase_main(args):
 
 # ---- phase: the 1-rank job ----------------------------------------------------------------------------
 def phase_reload(args):
-    import torch
-    import torch.distributed as dist
-    from bench import common
-    from zerotron.models.gpt import config_for
-    from zerotron.zero import consolidated_state_dict
 
     rank, world = common.init_gloo()
     probe_loads()
@@ -315,23 +300,10 @@ def phase_reload(args):
     batches = common.make_batches(3, args.batch, args.seq, config_for(args.model).vocab_size, rank, world)
     res = {}
     for src, stage in ((3, 1), (1, 3)):
-        engine = engine_for(args.model, stage, args.batch, seed=1)
-        ckpt = str(work / f"zero{src}")
-        peaks = []
-        loads = [timed(lambda: engine.load_checkpoint(ckpt), peak=peaks)[0]
-                 for _ in range(args.repeats if stage == 1 else 1)]
-        ref_w = torch.load(work / f"full_zero{src}.0.pt", weights_only=True)
-        diff = max_diff(consolidated_state_dict(engine.module), ref_w)
-        del ref_w
-        losses = train_steps(engine, batches[1:3])
-        ref = main["ref_losses"][f"zero{src}"]
         key = f"zero{src}_2ranks->zero{stage}_1rank"
-        res[key] = {"seconds": loads, "median_s": statistics.median(loads), "max_abs_weight_diff": diff,
-                    "rss_growth_per_rank": [peaks],
-                    "losses": losses, "ref_losses": ref,
-                    "max_rel_loss_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, ref))}
-        print(f"{key}: load {', '.join(f'{s:.2f}' for s in loads)} s; max |dw| {diff:.1e}; next losses {losses} vs {ref}")
-        engine = None
+        res[key] = load_case(args, key, stage, src, args.batch, args.repeats if stage == 1 else 1,
+                             lambda: torch.load(work / f"full_zero{src}.0.pt", weights_only=True),
+                             main["ref_losses"][f"zero{src}"], batches, print)
     (work / "reload.json").write_text(json.dumps(res, indent=1))
     dist.destroy_process_group()
 
@@ -449,9 +421,8 @@ def run_child(cmd, env=None, launcher: bool = True) -> dict:
 
 
 def torchrun(args, phase, nproc, env):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(HERE),
-           "--phase", phase, "--workdir", str(args.workdir), "--model", args.model, "--repeats", str(args.repeats),
-           "--seq", str(args.seq), "--batch", str(args.batch)]
+    cmd = common.torchrun_cmd(nproc, HERE, "--phase", phase, "--workdir", args.workdir, "--model", args.model,
+                              "--repeats", args.repeats, "--seq", args.seq, "--batch", args.batch)
     t0 = time.perf_counter()
     rc = subprocess.call(cmd, env=env)
     if rc:
@@ -460,16 +431,12 @@ def torchrun(args, phase, nproc, env):
 
 
 def driver(args):
-    import torch
-    from bench import common
     t_start = time.perf_counter()
     load_start = os.getloadavg()[0]
     created = args.workdir is None
     args.workdir = args.workdir or Path(tempfile.mkdtemp(prefix="zt_ckpt_bench_"))
     args.workdir.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                              "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR=env.get("DS_ACCELERATOR", "cpu"))
+    env = common.child_env(OMP_NUM_THREADS=1, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
     facts = model_facts(args.model)
     print(f"GPT {args.model}: {facts['params'] / 1e6:.2f}M params ({mib(facts['fp32_bytes']):.1f} MiB fp32), largest "
           f"tensor {facts['largest_tensor']} {facts['largest_shape']} ({mib(facts['largest_fp32_bytes']):.2f} MiB); "
@@ -592,12 +559,10 @@ def driver(args):
     print(f"  naive wait4 from the driver itself: ru_maxrss {mib(naive['maxrss_bytes']):.1f} MiB "
           f"(driver's own VmHWM {mib(naive['driver_vmhwm_bytes']):.1f} MiB)")
 
-    git = subprocess.run(["git", "-C", str(HERE.parent.parent), "describe", "--always", "--dirty"],
-                         capture_output=True, text=True).stdout.strip()
-    payload = {"benchmark": "checkpoint", "args": {k: str(v) for k, v in vars(args).items()}, "model": facts,
-               "environment": {**main["environment"], "git": git, "loadavg_start": load_start,
-                               "loadavg_end": os.getloadavg()[0], "total_s": time.perf_counter() - t_start,
-                               "main_job_s": main_s, "reload_job_s": reload_s},
+    payload = {"benchmark": "checkpoint", "args": common.json_args(args), "model": facts,
+               "environment": {**main["environment"], "loadavg_start": load_start, "loadavg_end": os.getloadavg()[0],
+                               "total_s": time.perf_counter() - t_start, "main_job_s": main_s,
+                               "reload_job_s": reload_s},
                "save": main["save"], "torch_reference": main["torch"], "sha256": main["sha256"], "load": loads,
                "convert": {"baseline_runs": baseline, "baseline_peak_rss_bytes": base_rss, "runs": converts,
                            "summary": rows, "max_abs_diff_vs_saved_weights": convert_diff, "missing": missing,

@@ -5,47 +5,21 @@
     python bench/cpu_adam.py --layout gpt             # per-parameter: the tensors of a 124M GPT
     python bench/cpu_adam.py --no-deepspeed
 
-One process, every system on all cores (torch.set_num_threads(os.cpu_count()); OMP_NUM_THREADS likewise,
-which DeepSpeed's OpenMP loop shares with torch). The workload is what ZeRO-Offload runs on the host:
-fp32 master weights with a fresh gradient each step and AdamW (lr 1e-3, betas 0.9/0.95, eps 1e-8,
-weight decay 0.1), either
+One process, every system on all cores. The workload is the host side of ZeRO-Offload: fp32 masters, a fresh
+gradient each step (--grads of them, in turn, assigned before the clock starts), AdamW; `flat`: one master
+shard of --numel elements; `gpt`: one tensor per parameter of GPT --gpt-size (tied, --vocab).
 
-  flat   one flat fp32 master shard of N elements (--numel, default 2^24 and 2^26), or
-  gpt    one tensor per parameter of zerotron's GPT "125m" with a 50304-token vocabulary and tied
-         embeddings (12 layers, d 768: 124M elements in 110 tensors), every system over that list.
-
-Systems:
-
-  zt              zerotron.ops.adam.CPUAdam (torch's fused AdamW kernel on 2^18-element chunks over a
-                  thread pool); bf16 copy fused: opt.copy_out[master] = bf16 tensor
-  torch_foreach   torch.optim.AdamW(foreach=True); bf16 copy after the step
-  torch_fused     torch.optim.AdamW(fused=True); bf16 copy after the step. Baseline for the check.
-  ds              deepspeed.ops.adam.DeepSpeedCPUAdam (C++/AVX, OpenMP); its step() has no bf16 output
-                  (0.19.8: step(closure) only), so the bf16 copy is after the step as well. Skipped,
-                  with the reason, when deepspeed is missing or its cpu_adam op does not build.
-
-Each system is timed in two modes: `step` (optimizer.step() alone) and `step+bf16` (the step and a bf16
-copy of the updated masters, what the host must produce for the low-precision model; "after the step" is
-`bf16.copy_(master)` for a flat shard and one torch._foreach_copy_ over the list for the GPT layout). The
-system x mode entries run in rounds, the order rotating each round; both modes of a system share one
-optimizer, and every optimizer takes the same number of steps on the same gradient sequence (--grads
-random gradients, reused in turn). The gradient is assigned before the clock starts.
-
-Check: after the warm-up and again at the end, every system takes one more (untimed) step+bf16 step;
-their masters are compared with torch_fused's (max |difference|, absolute and relative to max |master|,
-and whether bit-identical), and each bf16 output with its own master rounded to bf16.
-
-Output: per case, median ms per step, elements/s, and zerotron / peer ratios of the medians and `paired`
-(median of the per-round ratios; prefer it on a shared machine). < 1: zerotron is faster.
-Results: bench/results/cpu_adam.json.
+Systems: zt (zerotron.ops.adam.CPUAdam, bf16 copy fused via copy_out), torch_foreach, torch_fused (the
+baseline) and ds (DeepSpeedCPUAdam; skipped with the reason when it does not load); the peers copy to bf16
+after the step. Modes: `step` and `step+bf16`, alternating in rounds. Check: after the warm-up and at the end,
+one more step+bf16 step; masters against torch_fused's, each bf16 output against its own master rounded.
+Details: bench/README.md. Results: bench/results/cpu_adam.json.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import os
-import platform
 import statistics
 import sys
 import time
@@ -96,7 +70,6 @@ def parse_args():
 def deepspeed_status() -> tuple[type | None, str]:
     """(DeepSpeedCPUAdam, "") when its op loads, else (None, why not)."""
     try:
-        import deepspeed  # noqa: F401
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         from deepspeed.ops.op_builder import CPUAdamBuilder
     except Exception as e:  # ImportError, or deepspeed failing to initialise its accelerator
@@ -209,34 +182,24 @@ def run_case(label: str, shapes, args, names: list[str], ds_cls) -> dict:
             systems[n].prepare(m)
             systems[n].step(m)
     check_warmup = check(systems)
-    ms = {e: [] for e in entries}
-    round_ms = {e: [] for e in entries}
     round_load = []  # 1-minute load average after each round: this one process accounts for ~threads of it
-    for r in range(args.rounds):
-        k = r % len(entries)
-        for e in entries[k:] + entries[:k]:
-            t = [systems[e[0]].timed(e[1]) for _ in range(args.steps)]
-            ms[e] += t
-            round_ms[e].append(statistics.median(t))
+
+    def on_round(r, round_ms):
         round_load.append(os.getloadavg()[0])
         print(f"round {r + 1}/{args.rounds} (load {round_load[-1]:.1f}): "
               + ", ".join(f"{n}/{m} {round_ms[(n, m)][-1]:.1f}" for n, m in entries), flush=True)
+    ms, round_ms = common.rounds(entries, lambda e: systems[e[0]].timed(e[1]), args.rounds, args.steps, on_round)
     check_end = check(systems)
 
-    rows, pairs = [], []
+    rows = []
     for n, m in entries:
         med = statistics.median(ms[(n, m)])
         rows.append({"system": n, "mode": m, "median_ms": med, "elements_per_s": numel / (med / 1e3),
                      "min_ms": min(ms[(n, m)]), "ms": ms[(n, m)], "round_ms": round_ms[(n, m)]})
     med = {(r["system"], r["mode"]): r["median_ms"] for r in rows}
-    if "zt" in names:
-        for peer in names:
-            if peer == "zt":
-                continue
-            for m in MODES:
-                paired = statistics.median(a / b for a, b in zip(round_ms[("zt", m)], round_ms[(peer, m)]))
-                pairs.append({"pair": f"zt/{peer}", "mode": m, "ratio": med[("zt", m)] / med[(peer, m)],
-                              "paired": paired})
+    pairs = [{"pair": f"zt/{peer}", "mode": m, "ratio": med[("zt", m)] / med[(peer, m)],
+              "paired": statistics.median(a / b for a, b in zip(round_ms[("zt", m)], round_ms[(peer, m)]))}
+             for peer in (names if "zt" in names else []) if peer != "zt" for m in MODES]
 
     print(f"\n{label}: {numel:,} elements, {len(shapes)} tensor(s), {args.threads} threads")
     common.print_table([{**r, "meps": r["elements_per_s"] / 1e6} for r in rows],
@@ -256,7 +219,8 @@ def run_case(label: str, shapes, args, names: list[str], ds_cls) -> dict:
     result = {"case": label, "numel": numel, "tensors": len(shapes), "rows": rows, "pairs": pairs,
               "round_load": round_load,
               "check_after_warmup": check_warmup, "check_end": check_end}
-    del systems, grads
+    systems.clear()
+    del grads
     gc.collect()
     return result
 
@@ -264,10 +228,7 @@ def run_case(label: str, shapes, args, names: list[str], ds_cls) -> dict:
 def main():
     args = parse_args()
     torch.set_num_threads(args.threads)
-    names = [n for n in args.systems.split(",") if n]
-    unknown = set(names) - set(ALL_SYSTEMS)
-    if unknown:
-        raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {', '.join(ALL_SYSTEMS)}")
+    names = common.names_arg(args.systems, ALL_SYSTEMS)
     if BASELINE not in names:
         names.append(BASELINE)
     ds_cls, ds_skip = None, ""
@@ -280,14 +241,9 @@ def main():
             names.remove("ds")
             print(f"DeepSpeedCPUAdam skipped: {ds_skip}")
 
-    import zerotron
-    env = {"torch": torch.__version__, "zerotron": getattr(zerotron, "__version__", "?"),
-           "deepspeed": getattr(sys.modules.get("deepspeed"), "__version__", None), "python": platform.python_version(),
-           "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-           "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-           "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": platform.machine(),
-           "platform": platform.platform(), "loadavg_start": os.getloadavg()[0]}
+    env = common.environment(deepspeed=getattr(sys.modules.get("deepspeed"), "__version__", None),
+                             torch_threads=torch.get_num_threads(), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS"),
+                             cpu_capability=torch.backends.cpu.get_cpu_capability())
     try:
         import cpuinfo
         env["cpu"] = cpuinfo.get_cpu_info().get("brand_raw")
@@ -315,10 +271,9 @@ def main():
         results.append(res)
 
     path = common.write_json("cpu_adam", {
-        "benchmark": "cpu_adam", "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "adamw": {**ADAMW, "betas": list(ADAMW["betas"])}, "baseline": BASELINE, "systems": names,
-        "deepspeed_skipped": ds_skip or None, "environment": {**env, "loadavg_end": os.getloadavg()[0]},
-        "results": results}, args.out)
+        "benchmark": "cpu_adam", "args": common.json_args(args), "adamw": {**ADAMW, "betas": list(ADAMW["betas"])},
+        "baseline": BASELINE, "systems": names, "deepspeed_skipped": ds_skip or None,
+        "environment": {**env, "loadavg_end": os.getloadavg()[0]}, "results": results}, args.out)
     print(f"\nwrote {path}")
 
 

@@ -12,15 +12,16 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = ("--model", "tiny", "--seq-len", "32", "--eval-batches", "1", "--sample-bytes", "0",
-          "--corpus-bytes", "300000", "--micro-batch", "2")
+sys.path.insert(0, str(ROOT))
+from bench import common  # noqa: E402
+
+ARGS = ("--model", "tiny", "--seq-len", "32", "--eval-batches", "1", "--sample-bytes", "0",
+        "--corpus-bytes", "300000", "--micro-batch", "2")
 LAYOUTS = {
     "3d-8-ranks": ("--nproc", "8", "--dp", "2", "--tp", "2", "--pp", "2", "--grad-accum", "2", "--steps", "3"),
     "zero2-bf16-2-ranks": ("--nproc", "2", "--zero", "2", "--precision", "bf16", "--steps", "6"),
@@ -28,15 +29,9 @@ LAYOUTS = {
 
 
 def run_once(layout: str, timeout: float = 300) -> tuple[int, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    try:
-        out = subprocess.run([sys.executable, "-m", "zerotron.cli", "train", *COMMON, *LAYOUTS[layout]], cwd=ROOT,
-                             env=env, capture_output=True, text=True, timeout=timeout)
-        return out.returncode, out.stderr
-    except subprocess.TimeoutExpired as e:
-        return -999, f"timed out after {timeout:.0f} s\n{e.stderr or ''}"
+    rc, _, err = common.run_limited([sys.executable, "-m", "zerotron.cli", "train", *ARGS, *LAYOUTS[layout]], timeout,
+                                    common.child_env(OMP_NUM_THREADS=1, PYTHONUNBUFFERED=1), cwd=ROOT)
+    return (-999, f"timed out after {timeout:.0f} s\n{err}") if rc is None else (rc, err)
 
 
 def soak(runs: dict[str, int], log=print) -> dict:
@@ -63,8 +58,7 @@ def main():
     start = time.monotonic()
     counts = soak({"3d-8-ranks": args.runs, "zero2-bf16-2-ranks": args.small if args.small is not None else args.runs})
     result = {"counts": counts, "minutes": round((time.monotonic() - start) / 60, 1)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    common.write_json("exits", result, args.out)
     print(json.dumps(result))
     sys.exit(0 if all(set(c) == {0} for c in counts.values()) else 1)
 

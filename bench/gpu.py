@@ -1,63 +1,56 @@
 """One-GPU benchmark (H100 / H200): zerotron's MFU next to plain PyTorch, CPU offload, activation checkpointing.
 
-    python bench/gpu.py                          # on the GPU machine: all three parts, about 4-6 minutes
+    python bench/gpu.py                          # on the GPU machine: all parts, about 4-6 minutes
     python bench/gpu.py --out $OUT/gpu.json      # ... and keep the JSON somewhere that comes back
     python bench/gpu.py --smoke                  # tiny model on the CPU (gloo, world of one): every code path, < 1 min
     python bench/gpu.py --parts mfu --micro-batch 16
 
-Parts (each in a child process of its own, with a time limit; the parent never touches the GPU (it asks
-NVML whether there is one), so a part that fails, runs out of memory, hangs or is killed is recorded as such
-and the others still run; results print as they come, then a summary, and the JSON is rewritten after each part):
+Each part runs in a child process of its own under a time limit (the parent only asks NVML whether there is a
+GPU), so a part that fails, runs out of memory, hangs or is killed is recorded as such and the others still run;
+results print as they come, then a summary, and the JSON is rewritten after each part:
 
-1. `mfu`: the reference GPT (`--mfu-model 1.3b`, seq 2048, micro-batch 8) in bf16 with fp32 master weights
-   and torch's fused AdamW, trained by `zerotron.initialize` (ZeRO stage 0, world of one) and by a plain
-   PyTorch loop doing the same math (`model.to(bfloat16)`, fp32 master copies, fused AdamW on the masters,
-   gradients copied in and weights copied back with `torch._foreach_copy_`); same seed, same batches.
-   `--systems zerotron,plain,plain_autocast` adds torch's usual AMP recipe (fp32 parameters, `torch.autocast`).
-   Warm-up steps, then timed steps, each between `torch.cuda.synchronize()`; tokens/s from the median step,
-   MFU = flops_per_token (6N + 12*L*d*s) x tokens/s / peak (989 TFLOP/s on H100/H200, zerotron.train's table),
-   peak memory = `torch.cuda.max_memory_allocated()` over the timed steps.
-2. `offload`: ZeRO-Offload (`"offload_optimizer": {"device": "cpu", "pin_memory": true}`, stage 2). First the
-   arithmetic for `--offload-model` (default 13b): model states without offload (16 B/param at least, 20 at
-   zerotron's step peak) against GPU memory, and host memory with offload (fp32 masters, fp32 gradients and a
-   bf16 staging buffer, all pinned, + AdamW's two fp32 moments) against `--host-mem-gib` (128 on the H200
-   machine). When the model does not fit the host, the part trains that model's shape with as many layers as
-   fit (`--offload-layers auto`) and says so. The micro-batch (`--offload-micro-batch auto`) is the largest
-   whose measured peak stays under `--offload-mem-fraction` of GPU memory (activation bytes per sequence
-   measured by two probe steps). Then `offload_off` trains the same model and micro-batch without offload and
-   records the out-of-memory error (or that it fitted), next to the predicted peak.
-3. `ckpt`: `"zerotron": {"checkpoint_policy": none | every_block | selective}` on `--ckpt-model 350m`
-   (seq 2048, micro-batch 8): median step time, tokens/s, MFU (model FLOPs: recomputation not counted),
-   peak memory and the activation part of it (peak minus what stays allocated between steps).
+0. `correct`: bench/gpu_checks.py (ZeRO/offload parity, overflow, checkpoint round trip, host syncs).
+1. `mfu`: the reference GPT (`--mfu-model 1.3b`, seq 2048, micro-batch 8) in bf16 with fp32 masters and fused
+   AdamW, by `zerotron.initialize` (ZeRO 0) and by a plain PyTorch loop doing the same math (`--systems ...,
+   plain_autocast` adds torch's usual AMP); same seed and batches; tokens/s from the median step between
+   synchronizations; MFU = the model's FLOPs per token (the planner's 6N + 12·L·d·s) x tokens/s / the GPU's
+   peak in the planner's hardware table; peak memory = `torch.cuda.max_memory_allocated()`.
+2. `offload` (+ `offload_off`): ZeRO-Offload (stage 2, `offload_optimizer` pinned): the memory arithmetic of
+   `--offload-model` (13b) against GPU and host memory, then as many of its layers as the host holds at the
+   largest micro-batch that fits (two probe steps); `offload_off` repeats that without offload (OOM expected).
+3. `ckpt`: `checkpoint_policy` none | every_block | selective on `--ckpt-model 350m`: step time, tokens/s, MFU
+   (recomputation not counted), peak memory and its activation part.
 
-Models are built directly in bf16 on the device (`torch.set_default_dtype` + `with torch.device(...)`): no
-fp32 copy in host memory, and the GPU initializes billions of weights in well under a second. zerotron casts to bf16
-anyway and takes its fp32 masters from the bf16 weights, so nothing is lost. `zerotron.zero.Init` would only
-help where one GPU cannot hold the bf16 weights (ZeRO-3 over several ranks); `--offload-stage 3` uses it.
+Models are built directly in bf16 on the device: no fp32 copy in host memory. Details: bench/README.md.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import math
 import os
+import resource
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-GiB = 1 << 30
-ADAMW = {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
-T0 = float(os.environ.get("ZT_GPU_BENCH_T0", time.time()))
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # zerotron from this checkout, installed or not
+from bench import common, gpu_checks  # noqa: E402
+
+GiB = 1 << 30
+ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+T0 = float(os.environ.get("ZT_GPU_BENCH_T0", time.time()))
 
 # Seconds each part may take on the GPU (capped by what is left of --time-budget).
 JOB_LIMITS = {"correct": 150, "mfu": 150, "ckpt": 120, "offload": 240, "offload_off": 100}
@@ -183,10 +176,9 @@ def gib(n) -> float | None:
 def parent_main(args) -> int:
     os.environ["ZT_GPU_BENCH_T0"] = str(T0)
     deadline = T0 + args.time_budget
-    out = args.out or RESULTS / ("gpu_smoke.json" if args.smoke else "gpu.json")
+    out = args.out or common.RESULTS / ("gpu_smoke.json" if args.smoke else "gpu.json")
     if not args.smoke:
         os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # ask NVML: the parent never initializes CUDA
-        import torch
         available = torch.cuda.is_available()
         del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
         if not available:
@@ -219,55 +211,37 @@ def parent_main(args) -> int:
             log(f"{job}: skipped ({payload['jobs'][job]['skipped']})")
             continue
         payload["jobs"][job] = run_child(job, min(limits[job], left), extra, args.smoke, args.argv)
-        _write(out, payload)
+        common.write_json("gpu", payload, out)
     payload["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
     payload["wall_s"] = round(time.time() - T0, 1)
     payload["summary"] = summarize(payload)
-    _write(out, payload)
+    common.write_json("gpu", payload, out)
     print("\n".join(payload["summary"]), flush=True)
     log(f"done in {payload['wall_s']:.0f}s; wrote {out}")
     failed = [j for j, r in payload["jobs"].items() if r.get("error")]
     return 1 if failed else 0
 
 
-def _write(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-
-
 def run_child(job: str, limit: float, extra: list[str], smoke: bool, argv: list[str]) -> dict:
     """Run one part in a fresh process (a world of one: no launcher variables), at most `limit` seconds."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                        "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
-    if smoke:
-        env["CUDA_VISIBLE_DEVICES"] = ""  # the smoke run is the CPU path, also on a GPU machine
-    if job == "correct":
-        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # deterministic cuBLAS, set before CUDA starts
+    env = common.child_env(**({"CUDA_VISIBLE_DEVICES": ""} if smoke else {}),  # smoke: the CPU path, even on a GPU
+                           **({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if job == "correct" else {}))  # deterministic
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="zt_gpu_bench_") as tmp:
         result_file = Path(tmp) / "result.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--job", job,
                "--result-file", str(result_file), "--deadline", str(start + limit), *extra]
         log(f"{job}: starting (limit {limit:.0f}s)")
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=limit + GRACE_S)
-        except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
-            os.killpg(proc.pid, signal.SIGKILL)  # the child's own process group, started above
-            proc.wait()
-            rc = "timeout" if isinstance(e, subprocess.TimeoutExpired) else "interrupted"
-            if rc == "interrupted":
-                raise
+        rc, _, _ = common.run_limited(cmd, limit + GRACE_S, env, capture=False)
         try:
             result = json.loads(result_file.read_text())
         except (OSError, ValueError):
             result = {}
     result["wall_s"] = round(time.time() - start, 1)
     if rc != 0 and not result.get("error"):
-        if rc == "timeout":
+        if rc is None:
             result["error"] = f"killed after {limit + GRACE_S:.0f}s (time limit)"
-        elif isinstance(rc, int) and rc < 0:
+        elif rc < 0:
             result["error"] = f"killed by signal {-rc}" + (" (host out of memory?)" if -rc == signal.SIGKILL else "")
         else:
             result["error"] = f"exit status {rc}"
@@ -280,7 +254,6 @@ class Device:
     """The one device a child uses, and its memory counters (None on a CPU)."""
 
     def __init__(self):
-        import torch
         self.torch = torch
         self.cuda = torch.cuda.is_available()
         if self.cuda:
@@ -290,11 +263,8 @@ class Device:
             self.device = torch.device("cpu")
 
     def describe(self) -> dict:
-        import platform
         t = self.torch
-        import zerotron
-        d = {"type": self.device.type, "torch": t.__version__, "zerotron": zerotron.__version__,
-             "python": platform.python_version(), "cpu_cores": os.cpu_count(), "torch_threads": t.get_num_threads()}
+        d = {"type": self.device.type, **common.environment(torch_threads=t.get_num_threads())}
         if self.cuda:
             props = t.cuda.get_device_properties(0)
             d.update(name=t.cuda.get_device_name(0), total_memory_gib=round(props.total_memory / GiB, 2),
@@ -320,21 +290,15 @@ class Device:
         return self.torch.cuda.get_device_properties(0).total_memory if self.cuda else None
 
     def free(self):
-        import gc
         gc.collect()
         if self.cuda:
             self.torch.cuda.empty_cache()
 
     def peak_flops(self) -> float | None:
-        if not self.cuda:
-            return None
-        from zerotron.train import PEAK_FLOPS
-        name = self.torch.cuda.get_device_name(0)
-        return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+        return common.peak_flops(self.torch.cuda.get_device_name(0)) if self.cuda else None
 
 
 def is_oom(e: BaseException) -> bool:
-    import torch
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
@@ -344,7 +308,6 @@ def describe_error(e: BaseException) -> str:
 
 
 def host_peak_rss() -> int:
-    import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
@@ -362,7 +325,6 @@ def host_total_bytes(args, dev) -> int:
 
 def build_model(cfg, dev, seed: int = 0, dtype=None, meta_init: bool = False):
     """The reference GPT, built directly in `dtype` (bf16) on the device: no fp32 copy in host memory."""
-    import torch
     from zerotron.models.gpt import GPT
     dtype = dtype or torch.bfloat16
     torch.manual_seed(seed)
@@ -380,44 +342,29 @@ def build_model(cfg, dev, seed: int = 0, dtype=None, meta_init: bool = False):
 
 
 def param_counts(cfg) -> tuple[int, int, int]:
-    """(parameters, parameters per block, parameters outside the blocks) of the reference GPT, from its
-    layer shapes: computed, not built, so a 13b costs nothing (a meta-device build would import
-    torch._dynamo, 3 s). tests/test_bench_gpu_smoke.py checks it against the model for every size."""
-    d, hd = cfg.d_model, cfg.head_dim
-    block = 2 * d + 2 * d * cfg.n_head * hd + 2 * d * cfg.n_kv_head * hd + 3 * d * cfg.ffn  # norms, q o, k v, MLP
-    outside = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2) + d                    # embedding, head, norm
-    return outside + cfg.n_layer * block, block, outside
+    """(parameters, parameters per block, parameters outside the blocks) of the reference GPT: the planner's
+    count from the layer shapes, not a build, so a 13b costs nothing. tests/test_bench_gpu_smoke.py checks it
+    against the model for every size."""
+    shape = common.gpt_shape(cfg)
+    block = sum(n for where, n, _ in shape.tensors() if where == "block") // cfg.n_layer
+    return shape.parameters, block, shape.parameters - cfg.n_layer * block
 
 
-def flops_per_token(cfg, seq: int) -> float:
-    """GPT.flops_per_token: 6N + 12*L*d*s, N without the embedding (a lookup, not a matmul)."""
-    n = param_counts(cfg)[0] - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
-    return 6 * n + 12 * cfg.n_layer * cfg.d_model * seq
-
-
-def make_batches(n: int, micro_batch: int, seq: int, vocab: int, device, seed: int = 1234):
-    """n (tokens, targets) batches of random bytes, the same for every system."""
-    import torch
-    g = torch.Generator(device=device).manual_seed(seed)
-    data = torch.randint(0, vocab, (n, micro_batch, seq + 1), generator=g, device=device)
-    return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+flops_per_token = common.flops_per_token  # GPT.flops_per_token from the config: 6N + 12*L*d*s, N without the embedding
 
 
 def zerotron_engine(model, micro_batch: int, clip: float, **sections):
-    """zerotron in bf16 with this script's AdamW (the shared set-up in bench/common.py)."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from bench import common
+    """zerotron in bf16 with this script's AdamW."""
     return common.zerotron_step(model, micro_batch, clip, adamw=ADAMW, **{"bf16": {"enabled": True}, **sections})
 
 
 def plain_bf16(model, clip: float):
     """Plain PyTorch doing what zerotron does: bf16 model, fp32 master copies, fused AdamW on the masters."""
-    import torch
     params = [p for p in model.parameters() if p.requires_grad]
     masters = [torch.nn.Parameter(p.detach().float()) for p in params]
     for m in masters:
         m.grad = torch.zeros_like(m)
-    opt = torch.optim.AdamW(masters, fused=True, **{**ADAMW, "betas": tuple(ADAMW["betas"])})
+    opt = torch.optim.AdamW(masters, fused=True, **ADAMW)
 
     def step(x, y):
         loss = model(x, y)
@@ -436,21 +383,11 @@ def plain_bf16(model, clip: float):
 
 def plain_autocast(model, clip: float):
     """torch's usual AMP recipe: fp32 parameters (the masters), bf16 matmuls under autocast."""
-    import torch
     model.float()
-    opt = torch.optim.AdamW(model.parameters(), fused=True, **{**ADAMW, "betas": tuple(ADAMW["betas"])})
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
     device_type = next(model.parameters()).device.type
-
-    def step(x, y):
-        with torch.autocast(device_type, dtype=torch.bfloat16):
-            loss = model(x, y)
-        loss.backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-    return opt, step
+    return opt, common.torch_step(model, opt, clip, autocast=lambda: torch.autocast(device_type, dtype=torch.bfloat16),
+                                  foreach=True)
 
 
 def timed(step, batches, warmup: int, steps: int, dev, deadline: float) -> dict:
@@ -489,15 +426,42 @@ def add_rates(r: dict, tokens_per_step: int, fpt: float, peak_flops: float | Non
     return r
 
 
-def model_info(name: str, cfg, seq: int, model=None) -> dict:
-    """Size, parameters and FLOPs per token: the model's own counts when it is built."""
-    params = model.num_params() if model is not None else param_counts(cfg)[0]
-    fpt = model.flops_per_token(seq) if model is not None else flops_per_token(cfg, seq)
+def model_info(name: str, cfg, seq: int) -> dict:
+    """Size, parameters and FLOPs per token, from the planner's count of the config."""
+    shape = common.gpt_shape(cfg)
     return {"size": name, "n_layer": cfg.n_layer, "d_model": cfg.d_model, "n_head": cfg.n_head, "ffn": cfg.ffn,
-            "params": params, "flops_per_token": fpt, "seq": seq}
+            "params": shape.parameters, "flops_per_token": shape.flops_per_token(seq), "seq": seq}
 
 
-# ---- part 1: MFU --------------------------------------------------------------------------------------
+def measure(part: str, cases, cfg, b: int, args, dev, result, out: dict, save, make) -> None:
+    """For each case, a fresh model and `make(case, model) -> (engine or optimizer, step)`, then timed():
+    tokens/s, MFU, memory; out[case] is saved as soon as it is measured, an exception recorded as its error."""
+    batches = common.make_batches(args.warmup + args.steps, b, args.seq, cfg.vocab_size, device=dev.device)
+    for case in cases:
+        try:
+            t = time.perf_counter()
+            engine, step = make(case, build_model(cfg, dev))
+            setup = time.perf_counter() - t
+            r = add_rates(timed(step, batches, args.warmup, args.steps, dev, args.deadline), b * args.seq,
+                          result["model"]["flops_per_token"], result["peak_flops"])
+            r["setup_s"] = setup
+            if hasattr(engine, "memory_report"):
+                r["memory_report_gib"] = {k: gib(v) for k, v in engine.memory_report().items()}
+            log(f"{part}: {case}: median {r['median_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s"
+                + (f", MFU {r['mfu']:.1%}" if r["mfu"] else "")
+                + (f", peak {r['peak_gib']:.2f} GiB (activations {r['activations_gib']:.2f})"
+                   if r["peak_gib"] is not None else "")
+                + f", losses {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")
+        except Exception as e:  # noqa: BLE001 - one case failing must not lose the others
+            traceback.print_exc()
+            r = {"error": describe_error(e)}
+            log(f"{part}: {case}: FAILED: {r['error']}")
+        out[case] = r
+        engine = step = None
+        dev.free()
+        save()
+
+
 def job_mfu(args, dev, result, save):
     from zerotron.models.gpt import config_for
     cfg = config_for(args.mfu_model, max_seq_len=args.seq)
@@ -505,37 +469,11 @@ def job_mfu(args, dev, result, save):
     b = args.micro_batch
     result.update(micro_batch=b, tokens_per_step=b * args.seq, peak_flops=dev.peak_flops(), clip=args.clip,
                   systems={})
-    batches = make_batches(args.warmup + args.steps, b, args.seq, cfg.vocab_size, dev.device)
     log(f"mfu: {args.mfu_model} GPT, {info['params'] / 1e9:.3f}B params, {b} x {args.seq} tokens/step, "
         f"{args.warmup} warm-up + {args.steps} timed steps per system")
-    for name in args.systems:
-        try:
-            t = time.perf_counter()
-            model = build_model(cfg, dev)
-            if name == "zerotron":
-                engine, step = zerotron_engine(model, b, args.clip)
-            elif name == "plain":
-                engine, step = plain_bf16(model, args.clip)
-            else:
-                engine, step = plain_autocast(model, args.clip)
-            setup = time.perf_counter() - t
-            r = add_rates(timed(step, batches, args.warmup, args.steps, dev, args.deadline), b * args.seq,
-                          info["flops_per_token"], result["peak_flops"])
-            r["setup_s"] = setup
-            if name == "zerotron":
-                r["memory_report_gib"] = {k: gib(v) for k, v in engine.memory_report().items()}
-            log(f"mfu: {name}: median {r['median_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s"
-                + (f", MFU {r['mfu']:.1%}" if r["mfu"] else "")
-                + (f", peak {r['peak_gib']:.2f} GiB" if r["peak_gib"] is not None else "")
-                + f", losses {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")
-        except Exception as e:  # noqa: BLE001 - one system failing must not lose the others
-            traceback.print_exc()
-            r = {"error": describe_error(e)}
-            log(f"mfu: {name}: FAILED: {r['error']}")
-        result["systems"][name] = r
-        engine = step = model = None
-        dev.free()
-        save()
+    makers = {"zerotron": lambda m: zerotron_engine(m, b, args.clip), "plain": lambda m: plain_bf16(m, args.clip),
+              "plain_autocast": lambda m: plain_autocast(m, args.clip)}
+    measure("mfu", args.systems, cfg, b, args, dev, result, result["systems"], save, lambda n, m: makers[n](m))
     zt, pl = result["systems"].get("zerotron", {}), result["systems"].get("plain", {})
     if "median_s" in zt and "median_s" in pl:
         n = min(len(zt["losses"]), len(pl["losses"]))
@@ -545,35 +483,16 @@ def job_mfu(args, dev, result, save):
             "max_abs_dloss": max(abs(a - c) for a, c in zip(zt["losses"][:n], pl["losses"][:n]))}
 
 
-# ---- part 3: activation checkpointing ------------------------------------------------------------------
 def job_ckpt(args, dev, result, save):
     from zerotron.models.gpt import config_for
     cfg = config_for(args.ckpt_model, max_seq_len=args.seq)
     result["model"] = info = model_info(args.ckpt_model, cfg, args.seq)
     b = args.ckpt_micro_batch
     result.update(micro_batch=b, tokens_per_step=b * args.seq, peak_flops=dev.peak_flops(), policies={})
-    batches = make_batches(args.warmup + args.steps, b, args.seq, cfg.vocab_size, dev.device)
     log(f"ckpt: {args.ckpt_model} GPT, {info['params'] / 1e6:.0f}M params, {b} x {args.seq} tokens/step, "
         f"policies {', '.join(args.ckpt_policies)}")
-    for policy in args.ckpt_policies:
-        try:
-            model = build_model(cfg, dev)
-            engine, step = zerotron_engine(model, b, args.clip, zerotron={"checkpoint_policy": policy})
-            r = add_rates(timed(step, batches, args.warmup, args.steps, dev, args.deadline), b * args.seq,
-                          info["flops_per_token"], result["peak_flops"])
-            r["memory_report_gib"] = {k: gib(v) for k, v in engine.memory_report().items()}
-            log(f"ckpt: {policy}: median {r['median_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s"
-                + (f", MFU {r['mfu']:.1%}" if r["mfu"] else "")
-                + (f", peak {r['peak_gib']:.2f} GiB (activations {r['activations_gib']:.2f})"
-                   if r["peak_gib"] is not None else ""))
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            r = {"error": describe_error(e)}
-            log(f"ckpt: {policy}: FAILED: {r['error']}")
-        result["policies"][policy] = r
-        engine = step = model = None
-        dev.free()
-        save()
+    measure("ckpt", args.ckpt_policies, cfg, b, args, dev, result, result["policies"], save,
+            lambda policy, m: zerotron_engine(m, b, args.clip, zerotron={"checkpoint_policy": policy}))
     base = result["policies"].get("none", {})
     for policy, r in result["policies"].items():
         if "median_s" in r and "median_s" in base:
@@ -594,7 +513,6 @@ def offload_sections(args, offload: bool) -> dict:
 
 def offload_model_cfg(args, dev, result):
     """The assessment of --offload-model and the config actually trained (maybe fewer layers)."""
-    from dataclasses import replace
     from zerotron.models.gpt import config_for
     full = config_for(args.offload_model, max_seq_len=args.seq)
     psi, per_layer, fixed = param_counts(full)
@@ -656,7 +574,7 @@ def job_offload(args, dev, result, save):
         f"host RSS peak {gib(host_peak_rss()):.1f} GiB")
 
     def one_step(b, seed):
-        x, y = make_batches(1, b, args.seq, cfg.vocab_size, dev.device, seed=seed)[0]
+        x, y = common.make_batches(1, b, args.seq, cfg.vocab_size, seed=seed, device=dev.device)[0]
         dev.sync()
         t0 = time.perf_counter()
         loss = engine(x, y)
@@ -738,7 +656,6 @@ def job_offload(args, dev, result, save):
 
 def job_offload_off(args, dev, result, save):
     """The same model and micro-batch as the offload part, without offload: expected to run out of memory."""
-    from dataclasses import replace
     from zerotron.models.gpt import config_for
     cfg = replace(config_for(args.offload_model, max_seq_len=args.seq), n_layer=int(args.offload_layers))
     mb = int(args.offload_micro_batch)
@@ -754,7 +671,7 @@ def job_offload_off(args, dev, result, save):
         result["states_gib"] = gib(dev.allocated())
         dev.reset_peak()
         for i in range(2):
-            x, y = make_batches(1, mb, args.seq, cfg.vocab_size, dev.device, seed=100 + i)[0]
+            x, y = common.make_batches(1, mb, args.seq, cfg.vocab_size, seed=100 + i, device=dev.device)[0]
             phase = f"step {i + 1} forward"
             loss = engine(x, y)
             phase = f"step {i + 1} backward"
@@ -772,12 +689,7 @@ def job_offload_off(args, dev, result, save):
         log(f"offload_off: out of GPU memory at {phase} (peak before it {gib(dev.peak()) or 0:.2f} GiB): as expected")
 
 
-def job_correct(args, dev, result, save):
-    from bench.gpu_checks import job_correct as checks
-    checks(args, dev, result, save)
-
-
-JOBS = {"correct": job_correct, "mfu": job_mfu, "ckpt": job_ckpt, "offload": job_offload,
+JOBS = {"correct": gpu_checks.job_correct, "mfu": job_mfu, "ckpt": job_ckpt, "offload": job_offload,
         "offload_off": job_offload_off}
 
 
@@ -788,7 +700,7 @@ def child_main(args) -> int:
 
     def save():
         if args.result_file is not None:
-            args.result_file.write_text(json.dumps(result, indent=2, default=str))
+            common.write_json(args.job, result, args.result_file)
 
     try:
         dev = Device()
@@ -813,10 +725,7 @@ def _status(r: dict) -> list[str]:
 
 
 def _table(rows, columns):
-    cells = [[h for _, h, _ in columns]] + [[_f(r.get(k), f) for k, _, f in columns] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
-    return ["  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
-            for line in cells]
+    return common.table_lines(rows, columns, missing="-", rule=False, indent="  ")
 
 
 def summarize(payload: dict) -> list[str]:

@@ -104,25 +104,17 @@ def system(cfg, args, spec, rank):
     dp, tp, pp, zero, ckpt, sp = spec
     model = common.build_gpt(cfg)
     per_rank = args.batch // dp
-    config = {"train_micro_batch_size_per_gpu": per_rank, "gradient_accumulation_steps": 1,
-              "steps_per_print": 10 ** 9, "zero_optimization": {"stage": zero}, "gradient_clipping": 1.0,
-              "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
-              "tensor_parallel": {"autotp_size": tp},
-              "zerotron": {"checkpoint_policy": ckpt, "sequence_parallel": sp}}
+    m = args.micro_batches if pp > 1 else 1
+    config = common.zerotron_config(args.batch // dp // m, 1.0, zero, gas=m, tensor_parallel={"autotp_size": tp},
+                                    zerotron={"checkpoint_policy": ckpt, "sequence_parallel": sp})
     if pp > 1:
-        m = args.micro_batches
-        config.update(train_micro_batch_size_per_gpu=args.batch // m, gradient_accumulation_steps=m)
-        engine, *_ = zerotron.initialize(model=model.to_pipeline(pp, partition_method="type:_PipeBlock"), config=config)
+        module = common.to_pipeline(model, pp, partition_method="type:_PipeBlock")
+        engine, *_ = zerotron.initialize(model=module, config=config)
         return lambda x, y: engine.train_batch(iter(zip(x.tensor_split(m), y.tensor_split(m)))).item()
     engine, *_ = zerotron.initialize(model=model, config=config)
     lo = (rank % dp) * per_rank if dp > 1 else 0
-
-    def step(x, y):
-        loss = engine(x[lo:lo + per_rank], y[lo:lo + per_rank])
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
-    return step
+    step = common.engine_step(engine)
+    return lambda x, y: step(x[lo:lo + per_rank], y[lo:lo + per_rank])
 
 
 def predicted(cfg, args, spec, hw) -> float:
@@ -147,11 +139,7 @@ def main():
 
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
     systems = {n: system(cfg, args, SYSTEMS[n], rank) for n in names}
-    g = torch.Generator().manual_seed(1234)
-    n_batches = args.warmup + args.rounds * args.steps
-    data = [torch.randint(0, 256, (args.batch, args.seq + 1), generator=g) for _ in range(n_batches)]
-    batches = [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in data]
-    res = common.run_rounds(systems, batches, args.warmup, args.steps, args.rounds, log)
+    res = common.run_rounds(systems, common.batches_for(args, cfg), args.warmup, args.steps, args.rounds, log)
 
     rows = []
     for n in names:
@@ -167,13 +155,12 @@ def main():
         common.print_table(rows, [("layout", "layout", "{}"), ("median_ms", "measured ms", "{:.1f}"),
                                   ("predicted_ms", "predicted ms", "{:.1f}"),
                                   ("measured_ratio", f"measured / {BASE}", "{:.3f}"),
-                                  ("predicted_ratio", "predicted ratio", "{:.3f}"), ("ratio_error", "error", "{:+.1%}")])
-        errors = [abs(r["ratio_error"]) for r in rows if r["layout"] != BASE]
-        log(f"ratio error: median {statistics.median(errors):.1%}, worst {max(errors):.1%}")
-        common.write_json("planner", {"environment": common.environment(), "args": vars(args) | {"out": None},
-                                      "calibration": fields, "rows": rows,
-                                      "median_abs_ratio_error": statistics.median(errors),
-                                      "worst_abs_ratio_error": max(errors)}, args.out)
+                                  ("predicted_ratio", "predicted ratio", "{:.3f}"),
+                                  ("ratio_error", "error", "{:+.1%}")])
+    errors = [abs(r["ratio_error"]) for r in rows if r["layout"] != BASE]
+    log(f"ratio error: median {statistics.median(errors):.1%}, worst {max(errors):.1%}")
+    common.finish("planner", args, {"calibration": fields, "rows": rows, "worst_abs_ratio_error": max(errors),
+                                    "median_abs_ratio_error": statistics.median(errors)}, rank)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ planner's shapes are bias-free and RMS-normed; biases and LayerNorm weights are 
 """
 from __future__ import annotations
 
+import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -42,12 +42,12 @@ from dataclasses import asdict, dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import common  # noqa: E402
 from zerotron.planner.cost import Layout, fits, memory, throughput  # noqa: E402
 from zerotron.planner.hardware import GIB, hardware  # noqa: E402
 from zerotron.planner.model import ARCHITECTURES, ModelShape  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-A100_PEAK = 312e12
+A100_PEAK = hardware("a100-80").peak_flops  # the planner's table: 312e12, dense bf16
 SEQ_GPT = 2048
 V_MEGATRON = 51_200
 
@@ -331,19 +331,19 @@ def summary_text(s: dict, rows: list[dict]) -> str:
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="result JSON (default bench/results/planner_published.json)")
+    args = p.parse_args()
     rows = [evaluate(r) for r in runs()]
     s = summarize(rows)
     print(table(rows))
     print()
     print(summary_text(s, rows))
-    os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, "planner_published.json")
-    with open(path, "w") as f:
-        json.dump({"benchmark": "planner_published", "date": datetime.date.today().isoformat(),
-                   "what": "planner throughput / memory predictions vs published training runs (see the "
-                           "module docstring for the conventions)",
-                   "rows": rows, "summary": s,
-                   "skipped": [{"run": n, "why": w} for n, w in SKIPPED]}, f, indent=2)
+    path = common.write_json("planner_published", {
+        "benchmark": "planner_published", "date": datetime.date.today().isoformat(),
+        "what": "planner throughput / memory predictions vs published training runs (see the module docstring "
+                "for the conventions)", "rows": rows, "summary": s,
+        "skipped": [{"run": n, "why": w} for n, w in SKIPPED]}, args.out)
     print(f"\nwrote {path}")
 
 

@@ -5,34 +5,19 @@
     python bench/pp.py --schedules 1f1b --rounds 30
     python bench/pp.py --nproc 4             # 4 pipeline stages (needs --layers >= 4)
 
-Every rank is one pipeline stage (pipeline size = world size, no data or tensor parallelism). Every
-step is one global batch of --batch sequences cut into --micro-batches micro-batches of equal size;
-stage 0 reads the tokens, the last stage the targets. All systems train the same seeded GPT on the
-same batches with torch AdamW (fused=True; lr 1e-3, betas 0.9/0.95, eps 1e-8, weight decay 0.1) and
-the same gradient clipping (default off); losses are compared so we know they do the same math.
+Pipeline size = world size; a step is one global batch of --batch sequences in --micro-batches equal
+micro-batches (stage 0 reads the tokens, the last stage the targets). Same seeded GPT, batches, fused AdamW
+and clipping (default off) for every system. Both sides cut the model alike (stage_bounds) and wrap each block
+to take one tensor, as zerotron's _PipeBlock does.
 
-Both sides cut the model the same way: stage 0 holds the embedding and the first blocks, the last
-stage the remaining blocks, the final norm and the head (blocks split as evenly as possible, earlier
-stages taking one more). Each block is wrapped to take one tensor and compute its rotary cos/sin from
-x.shape[1], as zerotron's _PipeBlock does.
+  zt_gpipe / zt_1f1b        to_pipeline + zerotron.initialize(pipeline.schedule gpipe / 1f1b);
+                            a step = engine.train_batch(iter(micro-batches))
+  torch_gpipe / torch_1f1b  PipelineStage + ScheduleGPipe / Schedule1F1B(scale_grads=True), then AdamW;
+                            the mean micro-batch loss broadcast from the last stage, as train_batch returns it
 
-  zt_gpipe / zt_1f1b     GPT.to_pipeline(stages, partition_method="type:_PipeBlock"), zerotron.initialize
-                         with pipeline.schedule "gpipe" / "1f1b", ZeRO stage 0, AdamW from the config;
-                         one step = engine.train_batch(iter(micro-batches)), which returns the mean
-                         micro-batch loss on every rank.
-  torch_gpipe / torch_1f1b
-                         PipelineStage(stage module, rank, stages, cpu) with static input/output shapes,
-                         ScheduleGPipe / Schedule1F1B(n_microbatches, loss_fn=the model's cross-entropy,
-                         scale_grads=True: gradients divided by the micro-batch count after the last
-                         backward, so they are those of the mean micro-batch loss, as zerotron's, which
-                         scales each micro-batch's loss by 1/m before its backward), step(tokens,
-                         target=targets, losses=..., return_outputs=False); then AdamW on the stage's
-                         parameters. The mean micro-batch loss is broadcast from the last stage so every
-                         rank returns it, as zerotron's train_batch does (one small broadcast).
-
-Pairs: zt_gpipe vs torch_gpipe, zt_1f1b vs torch_1f1b. Also reported: zerotron's measured pipeline
-bubble (engine.pipeline_bubble(): idle fraction of each stage over the common window of the last
-train_batch) for the last timed batch and as the median over --bubble-batches extra batches.
+Pairs: zt_gpipe vs torch_gpipe, zt_1f1b vs torch_1f1b. Also zerotron's measured bubble
+(engine.pipeline_bubble()) of the last timed batch and over --bubble-batches extra batches. Details:
+bench/README.md.
 """
 from __future__ import annotations
 
@@ -52,7 +37,6 @@ from bench import common  # noqa: E402
 warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed.pipelining")
 
-ADAMW = common.ADAMW
 SCHEDULES = ("gpipe", "1f1b")
 BASELINE = "torch_gpipe"
 
@@ -84,14 +68,10 @@ def micro_split(tokens, targets, m):
 
 # ---- zerotron -------------------------------------------------------------------------------------
 def zerotron_system(cfg, args, stages, schedule):
-    import zerotron
-    module = common.build_gpt(cfg).to_pipeline(stages, partition_method="type:_PipeBlock")
-    engine, *_ = zerotron.initialize(model=module, config={
-        "train_micro_batch_size_per_gpu": args.batch // args.micro_batches,
-        "gradient_accumulation_steps": args.micro_batches, "steps_per_print": 10**9,
-        "pipeline": {"schedule": schedule}, "zero_optimization": {"stage": 0}, "gradient_clipping": args.clip,
-        "wall_clock_breakdown": True,  # pipeline_bubble() needs the stage timing
-        "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}}})
+    module = common.to_pipeline(common.build_gpt(cfg), stages, partition_method="type:_PipeBlock")
+    engine, _ = common.zerotron_step(module, args.batch // args.micro_batches, args.clip, gas=args.micro_batches,
+                                     pipeline={"schedule": schedule},
+                                     wall_clock_breakdown=True)  # pipeline_bubble() needs the stage timing
 
     def step(tokens, targets):
         return engine.train_batch(iter(micro_split(tokens, targets, args.micro_batches))).item()
@@ -151,7 +131,7 @@ def torch_system(cfg, args, stage, stages, schedule):
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     sched = kind(pipe_stage, n_microbatches=args.micro_batches, loss_fn=cross_entropy, scale_grads=True)
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, fused=True, **ADAMW)
+    opt = torch.optim.AdamW(params, fused=True, **common.ADAMW)
     first, last = stage == 0, stage == stages - 1
 
     def step(tokens, targets):
@@ -180,10 +160,7 @@ def main():
     args = parse_args()
     rank, world, log, cfg = common.start(args)
     stages = world
-    schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
-    unknown = set(schedules) - set(SCHEDULES)
-    if unknown:
-        raise SystemExit(f"unknown schedules {sorted(unknown)}; choose from {', '.join(SCHEDULES)}")
+    schedules = common.names_arg(args.schedules, SCHEDULES, "schedules")
     if args.batch % args.micro_batches:
         raise SystemExit(f"--batch {args.batch} must be divisible by --micro-batches {args.micro_batches}")
     if args.layers < stages:
@@ -202,17 +179,12 @@ def main():
     if list(parts) != expected:
         raise SystemExit(f"zerotron cut the layers at {parts}, the torch stages at {expected}")
 
-    n_params = sum(p.numel() for p in common.build_gpt(cfg).parameters())
     mb = args.batch // args.micro_batches
-    log(f"GPT {args.layers} layers, d={args.d_model}, {args.heads} heads, {n_params / 1e6:.2f}M params, seq "
-        f"{args.seq}; {stages} pipeline stages (blocks {', '.join(f'{a}-{b - 1}' for a, b in zip(blocks, blocks[1:]))}"
-        f"), {args.batch} sequences/step = {args.micro_batches} micro-batches of {mb}, fp32, clip "
-        f"{args.clip or 'off'}; {args.warmup} warm-up + {args.rounds} rounds x {args.steps} timed steps per "
-        f"system; load average {os.getloadavg()[0]:.2f}")
-    environment = common.environment()
-    total = args.warmup + args.rounds * args.steps
+    common.announce(log, args, cfg, f"{stages} pipeline stages (blocks "
+                    f"{', '.join(f'{a}-{b - 1}' for a, b in zip(blocks, blocks[1:]))}), {args.batch} sequences/step = "
+                    f"{args.micro_batches} micro-batches of {mb}, fp32, clip {args.clip or 'off'}")
     # One pipeline: every rank reads the same global batch (stage 0 uses the tokens, the last stage the targets).
-    batches = common.make_batches(total, args.batch, args.seq, cfg.vocab_size, rank=0, world=1)
+    batches = common.batches_for(args, cfg)
     res = common.run_rounds(systems, batches, args.warmup, args.steps, args.rounds, log=log)
 
     # zerotron's bubble: the last timed batch, then the median over a few extra (untimed) batches.
@@ -229,30 +201,20 @@ def main():
                                                   for s in range(stages)] if extra else None,
                          "extra_batches": [b["measured"] for b in extra]}
 
+    def per_stage(values):
+        return None if not values else " / ".join(f"{x:.3f}" for x in values)
+
     baseline = BASELINE if BASELINE in res else next(n for n in res if n.startswith("torch"))
-    ref = res[baseline]["losses_mean_over_ranks"]
-    rows = []
-    for name, r in res.items():
-        diff, rel = common.max_loss_diff(r["losses_mean_over_ranks"], ref, start=0)
-        mem = memory[name]
+    rows = list(common.compare(res, baseline).values())
+    for r in rows:
+        mem, b = memory[r["system"]], bubbles.get(r["system"])
         # state per rank differs between stages: report the largest.
-        tot = torch.tensor([float(mem.get("total", 0))])
-        dist.all_reduce(tot, op=dist.ReduceOp.MAX)
-        b = bubbles.get(name)
-        rows.append({"system": name, "median_ms": r["median_ms"], "round_ms": r["round_ms"], "loss_diff": diff,
-                     "loss_rel_diff": rel, "state_mb_max_stage": tot.item() / 2**20, "memory_rank0": mem,
-                     "bubble_last": None if b is None else " / ".join(f"{x:.3f}" for x in b["last_timed_batch"]),
-                     "bubble_median": None if not b or not b["median_extra_batches"] else
-                     " / ".join(f"{x:.3f}" for x in b["median_extra_batches"]),
-                     "bubble_theory": None if b is None else b["theory"], "bubble": b,
-                     "losses": r["losses_mean_over_ranks"], "step_ms": r["ms"]})
-    pairs = [{"schedule": s, "zerotron": f"zt_{s}", "torch": f"torch_{s}",
-              "median_zt_ms": res[f"zt_{s}"]["median_ms"], "median_torch_ms": res[f"torch_{s}"]["median_ms"],
-              "ratio": res[f"zt_{s}"]["median_ms"] / res[f"torch_{s}"]["median_ms"],
-              "paired": common.paired_ratio(res, f"zt_{s}", f"torch_{s}"),
-              "loss_diff": common.max_loss_diff(res[f"zt_{s}"]["losses_mean_over_ranks"],
-                                                res[f"torch_{s}"]["losses_mean_over_ranks"])[0]}
-             for s in schedules]
+        r.update(state_mb_max_stage=common.max_over_ranks(mem.get("total", 0)) / 2**20, memory_rank0=mem,
+                 bubble_last=b and per_stage(b["last_timed_batch"]),
+                 bubble_median=b and per_stage(b["median_extra_batches"]),
+                 bubble_theory=b and b["theory"], bubble=b)
+    pairs = [{"schedule": s, "zerotron": f"zt_{s}", "torch": f"torch_{s}", "pair": f"zt_{s} / torch_{s}",
+              **common.pair(res, f"zt_{s}", f"torch_{s}")} for s in schedules]
     if rank == 0:
         print()
         common.print_table(rows, [
@@ -262,8 +224,6 @@ def main():
             ("bubble_last", "bubble last batch (per stage)", "{}"),
             ("bubble_median", f"median of {args.bubble_batches} more", "{}"), ("bubble_theory", "theory", "{:.3f}")])
         print()
-        for p in pairs:
-            p["pair"] = f"{p['zerotron']} / {p['torch']}"
         common.print_table(pairs, [("pair", "zerotron / torch", "{}"), ("median_zt_ms", "zt ms", "{:.1f}"),
                                    ("median_torch_ms", "torch ms", "{:.1f}"), ("ratio", "ratio of medians", "{:.3f}"),
                                    ("paired", "paired", "{:.3f}"), ("loss_diff", "max|dloss|", "{:.1e}")])
@@ -271,18 +231,12 @@ def main():
               "shared machine). max|dloss| over every step, warm-up included. Bubble: zerotron's "
               "engine.pipeline_bubble(), idle fraction of each stage over the common window of a batch; theory "
               "(p-1)/(m+p-1). State: params + grads + AdamW state after the first step, the largest stage.")
-        path = common.write_json("pp", {
-            "benchmark": "pp", "args": {k: str(v) if k == "out" else v for k, v in vars(args).items()},
-            "model": {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "seq": args.seq,
-                      "params": n_params, "dtype": "fp32", "pipeline_stages": stages, "stage_blocks": blocks,
-                      "zerotron_layer_cuts": list(parts), "micro_batches": args.micro_batches,
-                      "micro_batch_size": mb},
-            "adamw": {**ADAMW, "betas": list(ADAMW["betas"]), "fused": True},
-            "environment": {**environment, "loadavg_end": os.getloadavg()[0]},
-            "baseline": baseline, "pairs": pairs, "results": rows}, args.out)
-        print(f"\nwrote {path}")
-    dist.barrier()
-    dist.destroy_process_group()
+    common.finish("pp", args, {
+        "model": common.model_json(args, cfg, dtype="fp32", pipeline_stages=stages, stage_blocks=blocks,
+                                   zerotron_layer_cuts=list(parts), micro_batches=args.micro_batches,
+                                   micro_batch_size=mb),
+        "adamw": {**common.ADAMW, "betas": list(common.ADAMW["betas"]), "fused": True},
+        "baseline": baseline, "pairs": pairs, "results": rows}, rank)
 
 
 if __name__ == "__main__":

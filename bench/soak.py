@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import write_json  # noqa: E402
+from bench import common  # noqa: E402
 
 JOB = Path(__file__).resolve().parent / "soak_job.py"
 FAULTS = ("none", "kill", "sigterm", "nan", "nan3", "diverge")
@@ -44,14 +44,13 @@ def parse_args():
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--job-timeout", type=float, default=180.0, help="a job running longer than this is a hang")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="result JSON (default bench/results/soak.json)")
     return p.parse_args()
 
 
 def env():
-    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        e.pop(k, None)
-    return e
+    """The environment of a job started from here (or from a test): its own world, one thread per rank."""
+    return common.child_env(OMP_NUM_THREADS=1, PYTHONUNBUFFERED=1)
 
 
 def latest_step(save: Path) -> int:
@@ -90,20 +89,8 @@ def children(pid: int) -> list[int]:
 
 
 def launch(save: Path, steps: int, extra: list[str], restarts: int = 2) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "zerotron.cli", "run", "-n", "2", "--max-restarts", str(restarts),
-                             str(JOB), "--save-dir", str(save), "--steps", str(steps), *extra],
-                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-
-
-def wait(job: subprocess.Popen, timeout: float) -> tuple[int | None, str, str]:
-    try:
-        out, err = job.communicate(timeout=timeout)
-        return job.returncode, out, err
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        out, err = job.communicate()
-        return None, out, err
+    return common.spawn([sys.executable, "-m", "zerotron.cli", "run", "-n", "2", "--max-restarts", str(restarts),
+                         str(JOB), "--save-dir", str(save), "--steps", str(steps), *extra], env())
 
 
 def one_job(fault: str, rng: random.Random, args, root: Path) -> dict:
@@ -131,12 +118,12 @@ def one_job(fault: str, rng: random.Random, args, root: Path) -> dict:
                 os.kill(rng.choice(children(job.pid)), signal.SIGKILL)
             elif fault == "sigterm":
                 os.killpg(job.pid, signal.SIGTERM)
-    code, out, err = wait(job, args.job_timeout - (time.monotonic() - start))
+    code, out, err = common.wait_limited(job, args.job_timeout - (time.monotonic() - start))
     record = {"fault": fault, "args": extra, "exit": code, "seconds": round(time.monotonic() - start, 1),
               "hang": code is None}
     if fault == "sigterm" and code == 75:  # preempted: the rerun must finish from the checkpoint
         record["preempted_at"] = latest_step(save)
-        code2, out, err = wait(launch(save, args.steps, []), args.job_timeout)
+        code2, out, err = common.wait_limited(launch(save, args.steps, []), args.job_timeout)
         record["rerun_exit"] = code2
         record["hang"] |= code2 is None
         code = code2
@@ -168,7 +155,7 @@ def main():
                "hangs": sum(r["hang"] for r in records), "checkpoints_lost": sum(r["checkpoint_lost"] for r in records),
                "by_fault": {f: sum(r["fault"] == f for r in records) for f in FAULTS}}
     print(json.dumps(summary, indent=1))
-    write_json("soak", {"args": vars(args), "summary": summary, "jobs": records})
+    common.write_json("soak", {"args": common.json_args(args), "summary": summary, "jobs": records}, args.out)
 
 
 if __name__ == "__main__":

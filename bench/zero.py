@@ -4,20 +4,11 @@
     python bench/zero.py --precision fp32 --no-deepspeed --rounds 5
     python bench/zero.py --systems zt3,fsdp2_reshard --precision bf16
 
-Every system trains the same seeded GPT on the same batches with the same AdamW hyper-parameters
-(fused=True everywhere) and the same gradient clipping; losses are compared with a baseline of the
-same precision (torch DDP in fp32, zerotron stage 0 in bf16) so we know they do the same math.
-
-Pairs (zerotron stage k vs the peer that shards the same states):
-  zt1 vs torch_zero1 (ZeroRedundancyOptimizer + DDP) and ds1
-  zt2 vs fsdp2_noreshard (fully_shard(reshard_after_forward=False)) and ds2
-  zt3 vs fsdp2_reshard (fully_shard(reshard_after_forward=True)) and ds3; zt3_fsdp is zerotron
-  stage 3 configured like FSDP2 (every parameter partitioned, prefetch one block) vs the same peers.
-
-Memory is model state counted as tensor bytes (not RSS): every tensor reachable from the system's
-objects (module, optimizer, engine / FSDP states), deduplicated by storage, sampled at each
-block's forward, at each block's backward, and before and after the optimizer step of one
-untimed step; the peak over those samples is reported.
+Same seeded GPT, batches, fused AdamW and gradient clipping for every system; losses against a baseline of
+the same precision (torch DDP in fp32, zerotron stage 0 in bf16). Pairs (PAIRS): zt1 vs torch_zero1 and ds1,
+zt2 vs fsdp2_noreshard and ds2, zt3 (and zt3_fsdp, stage 3 set up as FSDP2 works) vs fsdp2_reshard and ds3.
+Memory is model state as tensor bytes reachable from each system's objects, sampled around every block and
+optimizer step of one untimed step (MemoryProbe); the peak is reported. Details: bench/README.md.
 """
 from __future__ import annotations
 
@@ -76,10 +67,6 @@ _LEAVES = (str, bytes, int, float, complex, bool, type(None), type, types.Module
            torch.device, torch.dtype, torch.Size)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t  # DTensor: this rank's shard
-
-
 def reachable_tensors(roots, limit: int = 2_000_000):
     """Every tensor reachable from `roots` through attributes, slots, containers, bound methods,
     partials and closures (hooks), and through tensors' .grad and attributes (DeepSpeed's ds_tensor)."""
@@ -90,7 +77,7 @@ def reachable_tensors(roots, limit: int = 2_000_000):
             continue
         seen.add(id(o))
         if torch.is_tensor(o):
-            found.append(_local(o))
+            found.append(common.local_tensor(o))
             if o.is_leaf and o.grad is not None:
                 stack.append(o.grad)
             stack.extend(getattr(o, "__dict__", {}).values())
@@ -136,15 +123,7 @@ def state_breakdown(params, optimizers, roots, hints=None) -> dict[str, int]:
     seen: set[int] = set()
 
     def count(tensors) -> int:
-        total = 0
-        for t in tensors:
-            if not torch.is_tensor(t):
-                continue
-            s = _local(t).untyped_storage()
-            if s.nbytes() and s.data_ptr() not in seen:
-                seen.add(s.data_ptr())
-                total += s.nbytes()
-        return total
+        return common.tensor_bytes(tensors, seen)
 
     params, hints = list(params), hints or {}
     opt_params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
@@ -202,42 +181,29 @@ class MemoryProbe:
 
 
 # ---- systems -------------------------------------------------------------------------------------
-def phase(name: str):
-    """A profiler range around one phase of a step (forward, backward, step: clipping + optimizer + publish)."""
-    return torch.profiler.record_function(f"phase:{name}")
-
-
-def zerotron_system(cfg, per_rank, stage, precision, args, **zero_extra):
-    import zerotron
+def zero_section(stage, args, **extra) -> dict:
+    """zero_optimization for zerotron and DeepSpeed alike: the same buckets, stage-3 threshold and prefetch."""
     zero = {"stage": stage, "reduce_bucket_size": int(args.reduce_bucket_size),
             "allgather_bucket_size": int(args.reduce_bucket_size)}
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=int(args.stage3_threshold),
                     stage3_prefetch_bucket_size=int(args.stage3_prefetch))
-    zero.update(zero_extra)
-    engine, *_ = zerotron.initialize(model=common.build_gpt(cfg), config={
-        "train_micro_batch_size_per_gpu": per_rank, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-        "zero_optimization": zero, "gradient_clipping": args.clip, "bf16": {"enabled": precision == "bf16"},
-        "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}}})
+    return {**zero, **extra}
 
-    def step(tokens, targets):
-        with phase("forward"):
-            loss = engine(tokens, targets)
-        with phase("backward"):
-            engine.backward(loss)
-        with phase("step"):
-            engine.step()
-        return loss.item()
+
+def zerotron_system(cfg, per_rank, stage, precision, args, **zero_extra):
+    zero = zero_section(stage, args, **zero_extra)
+    engine, step = common.zerotron_step(common.build_gpt(cfg), per_rank, args.clip, phases=True, zero_optimization=zero,
+                                        bf16={"enabled": precision == "bf16"})
     probe = MemoryProbe(engine.module.layers, engine.module.parameters, [engine.optimizer], lambda: [engine],
                         lambda: zerotron_hints(engine.states))
-    info = {"config": {"zero_optimization": zero}, "engine": engine}
-    return probe.wrap(step), probe, info
+    return probe.wrap(step), probe, {"config": {"zero_optimization": zero}, "engine": engine}
 
 
 def zerotron_hints(states) -> dict:
     """zerotron's flat buffers by kind (stage 0 keeps them in ReplicatedStates' buckets and masters)."""
     buckets = getattr(states, "buckets", [])
-    grads = [getattr(states, "grad_shard_flat", None), getattr(states, "master_grad_flat", None)]
+    grads = [getattr(getattr(states, "grads", None), "flat", None), getattr(states, "master_grad_flat", None)]
     grads += [getattr(b, a, None) for b in buckets for a in ("grad_full", "grads")]
     masters = [getattr(states, "master_flat", None)]
     if hasattr(states, "master"):  # stage 0
@@ -251,31 +217,17 @@ def ddp_system(cfg, precision, clip, zero1: bool):
     """torch DDP (gradient_as_bucket_view=True), optionally with ZeroRedundancyOptimizer (ZeRO-1).
     bf16: torch.autocast (fp32 parameters and gradients, bf16 matmuls). DDP's own mixed precision
     (`_MixedPrecision`) records CUDA events and fails on CPU ("cpu backend doesn't support events")."""
-    import contextlib
-
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
     model = DistributedDataParallel(common.build_gpt(cfg), gradient_as_bucket_view=True)
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
     if zero1:
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, fused=True, **ADAMW)
         inner = opt.optim
     else:
         opt = inner = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
-
-    def step(tokens, targets):
-        with phase("forward"), autocast():
-            loss = model(tokens, targets)
-        with phase("backward"):
-            loss.backward()
-        with phase("step"):
-            if clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            opt.step()
-            opt.zero_grad()
-        return loss.item()
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else None
     probe = MemoryProbe(model.module.layers, model.parameters, [inner], lambda: [model, opt])
-    return probe.wrap(step), probe, {}
+    return probe.wrap(common.torch_step(model, opt, clip, phases=True, autocast=autocast)), probe, {}
 
 
 def fsdp2_system(cfg, precision, clip, reshard: bool, mesh):
@@ -288,37 +240,18 @@ def fsdp2_system(cfg, precision, clip, reshard: bool, mesh):
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)  # after sharding: DTensor parameters
-
-    def step(tokens, targets):
-        with phase("forward"):
-            loss = model(tokens, targets)
-        with phase("backward"):
-            loss.backward()
-        with phase("step"):
-            if clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            opt.step()
-            opt.zero_grad()
-        return loss.item()
     states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
     probe = MemoryProbe(model.layers, model.parameters, [opt], lambda: [model, opt, states])
-    return probe.wrap(step), probe, {}
+    return probe.wrap(common.torch_step(model, opt, clip, phases=True)), probe, {}
 
 
 def deepspeed_system(cfg, per_rank, stage, precision, args):
     import deepspeed
     model = common.build_gpt(cfg)
     opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
-    zero = {"stage": stage, "reduce_bucket_size": int(args.reduce_bucket_size),
-            "allgather_bucket_size": int(args.reduce_bucket_size)}
-    if stage == 3:
-        zero.update(stage3_param_persistence_threshold=int(args.stage3_threshold),
-                    stage3_prefetch_bucket_size=int(args.stage3_prefetch))
-    config = {"train_micro_batch_size_per_gpu": per_rank, "gradient_accumulation_steps": 1,
-              "steps_per_print": 10**9, "zero_optimization": zero,
-              "gradient_clipping": args.clip}  # DeepSpeed's default is 1.0: set it explicitly
-    if precision == "bf16":
-        config["bf16"] = {"enabled": True}
+    zero = zero_section(stage, args)
+    config = common.zerotron_config(per_rank, args.clip, adamw=None, zero_optimization=zero,
+                                    **({"bf16": {"enabled": True}} if precision == "bf16" else {}))
     functional = torch.nn.functional
     linear = functional.linear
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
@@ -326,19 +259,14 @@ def deepspeed_system(cfg, per_rank, stage, precision, args):
     # autograd function (zero_optimization.memory_efficient_linear, on by default). Keep that for
     # DeepSpeed's own steps only, so that the other systems run torch's linear.
     own_linear, functional.linear = functional.linear, linear
+    inner = common.engine_step(engine, phases=True)
 
     def step(tokens, targets):
         functional.linear = own_linear
         try:
-            with phase("forward"):
-                loss = engine(tokens, targets)
-            with phase("backward"):
-                engine.backward(loss)
-            with phase("step"):
-                engine.step()
+            return inner(tokens, targets)
         finally:
             functional.linear = linear
-        return loss.item()
     probe = MemoryProbe(engine.module.layers, engine.module.parameters, [opt], lambda: [engine])
     return probe.wrap(step), probe, {"config": {"zero_optimization": zero},
                                      "optimizer_class": type(engine.optimizer).__name__}
@@ -425,8 +353,7 @@ def build_systems(precision, cfg, per_rank, world, args, use_deepspeed, mesh, wa
 
 def sweep(precision, cfg, per_rank, rank, world, args, use_deepspeed, mesh, wanted, log):
     systems, probes, infos = build_systems(precision, cfg, per_rank, world, args, use_deepspeed, mesh, wanted)
-    total = args.warmup + max(args.rounds, args.bf16_rounds) * args.steps
-    batches = common.make_batches(total, args.batch, args.seq, cfg.vocab_size, rank, world)
+    batches = common.batches_for(args, cfg, rank, world, rounds=max(args.rounds, args.bf16_rounds))
     log(f"\n== {precision}: {', '.join(systems)}")
     rounds = args.bf16_rounds if precision == "bf16" else args.rounds
     res = common.run_rounds(systems, batches, args.warmup, args.steps, rounds, log=log)
@@ -438,33 +365,21 @@ def sweep(precision, cfg, per_rank, rank, world, args, use_deepspeed, mesh, want
     base = "ddp" if precision == "fp32" else "zt0"
     if base not in res:
         base = next(iter(res))
-    ref = res[base]["losses_mean_over_ranks"]
-    holds = HOLDS[precision]
-    rows = {}
-    for name, r in res.items():
-        diff, rel = common.max_loss_diff(r["losses_mean_over_ranks"], ref, start=args.warmup)
+    rows = common.compare(res, base, start=args.warmup)
+    for name, row in rows.items():
         peak = probes[name].peak
         # the peak of either rank (they can differ by a padding element or a shard boundary)
-        t = torch.tensor([float(peak.get("total", 0))], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        row = {"system": name, "median_ms": r["median_ms"], "round_ms": r["round_ms"], "step_ms": r["ms"],
-               "loss_diff": diff, "loss_rel_diff": rel, "state_mb": peak.get("total", 0) / 2**20,
-               "state_mb_max_rank": float(t) / 2**20, "peak": peak,
-               "samples": probes[name].samples, "holds": holds.get(name, ""),
-               "losses": r["losses_mean_over_ranks"]}
+        row.update(state_mb=peak.get("total", 0) / 2**20,
+                   state_mb_max_rank=common.max_over_ranks(peak.get("total", 0)) / 2**20, peak=peak,
+                   samples=probes[name].samples, holds=HOLDS[precision].get(name, ""))
         info = infos[name]
         if "engine" in info:  # zerotron: the engine's own count, after the run, as a cross-check
             row["memory_report"] = info["engine"].memory_report()
         row.update({k: v for k, v in info.items() if k != "engine"})
-        rows[name] = row
-    pairs = []
-    for zt, peers in PAIRS.items():
-        for peer in peers:
-            if zt in res and peer in res:
-                pairs.append({"zerotron": zt, "peer": peer,
-                              "time_ratio": res[zt]["median_ms"] / res[peer]["median_ms"],
-                              "time_paired": common.paired_ratio(res, zt, peer),
-                              "mem_ratio": rows[zt]["state_mb"] / rows[peer]["state_mb"]})
+    pairs = [{"zerotron": zt, "peer": peer, "time_ratio": res[zt]["median_ms"] / res[peer]["median_ms"],
+              "time_paired": common.paired_ratio(res, zt, peer),
+              "mem_ratio": rows[zt]["state_mb"] / rows[peer]["state_mb"]}
+             for zt, peers in PAIRS.items() for peer in peers if zt in res and peer in res]
     # free this sweep's models before the next one
     del systems, probes, infos
     gc.collect()
@@ -519,19 +434,6 @@ def print_sweep(precision, out, args):
                 f"{p[k] / 2**20:.2f}" for k in ("params", "grads", "optimizer", "masters", "other")))
 
 
-def zerotron_source() -> dict:
-    """The zerotron commit measured (and whether its files had uncommitted changes)."""
-    import subprocess
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "zerotron"], cwd=root, capture_output=True,
-                               text=True).stdout.strip()
-        return {"zerotron_commit": commit, "zerotron_uncommitted_changes": bool(dirty)}
-    except OSError:
-        return {}
-
-
 def main():
     args = parse_args()
     rank, world, log, cfg = common.start(args)
@@ -539,33 +441,15 @@ def main():
     wanted = {s.strip() for s in args.systems.split(",") if s.strip()}
     if args.warmup < 2:
         raise SystemExit("--warmup must be at least 2 (memory is sampled in the second, untimed, step)")
-
     notes = []
-    use_deepspeed = False
-    if args.no_deepspeed:
-        notes.append("DeepSpeed skipped: --no-deepspeed")
-    elif common.optional_import("deepspeed") is None:
-        notes.append("DeepSpeed skipped: not installed (pip install 'zerotron[bench]')")
-    else:
-        import logging
-
-        import deepspeed
-        deepspeed.utils.logger.setLevel(logging.WARNING)
-        deepspeed.init_distributed(dist_backend="gloo")  # adopts torchrun's gloo group
-        use_deepspeed = True
-    for n in notes:
-        log(n)
+    use_deepspeed = common.load_deepspeed(args, notes, log) is not None
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (world,))
 
-    n_params = sum(p.numel() for p in common.build_gpt(cfg).parameters())
     precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
-    log(f"GPT {args.layers} layers, d={args.d_model}, {n_params / 1e6:.2f}M params, seq {args.seq}, {args.batch} "
-        f"sequences/step on {world} ranks, {'+'.join(precisions)}, AdamW fused, clip {args.clip or 'off'}, "
-        f"reduce/allgather bucket {args.reduce_bucket_size:.0e}, stage-3 threshold {args.stage3_threshold:.0e} "
-        f"prefetch {args.stage3_prefetch:.0e}; {args.warmup} warm-up + {args.rounds} rounds x {args.steps} timed "
-        f"steps per system; load average {os.getloadavg()[0]:.2f}")
-    environment = {**common.environment(), **zerotron_source()}
+    common.announce(log, args, cfg, f"{args.batch} sequences/step on {world} ranks, {'+'.join(precisions)}, AdamW "
+                    f"fused, clip {args.clip or 'off'}, reduce/allgather bucket {args.reduce_bucket_size:.0e}, stage-3 "
+                    f"threshold {args.stage3_threshold:.0e} prefetch {args.stage3_prefetch:.0e}")
     sweeps = {}
     for precision in precisions:
         sweeps[precision] = sweep(precision, cfg, per_rank, rank, world, args, use_deepspeed, mesh, wanted, log)
@@ -574,16 +458,10 @@ def main():
             print_sweep(precision, out, args)
         print("\ntime zt/peer: ratio of the medians; paired: median over rounds of the per-round ratio (prefer it). "
               "memory zt/peer: peak model-state bytes, zerotron / peer.")
-        path = common.write_json("zero", {
-            "benchmark": "zero", "args": {k: str(v) if k == "out" else v for k, v in vars(args).items()},
-            "model": {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "seq": args.seq,
-                      "params": n_params, "block_numel": block_numel(cfg, world)},
-            "adamw": {**ADAMW, "betas": list(ADAMW["betas"]), "fused": True}, "pairs": PAIRS,
-            "environment": {**environment, "loadavg_end": os.getloadavg()[0]},
-            "notes": notes, "sweeps": sweeps}, args.out)
-        print(f"\nwrote {path}")
-    dist.barrier()
-    dist.destroy_process_group()
+    common.finish("zero", args, {
+        "model": common.model_json(args, cfg, block_numel=block_numel(cfg, world)),
+        "adamw": {**ADAMW, "betas": list(ADAMW["betas"]), "fused": True}, "pairs": PAIRS,
+        "notes": notes, "sweeps": sweeps}, rank)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,126 @@
+"""The package's structure, held to what docs/design.md says: imports run one way (config ->
+topology/comm -> parallelize -> engine -> integrations) with no circles between its files and
+folders, the DeepSpeed/Hugging Face compatibility surface (zerotron/compat) is imported by no
+core module, every ZeRO stage's model states present the ModelStates interface, and no file of
+the package is much over 400 lines."""
+import ast
+import collections
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "zerotron"
+MAX_LINES = 420
+
+
+def _modules():
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        out[name] = path
+    return out
+
+
+def _imports(name, path, modules):
+    """zerotron modules `name` imports anywhere in its code (function-level imports included)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(max(node.level - 1, 0)):
+                base = base.rsplit(".", 1)[0]
+            full = (base + ("." + node.module if node.module else "")) if node.level else (node.module or "")
+            targets = [full + "." + a.name for a in node.names] + [full]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in modules and "." in t:
+                t = t.rsplit(".", 1)[0]
+            if t in modules and t.startswith("zerotron"):
+                found.add(t)
+                break
+    return found
+
+
+def _room(module):
+    """A top-level file or sub-package of zerotron (what the layering is about)."""
+    parts = module.split(".")
+    return "zerotron" if len(parts) == 1 else ".".join(parts[:2])
+
+
+def _room_graph():
+    modules = _modules()
+    edges = collections.defaultdict(set)
+    for name, path in modules.items():
+        for target in _imports(name, path, modules):
+            if _room(target) != _room(name):
+                edges[_room(name)].add(_room(target))
+    return edges
+
+
+def _cycle(edges):
+    state, stack = {}, []
+
+    def visit(v):
+        state[v] = "open"
+        stack.append(v)
+        for w in sorted(edges.get(v, ())):
+            if state.get(w) == "open":
+                return stack[stack.index(w):] + [w]
+            if w not in state:
+                found = visit(w)
+                if found:
+                    return found
+        state[v] = "done"
+        stack.pop()
+        return None
+    for v in sorted(edges):
+        if v not in state:
+            found = visit(v)
+            if found:
+                return found
+    return None
+
+
+def test_imports_run_one_way():
+    assert _cycle(_room_graph()) is None, f"an import circle: {' -> '.join(_cycle(_room_graph()))}"
+
+
+def test_the_compatibility_edge_is_imported_by_no_core_module():
+    edges = _room_graph()
+    top = {"zerotron", "zerotron.cli", "zerotron.train", "zerotron.compat"}  # the package face and the commands
+    offenders = sorted(room for room, targets in edges.items() if "zerotron.compat" in targets and room not in top)
+    assert not offenders, f"core modules importing zerotron.compat: {offenders}"
+
+
+def test_config_imports_only_its_own_tables_and_errors():
+    modules = _modules()
+    allowed = {"zerotron.errors", "zerotron.config_sections", "zerotron.config_resolve", "zerotron.config_deepspeed",
+               "zerotron.optim", "zerotron.schedulers"}  # (the optimizer and scheduler sections' own checks)
+    for name in ("zerotron.config", "zerotron.config_sections", "zerotron.config_resolve"):
+        assert _imports(name, modules[name], modules) <= allowed, name
+
+
+def test_every_stage_presents_the_model_states_interface():
+    from zerotron.zero.replicated import ReplicatedStates
+    from zerotron.zero.sharded import ShardedStates
+    from zerotron.zero.stage3 import Stage3States
+    from zerotron.zero.strategy import MEMBERS, ModelStates
+    declared = set(ModelStates.__annotations__) | {n for n in vars(ModelStates) if not n.startswith("_")}
+    assert declared == set(MEMBERS)
+    for cls in (ReplicatedStates, ShardedStates, Stage3States):
+        instance_attrs = set()
+        for klass in cls.__mro__:
+            init = vars(klass).get("__init__")
+            if init is not None and hasattr(init, "__code__"):
+                instance_attrs |= {n for n in init.__code__.co_names}
+        missing = [m for m in MEMBERS if not hasattr(cls, m) and m not in instance_attrs]
+        assert not missing, f"{cls.__name__} lacks {missing}"
+
+
+def test_no_file_is_much_over_400_lines():
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"split these files: {long}"
