@@ -7,6 +7,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("PYTHONPATH", os.path.dirname(__file__))
-# Every test runs with NCCL's rules on gloo (zerotron/comm.py: one work per point-to-point batch,
+# Every test runs with NCCL's rules on gloo (zerotron/comm/core.py: one work per point-to-point batch,
 # outputs valid only after wait(), no host tensors in collectives).
 os.environ.setdefault("ZEROTRON_STRICT_COMM", "1")

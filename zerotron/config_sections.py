@@ -187,7 +187,7 @@ class ZerotronConfig:
     check_tensor_parallel_plan: bool = True  # run a few tokens through the model split and unsplit first
     checkpoint_policy: str = "none"   # activation checkpointing the engine applies: none, every_block, every_k, selective
     checkpoint_every: int = 2         # with every_k: checkpoint one block in this many
-    # Fault tolerance (zerotron/watchdog.py, engine.py):
+    # Fault tolerance (zerotron/watchdog.py, engine/step.py):
     collective_timeout: Optional[float] = None  # seconds a collective may wait (None: $ZEROTRON_COLLECTIVE_TIMEOUT or 600)
     collective_checks: bool = False   # debug: compare each collective's op/shape/dtype across ranks first
     max_nonfinite_steps: int = 8      # bf16/fp32: stop after this many consecutive steps with NaN/Inf gradients

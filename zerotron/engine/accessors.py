@@ -43,7 +43,7 @@ class ThroughputTimer:
 
 
 class EngineAccessors:
-    """Mixed into Engine (zerotron/engine.py): reads its config, topology, states and optimizer."""
+    """Mixed into Engine (engine/engine.py): reads its config, topology, states and optimizer."""
 
     def train_micro_batch_size_per_gpu(self) -> int:
         return self.config.train_micro_batch_size_per_gpu

@@ -292,7 +292,7 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = False
         if boundary:
-            self._take_model_step(lr_kwargs)
+            self.optimizer_step(lr_kwargs)
         self.micro_steps += 1
         self.tput_timer.stop(global_step=boundary)
 

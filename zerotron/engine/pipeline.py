@@ -114,8 +114,7 @@ class PipelineEngine(Engine):
             arrival.wait()  # the step logs the loss
         self._micro_losses = [loss]
         self.tput_timer.start()
-        self._step_applied = False
-        self._take_model_step(None)
+        self.optimizer_step()
         self.micro_steps += len(batches)
         self.tput_timer.stop(global_step=True)
         arrival.wait()

@@ -31,10 +31,13 @@ class StepVerdict:
 
 
 class StepStages:
-    def _take_model_step(self, lr_kwargs):
-        """One optimizer step, read top to bottom: every rank agrees on what this step holds; the
-        step is then skipped (NaN/Inf gradients or loss, fp16 overflow) or applied (clip, optimizer,
-        publish, scheduler); then the after-step work (counters, watchdog, report, preemption)."""
+    def optimizer_step(self, lr_kwargs: dict | None = None):
+        """Update the weights from the reduced gradients now: what step() does at the accumulation
+        boundary, and what the pipeline engine does after its schedule. Read top to bottom: every
+        rank agrees on what this step holds; the step is then skipped (NaN/Inf gradients or loss,
+        fp16 overflow) or applied (clip, optimizer, publish, scheduler); then the after-step work
+        (counters, watchdog, report, preemption)."""
+        self._step_applied = False
         self._require_optimizer()
         verdict = self._agree_on_step()
         if verdict.overflow:

@@ -40,6 +40,8 @@ error naming the module, never a silently wrong result.
 from __future__ import annotations
 
 import fnmatch
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -56,17 +58,28 @@ MODULE_STYLES = ("column", "column_qkv", "column_packed", "column_gathered", "he
 PARAMETER_STYLES = {"column": (-2, 1), "column_packed": (-2, 2), "row": (-1, 1), "row_packed": (-1, 2)}
 
 
+@dataclass
+class SplitHead:
+    """What a model whose head the plan split by vocabulary ("head" style) must compute with: the
+    loss over split logits, and the gather that makes returned logits whole."""
+    loss_fn: Callable
+    output_fn: Callable
+
+
 class _Plan:
-    """What applying one plan needs: the group, the shared region, the model (for its loss)."""
+    """What applying one plan needs: the group, the shared region, the model; the split head."""
 
     def __init__(self, model: nn.Module, comm: Comm, sequence_parallel: bool):
         self.model, self.comm = model, comm
         self.region = Region(comm, sequence_parallel)
         self.prepared: set[int] = set()  # modules a style set up (they may hold split parameters)
+        self.head: SplitHead | None = None
 
 
-def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], comm: Comm, sequence_parallel: bool = False):
-    """Apply `plan` to `model` in place (see the module docstring)."""
+def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], comm: Comm,
+                          sequence_parallel: bool = False) -> SplitHead | None:
+    """Apply `plan` to `model` in place (see the module docstring). When the plan splits the head
+    by vocabulary, returns the loss and output functions the model must use from now on."""
     known = dict.fromkeys(MODULE_STYLES + tuple(PARAMETER_STYLES))
     for pattern, style in plan.items():
         if style not in known:
@@ -94,7 +107,7 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], comm: Comm, se
     for p in model.parameters():
         if not hasattr(p, "tp_split_dim"):
             p.tp_replicated = True  # counted once, not tp times, in the global gradient norm
-    return model
+    return ctx.head
 
 
 def _style_of(name: str, plan: dict[str, str]) -> str | None:
@@ -125,8 +138,8 @@ def _apply_style(name: str, module: nn.Module, style: str, ctx: _Plan) -> nn.Mod
         new = ColumnParallelLinear(_expect_linear(module, name, style), comm, region,
                                    gather_output=style == "column_gathered", stride=stride)
         if style == "head":  # training reads split logits; anything else gets them whole
-            ctx.model.loss_fn = VocabParallelLoss(comm, new.weight.shape[0])
-            ctx.model.output_fn = lambda logits, c=comm: gather_last_dim(logits, c)
+            ctx.head = SplitHead(VocabParallelLoss(comm, new.weight.shape[0]),
+                                 lambda logits, c=comm: gather_last_dim(logits, c))
         return new
     if style in ("row", "row_split_input"):
         return RowParallelLinear(_expect_linear(module, name, style), comm, region,

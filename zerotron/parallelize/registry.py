@@ -30,6 +30,16 @@ class Adapter:
     def after_checkpointing(self, model) -> None:
         """Adjust the model once activation checkpointing wraps its blocks."""
 
+    def use_split_head(self, model, head) -> None:
+        """The plan split the head by vocabulary: the model computes its loss with `head.loss_fn`
+        and returns logits through `head.output_fn` (zerotron's GPT and PipelineModule read them
+        from their `loss_fn` / `output_fn` attributes)."""
+        if not hasattr(model, "loss_fn"):
+            raise ConfigError("tensor-parallel plan", "head", f"{type(model).__name__} has no loss_fn attribute to "
+                              "take the vocabulary-parallel loss, so it would compute its loss on split logits: "
+                              "split its head with 'column_gathered' instead")
+        model.loss_fn, model.output_fn = head.loss_fn, head.output_fn
+
     def probe_call(self, model, ids):
         return model(ids[:, :-1], ids[:, 1:])
 
