@@ -124,3 +124,20 @@ def test_no_file_is_much_over_400_lines():
     long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"split these files: {long}"
+
+
+def test_a_split_head_goes_only_to_a_model_that_takes_its_loss():
+    """The vocabulary-split head's loss must replace the model's own, or the model would train
+    on split logits; a model with nowhere to take it is refused with the fix."""
+    import pytest
+    import torch.nn as nn
+    from zerotron.errors import ConfigError
+    from zerotron.parallel.tensor import SplitHead
+    from zerotron.parallelize import adapter_for
+    head = SplitHead(loss_fn=object(), output_fn=object())
+    with pytest.raises(ConfigError, match="column_gathered"):
+        adapter_for(nn.Linear(2, 2)).use_split_head(nn.Linear(2, 2), head)
+    from zerotron.models.gpt import GPT, config_for
+    model = GPT(config_for("tiny"))
+    adapter_for(model).use_split_head(model, head)
+    assert model.loss_fn is head.loss_fn and model.output_fn is head.output_fn

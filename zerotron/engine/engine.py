@@ -98,7 +98,9 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
     """
 
     def __init__(self, module: nn.Module, config: Config, topology: Topology, optimizer=None,
-                 lr_scheduler=None, model_parameters=None, training_data=None, collate_fn=None):
+                 lr_scheduler=None, model_parameters=None, training_data=None, collate_fn=None, isolate=None):
+        """`isolate(module)`, given the placed and split model, returns parameter lists that need
+        gradient buckets of their own (the pipeline engine's weights tied across stages)."""
         super().__init__()
         self.config = config
         self.topology = topology
@@ -127,7 +129,7 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         self.optimizer = self._make_optimizer(optimizer, model_parameters, params)
         # Gradient reduction, master weights and parameter updates, for the configured ZeRO stage.
         self.states = make_model_states(self.module, self.optimizer, config, self.grad_comm, self.dp_comm,
-                                        isolate=self._isolated_params())
+                                        isolate=isolate(self.module) if isolate is not None else [])
         self.module.__dict__["_zerotron_engine"] = _Holder(self)  # (not an nn.Module attribute: no recursion)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.loss_scaler = LossScaler(config.fp16)
@@ -173,11 +175,6 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         return module._apply(lambda t: t.to(dtype=dtype if t.is_floating_point() else t.dtype) if t.is_meta
                              else t.to(self.device, dtype=dtype if t.is_floating_point() else t.dtype))
 
-    def _isolated_params(self) -> list[list[nn.Parameter]]:
-        """Parameter lists that need gradient buckets of their own (see pipe.engine)."""
-        return []
-
-    @torch.no_grad()
     def _broadcast_module(self):
         """Start every data-parallel replica from dp-rank 0's weights, seeded or not."""
         if self.topology.dp > 1:

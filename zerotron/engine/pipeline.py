@@ -41,44 +41,14 @@ class PipelineEngine(Engine):
         if module.stage_id != self.stage:
             raise RuntimeError(f"the PipelineModule was built for stage {module.stage_id} but this rank is stage "
                                f"{self.stage}; build it after zerotron.init_distributed() with the same world")
-        super().__init__(module, config, topology, **kwargs)
+        links = _StageLinks(module, topology)  # the process groups between stages, made first
+        self.pp_comm, self.tie_groups = links.pp_comm, links.tie_groups  # (tie_groups: filled by tie_weights)
+        super().__init__(module, config, topology, isolate=links.tie_weights, **kwargs)
+        self.p2p = P2P(self.device, links.flow_comms, links.pp_comm)
         comm_for(None, "world").barrier()  # NCCL: the first point-to-point call must not be the group's first operation
         self.schedule_name = config.pipeline.schedule
         self._timeline = None
         self._clock = _StageClock(self.device) if config.wall_clock_breakdown else None
-
-    # ---- set-up -----------------------------------------------------------------------------
-    def _isolated_params(self):
-        """Stage-to-stage transfers and weights tied across stages; tied weights get buckets of
-        their own so their reduced gradients line up between the stages that share them."""
-        self.pp_comm = Comm(self.topology.group("pp"), "pp")
-        t, me = self.topology, dist.get_rank()
-        flow_comms = {}
-        for kind, src, dst in flows(t, self.module.num_virtual_stages):  # every rank creates every group, in one order
-            for dp in range(t.dp):
-                for tp in range(t.tp):
-                    a, b = t.rank_of(src, dp, tp), t.rank_of(dst, dp, tp)
-                    group = shared_group(sorted({a, b}), purpose=f"p2p {kind} {src}->{dst}")
-                    if me in (a, b):
-                        flow_comms[(kind, a, b)] = Comm(group, "pp")
-        self.p2p = P2P(self.device, flow_comms, self.pp_comm)
-        self.tie_groups: list[tuple[Comm, list]] = []
-        for key in sorted(self.module.tie_stages):  # every rank creates every group, in one order
-            stages = sorted(self.module.tie_stages[key])
-            if len(stages) < 2:
-                continue
-            for dp in range(t.dp):
-                for tp in range(t.tp):
-                    ranks = [t.rank_of(s, dp, tp) for s in stages]
-                    group = shared_group(ranks)
-                    if me in ranks:
-                        params = self.module.tied_parameters(key)
-                        comm = Comm(group, "tied")
-                        for p in params:
-                            comm.broadcast(p.data, src_group_rank=0)  # start from one copy
-                            p.tied_copies = len(stages)                # counted once in the norm
-                        self.tie_groups.append((comm, params))
-        return [params for _, params in self.tie_groups]
 
     def _comms(self):
         return super()._comms() + [self.pp_comm] + [c for c, _ in self.tie_groups]
@@ -280,3 +250,46 @@ class _StageClock:
 class _Done:
     def wait(self):
         pass
+
+
+class _StageLinks:
+    """What joins this rank's stage to the others: the pipeline group, one group per
+    stage-to-stage flow (every rank creates every group, in one order), and a group per weight
+    tied across stages. Built before the engine; the tied weights are read from the split model."""
+
+    def __init__(self, module: PipelineModule, topology):
+        self.pp_comm = Comm(topology.group("pp"), "pp")
+        self.topology, self.module, me = topology, module, dist.get_rank()
+        t = topology
+        self.flow_comms = {}
+        for kind, src, dst in flows(t, module.num_virtual_stages):
+            for dp in range(t.dp):
+                for tp in range(t.tp):
+                    a, b = t.rank_of(src, dp, tp), t.rank_of(dst, dp, tp)
+                    group = shared_group(sorted({a, b}), purpose=f"p2p {kind} {src}->{dst}")
+                    if me in (a, b):
+                        self.flow_comms[(kind, a, b)] = Comm(group, "pp")
+        self._tie_comms: list[tuple[str, int, Comm]] = []  # (tie key, stages sharing it, group)
+        for key in sorted(module.tie_stages):
+            stages = sorted(module.tie_stages[key])
+            if len(stages) < 2:
+                continue
+            for dp in range(t.dp):
+                for tp in range(t.tp):
+                    ranks = [t.rank_of(s, dp, tp) for s in stages]
+                    group = shared_group(ranks)
+                    if me in ranks:
+                        self._tie_comms.append((key, len(stages), Comm(group, "tied")))
+        self.tie_groups: list[tuple[Comm, list]] = []
+
+    def tie_weights(self, module: PipelineModule) -> list[list]:
+        """The placed, split model's tied weights: every stage sharing one starts from one copy,
+        and each is counted once in the gradient norm. They get gradient buckets of their own, so
+        their reduced gradients line up between the stages that share them."""
+        for key, copies, comm in self._tie_comms:
+            params = module.tied_parameters(key)
+            for p in params:
+                comm.broadcast(p.data, src_group_rank=0)
+                p.tied_copies = copies
+            self.tie_groups.append((comm, params))
+        return [params for _, params in self.tie_groups]
