@@ -50,6 +50,9 @@ def parse_args():
                         "gradient bucket (2 GB in fp32), which would swamp the memory comparison")
     p.add_argument("--stage3-threshold", type=float, default=1e5,
                    help="stage3_param_persistence_threshold for zt3 and ds3 (DeepSpeed's default 1e5)")
+    p.add_argument("--stage3-reuse", type=float, default=0,
+                   help="stage3_max_reuse_distance for zt3 and ds3 (0: release after each forward, as FSDP2's "
+                        "reshard_after_forward; DeepSpeed's default 1e9 keeps small models gathered until backward)")
     p.add_argument("--stage3-prefetch", type=float, default=5e7,
                    help="stage3_prefetch_bucket_size for zt3 and ds3 (both default to 5e7)")
     p.add_argument("--no-zt3-fsdp", action="store_true",
@@ -187,7 +190,8 @@ def zero_section(stage, args, **extra) -> dict:
             "allgather_bucket_size": int(args.reduce_bucket_size)}
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=int(args.stage3_threshold),
-                    stage3_prefetch_bucket_size=int(args.stage3_prefetch))
+                    stage3_prefetch_bucket_size=int(args.stage3_prefetch),
+                    stage3_max_reuse_distance=int(args.stage3_reuse))
     return {**zero, **extra}
 
 

@@ -17,6 +17,9 @@ from .memory import model_state_bytes
 from .model import ModelShape
 
 
+STAGE3_MAX_REUSE_DISTANCE = 1e9  # DeepSpeed's default, which the engine applies (zero/stage3.py)
+
+
 @dataclass(frozen=True)
 class Layout:
     """One training configuration: how the GPUs split the work, and the memory savers used."""
@@ -189,9 +192,12 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
         reduce = _ring(b * psi, L.dp, dp_bw, dp_lat, 1, buckets)
         exposed = m * max(0.0, reduce - backward)
     else:                # ZeRO-3: each layer gathered for its forward and its backward (prefetched), and the
-        # gradients reduce-scattered, all on the same link under the same micro-batch's compute
+        # gradients reduce-scattered, all on the same link under the same micro-batch's compute. A
+        # layer whose backward comes within stage3_max_reuse_distance elements of its forward (the
+        # last ones: 2 x the parameters after it come between) stays gathered: no second gather.
+        kept = min(1.0, STAGE3_MAX_REUSE_DISTANCE / (2 * psi))
         traffic = _ring(b * psi, L.dp, dp_bw, dp_lat, 1, buckets) + \
-            2 * _ring(b * psi, L.dp, dp_bw, dp_lat, 1, shape.layers // L.pp)
+            (2 - kept) * _ring(b * psi, L.dp, dp_bw, dp_lat, 1, shape.layers // L.pp)
         if L.offload == "optimizer+param":
             traffic += 2 * b * psi / L.dp / (hw.pcie_gbps * 1e9)
         exposed = m * max(0.0, traffic - micro_compute)

@@ -132,6 +132,12 @@ class Stage3States(ShardedStates):
         self.param_host = op is not None and op.device == "cpu"
         self.pin = self.param_host and op.pin_memory and torch.cuda.is_available()
         self.prefetch_numel = zero.stage3_prefetch_bucket_size
+        # DeepSpeed's caps, in parameter elements: prefetching stops while this many are gathered
+        # (stage3_max_live_parameters); a unit used again before this many more are fetched stays
+        # gathered after its forward (stage3_max_reuse_distance: its backward needs it again).
+        self.max_live_numel = zero.stage3_max_live_parameters
+        self.max_reuse_numel = zero.stage3_max_reuse_distance
+        self.peak_live_numel = 0  # the most parameter elements gathered at once (a measurement)
         threshold = zero.stage3_param_persistence_threshold
         trainable = {id(p) for p in params}
         named_units = find_units(module, unit_classes) + [("", module)]
@@ -205,6 +211,9 @@ class Stage3States(ShardedStates):
             self._prefetch(unit, step=+1)
         return hook
 
+    def _live_numel(self) -> int:
+        return sum(u.numel for u in self.units if u.state != _RELEASED)
+
     def _make_post_forward(self, unit: Unit):
         def hook(module, args, output):
             if _recomputing():  # backward is about to use these parameters: _grads_done releases them
@@ -214,7 +223,7 @@ class Stage3States(ShardedStates):
                 for t in tensors_in(output):
                     if t.requires_grad:
                         t.register_hook(lambda grad, u=unit: self._pre_backward(u))
-            if unit is not self.root_unit or not training:
+            if (unit is not self.root_unit or not training) and not (training and self._reused_soon(unit)):
                 unit.release()
             if unit is self.root_unit and not training:
                 self.release_all()
@@ -225,8 +234,18 @@ class Stage3States(ShardedStates):
         unit.gather()
         self._prefetch(unit, step=-1)
 
+    def _reused_soon(self, unit: Unit) -> bool:
+        """DeepSpeed's stage3_max_reuse_distance, at the end of a unit's forward: its next use is
+        its backward, after the later units' forwards and backwards fetch their parameters; it
+        stays gathered when fewer than max_reuse_numel elements come between."""
+        if self.tracing or unit not in self.trace:
+            return False  # the first step records the order: everything is released
+        between = 2 * sum(u.numel for u in self.trace[self.trace.index(unit) + 1:])
+        return between < self.max_reuse_numel
+
     def _prefetch(self, unit: Unit, step: int):
         """Start gathering the units that run next, up to stage3_prefetch_bucket_size elements."""
+        self.peak_live_numel = max(self.peak_live_numel, self._live_numel())
         if self.tracing or not self.trace:
             return
         if unit is self.root_unit:  # forward starts at the first block, backward at the last
@@ -235,11 +254,17 @@ class Stage3States(ShardedStates):
             i = self.trace.index(unit) + step
         else:
             return
-        budget = self.prefetch_numel
-        while 0 <= i < len(self.trace) and self.trace[i].numel <= budget:
-            budget -= self.trace[i].numel
-            self.trace[i].start_gather()
+        # as DeepSpeed: a unit already gathered (kept for reuse) costs no budget
+        budget = min(self.prefetch_numel, self.max_live_numel - self._live_numel())
+        while 0 <= i < len(self.trace):
+            u = self.trace[i]
+            if u.state == _RELEASED:
+                if u.numel > budget:
+                    break
+                budget -= u.numel
+                u.start_gather()
             i += step
+        self.peak_live_numel = max(self.peak_live_numel, self._live_numel())
 
     def _grads_done(self, bucket: FlatBucket):
         """All of a unit's gradients are in: its backward is over, unless some of its parameters

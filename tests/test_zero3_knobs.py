@@ -1,0 +1,53 @@
+"""ZeRO-3's DeepSpeed knobs that trade memory for communication, each measured:
+stage3_max_reuse_distance (a unit whose backward comes within that many parameter elements of
+its forward stays gathered in between: fewer all-gathers) and stage3_max_live_parameters
+(prefetching stops while that many elements are gathered: a lower peak). Neither changes the math."""
+import torch.distributed as dist
+
+import zerotron
+from distributed import run_ranks
+from parity import ds_config, global_batches, make_model, micro_batches
+
+
+def _measure(zero_extra: dict, steps: int = 3):
+    """Train `steps` steps (the first records the order); measure the last one."""
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, **zero_extra}
+    engine, *_ = zerotron.initialize(model=make_model(n_layer=4), config=ds_config(1, 1, zero_optimization=zero))
+    losses = []
+    for i, b in enumerate(global_batches(steps, dp)):
+        if i == steps - 1:
+            engine.reset_comm_stats()
+            engine.states.peak_live_numel = 0
+        losses.append(engine.train_batch(iter(micro_batches(b, rank, dp, 1))).item())
+    states = engine.states
+    blocks = [u for u in states.units if u is not states.root_unit and u.bucket is not None]
+    return {"losses": losses, "gathered": engine.comm_stats()["all_gather"], "peak": states.peak_live_numel,
+            "block_bytes": [u.numel * u.bucket.full.element_size() for u in blocks],
+            "block_numel": [u.numel for u in blocks], "root": states.root_unit.numel}
+
+
+def _sweep():
+    return {name: _measure(extra) for name, extra in {
+        "release": {"stage3_max_reuse_distance": 0},
+        "keep_last": {"stage3_max_reuse_distance": 1},
+        "keep_all": {"stage3_max_reuse_distance": 10 ** 9},
+        "no_prefetch": {"stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 1},
+    }.items()}
+
+
+def test_reuse_distance_and_live_cap_change_communication_and_peak_not_the_math():
+    for out in run_ranks(_sweep, 2, timeout=180):
+        release, keep_last, keep_all, no_prefetch = (out[k] for k in ("release", "keep_last", "keep_all", "no_prefetch"))
+        assert release["losses"] == keep_last["losses"] == keep_all["losses"] == no_prefetch["losses"]
+        blocks = release["block_bytes"]
+        assert len(blocks) == 4
+        # distance 0: every block gathered for its forward and again for its backward
+        assert release["gathered"] - keep_all["gathered"] == sum(blocks)
+        # distance 1: only the last block (its backward follows at once) stays gathered
+        assert release["gathered"] - keep_last["gathered"] == blocks[-1]
+        # the live cap stops prefetching: the root and one block at a time
+        assert no_prefetch["peak"] == no_prefetch["root"] + max(no_prefetch["block_numel"])
+        assert release["peak"] > no_prefetch["peak"]
+        # kept units stay gathered through the forward: the peak holds every block
+        assert keep_all["peak"] == keep_all["root"] + sum(keep_all["block_numel"])
