@@ -42,7 +42,10 @@ def _rank_main(fn, rank, world_size, port, args, results, timeout_s):
                                 timeout=datetime.timedelta(seconds=timeout_s))
         # Plain pickle copies tensor data into the message; the queue's own pickler would share
         # storage through file descriptors that die with this process.
-        results.put((rank, "ok", pickle.dumps(fn(*args))))
+        value = pickle.dumps(fn(*args))
+        if dist.is_initialized():  # rank 0 hosts the store: no rank leaves while another still uses it
+            dist.barrier()         # (under load a finished rank 0 could reset a slower rank's group set-up)
+        results.put((rank, "ok", value))
     except BaseException as e:  # report everything, including SystemExit from argparse
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
