@@ -1,7 +1,9 @@
 """ZeRO-3's DeepSpeed knobs that trade memory for communication, each measured:
 stage3_max_reuse_distance (a unit whose backward comes within that many parameter elements of
 its forward stays gathered in between: fewer all-gathers) and stage3_max_live_parameters
-(prefetching stops while that many elements are gathered: a lower peak). Neither changes the math."""
+(prefetching stops while that many elements are gathered: a lower peak), and sub_group_size
+(the fp32 gradient copy and the optimizer step one sub-group at a time: a smaller copy). None
+changes the math."""
 import torch.distributed as dist
 
 import zerotron
@@ -51,3 +53,28 @@ def test_reuse_distance_and_live_cap_change_communication_and_peak_not_the_math(
         assert release["peak"] > no_prefetch["peak"]
         # kept units stay gathered through the forward: the peak holds every block
         assert keep_all["peak"] == keep_all["root"] + sum(keep_all["block_numel"])
+
+
+def _sub_group_sweep():
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for name, size in (("whole", 10 ** 9), ("sub_groups", 20_000)):
+        zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": size}
+        engine, *_ = zerotron.initialize(model=make_model(n_layer=4), config=ds_config(
+            1, 1, zero_optimization=zero, bf16={"enabled": True}))
+        losses = [engine.train_batch(iter(micro_batches(b, rank, dp, 1))).item() for b in global_batches(3, dp)]
+        runs = [m.numel() for _, m in engine.states.runs]
+        out[name] = {"losses": losses, "peak": engine.states.peak_fp32_grad_numel, "runs": runs,
+                     "norm": engine.get_global_grad_norm(), "weights": zerotron.zero.consolidated_state_dict(engine.module)}
+    return out
+
+
+def test_sub_group_size_bounds_the_fp32_gradient_copy_not_the_math():
+    import torch
+    for out in run_ranks(_sub_group_sweep, 2, timeout=180):
+        whole, sub = out["whole"], out["sub_groups"]
+        assert whole["losses"] == sub["losses"] and whole["norm"] == sub["norm"]
+        assert all(torch.equal(whole["weights"][k], sub["weights"][k]) for k in whole["weights"])
+        assert whole["peak"] == sum(whole["runs"])           # the whole shard's fp32 copy at once
+        assert sub["peak"] == max(sub["runs"]) < 20_000 * 2  # one sub-group (here: one run) at a time
+        assert sub["peak"] < whole["peak"] / 3

@@ -146,19 +146,30 @@ def clip_by_global_norm(grads: list[torch.Tensor], max_norm: float, groups=None,
     """
     if not grads:
         return torch.zeros(())
-    norms = torch.stack([n.float() for n in torch._foreach_norm(grads)]).square()
+    total = global_norm(torch._foreach_norm(grads), groups, weights)
+    if max_norm > 0:
+        torch._foreach_mul_(grads, clip_coefficient(total, max_norm).to(grads[0].device))
+    return total
+
+
+def global_norm(norms: list[torch.Tensor], groups=None, weights: list[float] | None = None) -> torch.Tensor:
+    """The joint L2 norm of tensors whose own norms are `norms` (see clip_by_global_norm)."""
+    if not norms:
+        return torch.zeros(())
+    squares = torch.stack([n.float() for n in norms]).square()
     if weights is not None:
-        norms = norms * torch.tensor(weights, dtype=norms.dtype, device=norms.device)
+        squares = squares * torch.tensor(weights, dtype=squares.dtype, device=squares.device)
     from .comm import comm_for, to_device
-    total_sq = to_device(norms.sum())  # offloaded gradients are in host memory; collectives run on the device
+    total_sq = to_device(squares.sum())  # offloaded gradients are in host memory; collectives run on the device
     for group in groups if isinstance(groups, (list, tuple)) else [groups]:
         if group is not None and dist.get_world_size(group) > 1:
             comm_for(group, "norm").all_reduce(total_sq)
-    total = total_sq.sqrt()
-    if max_norm > 0:
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
-    return total
+    return total_sq.sqrt()
+
+
+def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What the gradients are multiplied by so their norm `total` is at most `max_norm` (torch's rule)."""
+    return (max_norm / (total + 1e-6)).clamp(max=1.0)
 
 
 def is_finite(x: float) -> bool:

@@ -11,7 +11,7 @@ import torch
 from .. import preemption, watchdog
 from ..errors import EXIT_PREEMPTED, BadBatchError, ConfigError, NonFiniteError
 from ..log import logger
-from ..precision import clip_by_global_norm
+from ..precision import clip_coefficient, global_norm
 
 IGNORE_INDEX = -100  # the label PyTorch's cross_entropy and Transformers' losses skip
 
@@ -74,12 +74,14 @@ class StepStages:
 
     def _apply_step(self, lr_kwargs):
         self._nonfinite_streak = 0
+        coef = None
         if self.config.gradient_clipping > 0:
-            self._global_grad_norm = clip_by_global_norm(self.states.master_grads(), self.config.gradient_clipping,
-                                                         self._norm_groups(), self.states.norm_weights(self.topology.tp))
+            self._global_grad_norm = global_norm(self.states.grad_norms(), self._norm_groups(),
+                                                 self.states.norm_weights(self.topology.tp))
+            coef = clip_coefficient(self._global_grad_norm, self.config.gradient_clipping)
         else:  # no clipping: skip the norm and its all-reduces (one more sync point per step)
             self._global_grad_norm = None
-        self.optimizer.step()
+        self.states.apply_update(self.optimizer, coef)
         self._step_applied = True
         self.states.publish()
         if self.lr_scheduler is not None:

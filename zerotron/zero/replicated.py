@@ -161,6 +161,15 @@ class ReplicatedStates:
     def master_grads(self):
         return self.master.grads()
 
+    def grad_norms(self) -> list[torch.Tensor]:
+        return list(torch._foreach_norm(self.master_grads()))
+
+    def apply_update(self, optimizer, clip_coef) -> None:
+        grads = self.master_grads()
+        if clip_coef is not None and grads:
+            torch._foreach_mul_(grads, clip_coef.to(grads[0].device))
+        optimizer.step()
+
     def norm_weights(self, tp: int) -> list[float] | None:
         from ..precision import norm_share
         weights = [norm_share(p, tp) for p in self.master.model_params]

@@ -25,108 +25,9 @@ import torch
 from ..comm import Comm
 from .replicated import InOrderReduction
 from .flat import FlatBucket
+from .grads import AccumulatedGrads, StreamedGrads
 
 _MAX_REDUCTIONS_IN_FLIGHT = 2
-
-
-class AccumulatedGrads:
-    """Stage 1's gradient holder: every micro-batch accumulates into full buckets (each parameter's
-    .grad a view of its bucket, as in data parallelism); at the boundary backward each bucket is
-    reduce-scattered once and its own slice becomes the reduced shard."""
-    accumulates = True  # nothing is reduced before the boundary (pipelines: reduce_accumulated)
-    flat = None         # no separate shard buffer
-
-    def __init__(self):
-        self._reduced = False
-
-    def attach(self, b: FlatBucket, total_offset: int) -> None:
-        b.grad_full = torch.zeros(b.padded_numel, dtype=b.dtype, device=b.device)
-        b.grad_views = b.views(b.grad_full)
-        for p, view in zip(b.params, b.grad_views):
-            p.grad = view
-
-    def allocate(self, total: int, dtype, device) -> None:
-        pass
-
-    def take(self, b: FlatBucket, i: int, param, sync: bool) -> bool:
-        """A parameter's gradient is in; True when it now counts toward launching the reduction."""
-        view = b.grad_views[i]
-        if param.grad is not view:
-            if param.grad is not None:
-                view.add_(param.grad)
-            param.grad = view
-        return sync
-
-    def to_reduce(self, b: FlatBucket):
-        return b.grad_full
-
-    def reduced(self, b: FlatBucket, received: torch.Tensor) -> None:
-        b.own_slice(b.grad_full).copy_(received)
-
-    def shard(self, b: FlatBucket) -> torch.Tensor:
-        return b.own_slice(b.grad_full)
-
-    def begin_reduction(self, sync: bool) -> bool:
-        if not sync:
-            return False
-        if self._reduced:  # the full buckets now hold reduced and unreduced parts side by side
-            raise RuntimeError("ZeRO stage 1 reduces the accumulated gradients once, at the boundary "
-                               "backward; call engine.step() after it before another backward")
-        self._reduced = True
-        return True
-
-    def zero(self, buckets) -> None:
-        self._reduced = False
-        for b in buckets:
-            b.grad_full.zero_()
-            for p, view in zip(b.params, b.grad_views):
-                p.grad = view
-
-    def nbytes(self, buckets) -> int:
-        return sum(b.grad_full.numel() * b.grad_full.element_size() for b in buckets)
-
-
-class StreamedGrads:
-    """Stages 2-3's gradient holder: each backward's gradients are added into a short-lived
-    bucket buffer (staging) as they arrive and reduce-scattered at once; the reduced shard is
-    added into one buffer of gradient shards (grad_shard: a view per bucket)."""
-    accumulates = False
-
-    def __init__(self):
-        self.flat: torch.Tensor | None = None
-
-    def allocate(self, total: int, dtype, device) -> None:
-        self.flat = torch.zeros(total, dtype=dtype, device=device)
-
-    def attach(self, b: FlatBucket, total_offset: int) -> None:
-        b.grad_shard = self.flat[total_offset:total_offset + b.shard_numel]
-
-    def take(self, b: FlatBucket, i: int, param, sync: bool) -> bool:
-        if b.staging is None:
-            b.staging = torch.zeros(b.padded_numel, dtype=b.dtype, device=b.device)
-        off = b.offsets[i]
-        b.staging[off:off + b.numels[i]].add_(param.grad.reshape(-1))
-        param.grad = None
-        return True
-
-    def to_reduce(self, b: FlatBucket):
-        full, b.staging = b.staging, None
-        return full
-
-    def reduced(self, b: FlatBucket, received: torch.Tensor) -> None:
-        b.grad_shard.add_(received)
-
-    def shard(self, b: FlatBucket) -> torch.Tensor:
-        return b.grad_shard
-
-    def begin_reduction(self, sync: bool) -> bool:
-        return True
-
-    def zero(self, buckets) -> None:
-        self.flat.zero_()
-
-    def nbytes(self, buckets) -> int:
-        return self.flat.numel() * self.flat.element_size()
 
 
 class ShardedStates(InOrderReduction):
@@ -134,7 +35,7 @@ class ShardedStates(InOrderReduction):
 
     def __init__(self, buckets: list[FlatBucket], partitioned: set[int], group_of: dict[int, int], comm: Comm,
                  gather_comm: Comm, stage: int, allgather_numel: int, reduce_dtype: torch.dtype | None = None,
-                 on_grads_done=None, offload=None):
+                 on_grads_done=None, offload=None, sub_group_numel: int | None = None):
         self.buckets = buckets
         self.partitioned = partitioned      # indices of buckets whose full parameters are not kept
         # Gradient reductions start from backward hooks, whose timing can differ between ranks
@@ -152,6 +53,10 @@ class ShardedStates(InOrderReduction):
         self._in_flight: deque = deque()
         self._where: dict[int, tuple[FlatBucket, int]] = {}
         self._build_masters(group_of)
+        # DeepSpeed's sub_group_size (stage 3): the fp32 gradient copy is made, and the optimizer
+        # steps, one sub-group of master runs at a time instead of the whole shard at once.
+        self._sub_groups = self._cut_sub_groups(sub_group_numel)
+        self.peak_fp32_grad_numel = 0  # the most fp32 gradient elements held at once (a measurement)
         for b in buckets:
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
@@ -234,6 +139,54 @@ class ShardedStates(InOrderReduction):
     def master_params(self) -> list[torch.Tensor]:
         return [m for _, m in self.runs]
 
+    def _cut_sub_groups(self, limit: int | None) -> list[list[int]] | None:
+        """Runs of masters, each group at most `limit` elements (a larger run alone); None when the
+        step needs no sub-groups: one group, fp32 masters that are the parameters, or offload."""
+        if limit is None or self.masters_are_params or self.host is not None:
+            return None
+        groups, size = [[]], 0
+        for i, (lo, hi) in enumerate(self._run_bounds):
+            if groups[-1] and size + (hi - lo) > limit:
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
+            size += hi - lo
+        return groups if len(groups) > 1 else None
+
+    def _fp32_grads(self, runs: list[int], inv: torch.Tensor, found: torch.Tensor) -> list[torch.Tensor]:
+        """Unscaled fp32 copies of the reduced gradients of master runs `runs`; `found` flags NaN/Inf."""
+        grads = []
+        for i in runs:
+            b, lo, hi = self._run_in_bucket[i]
+            grads.append(self.grads.shard(b)[lo:hi].float())
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        self.peak_fp32_grad_numel = max(self.peak_fp32_grad_numel, sum(g.numel() for g in grads))
+        return grads
+
+    def grad_norms(self) -> list[torch.Tensor]:
+        if self._sub_groups is not None:
+            return self._run_norms
+        return list(torch._foreach_norm(self.master_grads()))
+
+    def apply_update(self, optimizer: torch.optim.Optimizer, clip_coef: torch.Tensor | None) -> None:
+        if self._sub_groups is None:
+            grads = self.master_grads()
+            if clip_coef is not None and grads:
+                torch._foreach_mul_(grads, clip_coef.to(grads[0].device))
+            optimizer.step()
+            return
+        device = self.buckets[0].device
+        inv, ignored = torch.full((1,), self._inv_scale, device=device), torch.zeros(1, device=device)
+        for runs in self._sub_groups:  # the optimizer steps the runs that have a gradient, skips the rest
+            grads = self._fp32_grads(runs, inv, ignored)
+            if clip_coef is not None:
+                torch._foreach_mul_(grads, clip_coef.to(device))
+            for i, g in zip(runs, grads):
+                self.runs[i][1].grad = g
+            optimizer.step()
+            for i in runs:
+                self.runs[i][1].grad = None
+
     def master_grads(self) -> list[torch.Tensor]:
         return [m.grad for _, m in self.runs]
 
@@ -255,6 +208,7 @@ class ShardedStates(InOrderReduction):
         else:
             self.master_grad_flat = torch.empty(self.total_numel, dtype=torch.float32,
                                                 device=self.buckets[0].device)
+            self.peak_fp32_grad_numel = max(self.peak_fp32_grad_numel, self.total_numel)
             for b in self.buckets:
                 self.master_grad_flat[b.offset:b.offset + b.shard_numel].copy_(self.grads.shard(b))
         for (_, m), (lo, hi) in zip(self.runs, self._run_bounds):
@@ -347,6 +301,14 @@ class ShardedStates(InOrderReduction):
     # ---- after the optimizer step ---------------------------------------------------------
     def unscale_and_check(self, inv_scale: float | None) -> torch.Tensor | None:
         from ..precision import nonfinite_and_unscale
+        if self._sub_groups is not None and inv_scale is not None:  # checked and measured a sub-group at a time
+            device = self.buckets[0].device
+            self._inv_scale, found = inv_scale, torch.zeros(1, device=device)
+            inv, self._run_norms = torch.full((1,), inv_scale, device=device), [None] * len(self.runs)
+            for runs in self._sub_groups:
+                for i, norm in zip(runs, torch._foreach_norm(self._fp32_grads(runs, inv, found))):
+                    self._run_norms[i] = norm
+            return found
         self._make_master_grads()
         return None if inv_scale is None else nonfinite_and_unscale(self.master_grads(), inv_scale)
 

@@ -181,7 +181,8 @@ class Stage3States(ShardedStates):
         buckets.sort(key=lambda b: rank_of[id(b.owner)])
         partitioned = {i for i, b in enumerate(buckets) if b.unit is not None}
         super().__init__(buckets, partitioned, group_of, comm, gather_comm, zero.stage, zero.allgather_bucket_size,
-                         reduce_dtype, on_grads_done=self._grads_done, offload=offload)
+                         reduce_dtype, on_grads_done=self._grads_done, offload=offload,
+                         sub_group_numel=zero.sub_group_size)
         self.trace: list[Unit] = []
         self.tracing = True
         self._forward_hooks = [h for u in self.units for h in (

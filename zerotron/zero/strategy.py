@@ -41,6 +41,13 @@ class ModelStates(Protocol):
     def master_grads(self) -> list[torch.Tensor]:
         """The fp32 gradients of what this rank's optimizer updates (for norms and clipping)."""
 
+    def grad_norms(self) -> list[torch.Tensor]:
+        """The L2 norm of each master gradient (after unscale_and_check), for clipping."""
+
+    def apply_update(self, optimizer: torch.optim.Optimizer, clip_coef: torch.Tensor | None) -> None:
+        """Scale the master gradients by `clip_coef` (None: leave them) and step the optimizer over
+        them (ZeRO-3 with sub_group_size: one sub-group at a time)."""
+
     def norm_weights(self, tp: int) -> list[float] | None:
         """Per master gradient, the share of its squared norm that counts (tensor-parallel
         replicas, tied copies), or None when every share is 1."""
@@ -63,5 +70,5 @@ class ModelStates(Protocol):
 
 
 MEMBERS = ("replicated", "norm_group", "host", "adopt", "begin_backward", "end_backward", "reduce_accumulated",
-           "reduced_grads", "unscale_and_check", "master_grads", "norm_weights", "publish", "zero_grads", "pieces",
-           "memory", "destroy")
+           "reduced_grads", "unscale_and_check", "master_grads", "grad_norms", "apply_update", "norm_weights",
+           "publish", "zero_grads", "pieces", "memory", "destroy")
