@@ -191,3 +191,23 @@ def test_initialize_takes_a_megatron_mpu_of_data_parallel_ranks_and_refuses_a_pr
     assert run_ranks(_with_mpu, 2, 1) == [2, 2]
     with pytest.raises(RankError, match="already split over 2 tensor- and 1 pipeline-parallel ranks"):
         run_ranks(_with_mpu, 2, 2)
+
+
+def _without_optimizer():
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+    engine, optimizer, _, scheduler = zerotron.initialize(model=make_model(), config=config)
+    x, y = global_batches(1, 2)[0]
+    with torch.no_grad():
+        loss = engine(x, y).item()  # evaluation works
+    engine.backward(engine(x, y))
+    try:
+        engine.step()
+    except zerotron.ConfigError as e:
+        refused = str(e)
+    return optimizer, scheduler, loss, refused
+
+
+def test_an_engine_without_an_optimizer_evaluates_returns_none_and_refuses_to_step():
+    optimizer, scheduler, loss, refused = run_ranks(_without_optimizer, 1)[0]
+    assert optimizer is None and scheduler is None and loss > 0  # DeepSpeed's initialize returns None too
+    assert "without an optimizer" in refused and "optimizer=" in refused

@@ -53,7 +53,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         from .engine import PipelineEngine as engine_class
     engine = engine_class(model, cfg, topology, optimizer=optimizer, lr_scheduler=lr_scheduler,
                           model_parameters=model_parameters, training_data=training_data, collate_fn=collate_fn)
-    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+    # An engine built without an optimizer (evaluation, a reference model) returns None in its
+    # place, as DeepSpeed does; the engine keeps a placeholder that refuses to step.
+    optimizer = None if getattr(engine.optimizer, "placeholder", False) else engine.optimizer
+    return engine, optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
 def _check_mpu(mpu) -> None:
