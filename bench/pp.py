@@ -79,17 +79,8 @@ def zerotron_system(cfg, args, stages, schedule):
 
 
 # ---- torch.distributed.pipelining -----------------------------------------------------------------
-class RotaryBlock(nn.Module):
-    """One GPT block taking one tensor: cos/sin computed from x.shape[1] (as zerotron's _PipeBlock)."""
-
-    def __init__(self, block, cfg):
-        super().__init__()
-        self.block, self.config = block, cfg
-
-    def forward(self, x):
-        from zerotron.models.gpt import rotary_tables
-        cos, sin = rotary_tables(self.config, x.shape[1], x.device)
-        return self.block(x, cos, sin)
+# One GPT block taking one tensor (cos/sin from x.shape[1]): the same layer zerotron's pipeline uses.
+from zerotron.parallelize.gpt import _PipeBlock as RotaryBlock  # noqa: E402
 
 
 class TorchStage(nn.Module):

@@ -103,20 +103,37 @@ def test_config_imports_only_its_own_tables_and_errors():
         assert _imports(name, modules[name], modules) <= allowed, name
 
 
+def _assigned_in_init(cls) -> set[str]:
+    """Attributes `self.X = ...` that __init__ of `cls` or of a base assigns."""
+    import inspect
+    import textwrap
+    names = set()
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None or not hasattr(init, "__code__"):
+            continue
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(init)))):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            for t in targets:
+                for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                    if isinstance(el, ast.Attribute) and isinstance(el.value, ast.Name) and el.value.id == "self":
+                        names.add(el.attr)
+    return names
+
+
 def test_every_stage_presents_the_model_states_interface():
+    import inspect
     from zerotron.zero.replicated import ReplicatedStates
     from zerotron.zero.sharded import ShardedStates
     from zerotron.zero.stage3 import Stage3States
     from zerotron.zero.strategy import MEMBERS, ModelStates
-    declared = set(ModelStates.__annotations__) | {n for n in vars(ModelStates) if not n.startswith("_")}
-    assert declared == set(MEMBERS)
+    methods = {n for n, v in vars(ModelStates).items() if inspect.isfunction(v) and not n.startswith("_")}
+    attributes = set(ModelStates.__annotations__)
+    assert methods | attributes == set(MEMBERS)
     for cls in (ReplicatedStates, ShardedStates, Stage3States):
-        instance_attrs = set()
-        for klass in cls.__mro__:
-            init = vars(klass).get("__init__")
-            if init is not None and hasattr(init, "__code__"):
-                instance_attrs |= {n for n in init.__code__.co_names}
-        missing = [m for m in MEMBERS if not hasattr(cls, m) and m not in instance_attrs]
+        missing = [m for m in methods if not inspect.isfunction(getattr(cls, m, None))]
+        missing += [a for a in attributes if not hasattr(cls, a) and a not in _assigned_in_init(cls)]
         assert not missing, f"{cls.__name__} lacks {missing}"
 
 

@@ -34,6 +34,25 @@ def test_fp32_parity_with_single_process(stage, world, gas):
         assert max_weight_diff(state, ref_state) < 1e-5
 
 
+# ZeRO-3's memory/communication knobs: released after every forward with prefetching capped (the
+# other extreme from the defaults the test above runs), and the fp32 step in sub-groups.
+@pytest.mark.parametrize("precision,zero_extra", [
+    ("fp32", {"stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 1}),
+    ("bf16", {"sub_group_size": 20_000}),
+])
+def test_zero3_knobs_keep_single_process_parity(precision, zero_extra):
+    gas = 2
+    if precision == "fp32":
+        ref_losses, ref_state = reference_training(global_batches(STEPS, 2 * gas * 2))
+        rtol, atol = 1e-5, 1e-5
+    else:  # against stage 0 in bf16, as test_bf16_matches_stage0_bf16 (same tolerances, same reason)
+        ref_losses, ref_state = run_ranks(_train, 2, 0, 2, gas, STEPS, "bf16")[0]
+        rtol, atol = 1e-2, 1e-2
+    for losses, state in run_ranks(_train, 2, 3, 2, gas, STEPS, precision, zero_extra):
+        assert_losses_close(losses, ref_losses, rtol=rtol)
+        assert max_weight_diff(state, ref_state) < atol
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("gas", [1, 2])
 def test_bf16_matches_stage0_bf16(stage, gas):
