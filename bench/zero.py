@@ -33,7 +33,7 @@ warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distribu
 
 ADAMW = common.ADAMW
 # zerotron system -> the peers it is compared with
-PAIRS = {"zt1": ["torch_zero1", "ds1"], "zt2": ["fsdp2_noreshard", "ds2"],
+PAIRS = {"zt1": ["torch_zero1", "ds1"], "zt2": ["fsdp2_noreshard", "ds2"], "zt2_fsdp": ["fsdp2_noreshard", "ds2"],
          "zt3": ["fsdp2_reshard", "ds3"], "zt3_fsdp": ["fsdp2_reshard", "ds3"]}
 
 
@@ -56,7 +56,8 @@ def parse_args():
     p.add_argument("--stage3-prefetch", type=float, default=5e7,
                    help="stage3_prefetch_bucket_size for zt3 and ds3 (both default to 5e7)")
     p.add_argument("--no-zt3-fsdp", action="store_true",
-                   help="leave out zt3_fsdp (stage 3 with threshold 0 and a one-block prefetch, as FSDP2 does)")
+                   help="leave out zt2_fsdp and zt3_fsdp, zerotron set up as FSDP2 works: stage 2 with "
+                        "reshard_after_backward and overlap_param_gather; stage 3 with threshold 0 and a one-block prefetch")
     p.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out even when installed")
     p.add_argument("--systems", default="", help="comma-separated subset of systems to run (default: all)")
     p.add_argument("--profile", default="", help="comma-separated systems to profile after the timed rounds: "
@@ -207,8 +208,8 @@ def zerotron_system(cfg, per_rank, stage, precision, args, **zero_extra):
 def zerotron_hints(states) -> dict:
     """zerotron's flat buffers by kind (stage 0 keeps them in ReplicatedStates' buckets and masters)."""
     buckets = getattr(states, "buckets", [])
-    grads = [getattr(getattr(states, "grads", None), "flat", None), getattr(states, "master_grad_flat", None)]
-    grads += [getattr(b, a, None) for b in buckets for a in ("grad_full", "grads")]
+    grads = [getattr(states, "master_grad_flat", None)]
+    grads += [getattr(b, a, None) for b in buckets for a in ("grad_full", "grads", "grad_shard")]
     masters = [getattr(states, "master_flat", None)]
     if hasattr(states, "master"):  # stage 0
         masters += [m for m in states.master.masters if states.master.separate]
@@ -295,6 +296,8 @@ HOLDS = {  # what each system keeps per rank (Ψ parameters, N ranks; bytes per 
         "ds2": "4Ψ params, 4Ψ/N fp32 master partition, 4Ψ/N gradient partition, 8Ψ/N AdamW, its reduce bucket",
         "zt3": "4Ψ/N param shards (= masters; params under the threshold whole), 4Ψ/N grad shard, 8Ψ/N AdamW; "
                "gathered units while in use, bucket buffers in flight",
+        "zt2_fsdp": "as zt2, but the full params are freed as the boundary backward reduces them and gathered "
+                    "after the step (own 4Ψ/N master shard), waited on in the next forward; one-block buckets",
         "zt3_fsdp": "as zt3 with every parameter partitioned and one block prefetched",
         "fsdp2_reshard": "4Ψ/N param shard (= master), 4Ψ/N grad shard, 8Ψ/N AdamW; a block unsharded while it "
                          "runs (+ one prefetched), the root's params from forward to backward",
@@ -315,6 +318,8 @@ HOLDS = {  # what each system keeps per rank (Ψ parameters, N ranks; bytes per 
         "ds2": "2Ψ params, 4Ψ/N fp32 master partition, 4Ψ/N fp32 gradient partition, 8Ψ/N AdamW, reduce bucket",
         "zt3": "2Ψ/N bf16 param shards (params under the threshold whole), 2Ψ/N bf16 grad shard, 4Ψ/N fp32 "
                "masters, 8Ψ/N AdamW; gathered units while in use",
+        "zt2_fsdp": "as zt2, but the bf16 params are freed as the boundary backward reduces them and gathered "
+                    "after the step, waited on in the next forward; one-block buckets",
         "zt3_fsdp": "as zt3 with every parameter partitioned and one block prefetched",
         "fsdp2_reshard": "4Ψ/N fp32 param shard (= master), 4Ψ/N fp32 grad shard, 8Ψ/N AdamW; bf16 blocks "
                          "unsharded while in use",
@@ -341,6 +346,11 @@ def build_systems(precision, cfg, per_rank, world, args, use_deepspeed, mesh, wa
     if use_deepspeed:
         add("ds1", lambda: deepspeed_system(cfg, per_rank, 1, precision, args))
     add("zt2", lambda: zerotron_system(cfg, per_rank, 2, precision, args))
+    if not args.no_zt3_fsdp:
+        # FSDP2 reduces and gathers one block at a time: buckets of one block
+        add("zt2_fsdp", lambda: zerotron_system(cfg, per_rank, 2, precision, args, reshard_after_backward=True,
+                                                overlap_param_gather=True, reduce_bucket_size=block_numel(cfg, world),
+                                                allgather_bucket_size=block_numel(cfg, world)))
     add("fsdp2_noreshard", lambda: fsdp2_system(cfg, precision, args.clip, False, mesh))
     if use_deepspeed:
         add("ds2", lambda: deepspeed_system(cfg, per_rank, 2, precision, args))

@@ -219,7 +219,8 @@ def _check_alias(result):
     assert all(result["identity"]), result["identity"]
     assert result["specs"] == ["zerotron", "zerotron.ops.adam", "zerotron"]
     assert result["file"].endswith(os.path.join("zerotron", "__init__.py"))
-    assert result["dists"] == ["deepspeed"]
+    # (listed twice where the real DeepSpeed is installed too, as on a benchmark machine)
+    assert set(result["dists"]) == {"deepspeed"}
 
 
 def test_the_environment_variable_aliases_deepspeed_from_interpreter_start():

@@ -19,7 +19,21 @@ def _report(stage, tp, pp, bf16, offload, threshold):
         1, 2 if pp > 1 else 1, zero_optimization=zero, tensor_parallel={"autotp_size": tp}, bf16={"enabled": bf16}))
     x = torch.randint(0, 256, (1, 16))
     engine.train_batch(iter([(x, x)] * (2 if pp > 1 else 1)))  # optimizer states exist after a step
-    return engine.memory_report(), engine.predicted_memory()
+    # Measured in the second step: the states as the step begins, and the gradients at their
+    # most during backward (stage 1's full buckets exist until the boundary reduces them; every
+    # stage frees its gradients at the step, so after it a rank holds none).
+    held, grads, check = [], [0], engine.states.unscale_and_check
+
+    def measure_then_check(*args):
+        held.append(engine.memory_report())
+        return check(*args)
+    engine.states.unscale_and_check = measure_then_check
+    for p in engine.module.parameters():  # after the engine's own hooks: what each arrival leaves held
+        p.register_post_accumulate_grad_hook(lambda p: grads.append(engine.memory_report()["grads"]))
+    engine.train_batch(iter([(x, x)] * (2 if pp > 1 else 1)))
+    report = held[0]
+    peak = max(grads + [report["grads"]])
+    return {**report, "grads": peak, "total": report["total"] - report["grads"] + peak}, engine.predicted_memory()
 
 
 @pytest.mark.parametrize("world,stage,tp,pp,bf16,offload,threshold", [

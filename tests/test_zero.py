@@ -221,12 +221,18 @@ def test_non_elementwise_optimizer_is_refused():
 
 # ---- memory and traffic against the ZeRO paper ------------------------------------------------
 def _state_bytes(stage):
-    """memory_report() after a bf16 step, and an independent count of every tensor this rank holds."""
+    """memory_report() after a bf16 step and the next backward (the gradients of the formula are
+    held until the step), an independent count of every tensor this rank holds, and the gradient
+    bytes held between a step and the next backward."""
     import gc
     dp, rank = dist.get_world_size(), dist.get_rank()
     engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(
         2, 1, bf16={"enabled": True}, zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0}))
-    engine.train_batch(iter(micro_batches(global_batches(1, 2 * dp)[0], rank, dp, 1)))
+    first, second = global_batches(2, 2 * dp)
+    engine.train_batch(iter(micro_batches(first, rank, dp, 1)))
+    between_steps = engine.memory_report()["grads"]
+    x, y = micro_batches(second, rank, dp, 1)[0]
+    engine.backward(engine(x, y))
     report = engine.memory_report()
     gc.collect()
     storages = {}
@@ -235,7 +241,7 @@ def _state_bytes(stage):
             st = obj.untyped_storage()
             storages[st.data_ptr()] = st.nbytes()
     padding = [b.padded_numel - b.numel for b in engine.states.buckets]
-    return report, sum(storages.values()), padding
+    return report, sum(storages.values()), padding, between_steps
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -243,10 +249,12 @@ def _state_bytes(stage):
 def test_model_state_memory_matches_the_zero_formula(stage, world):
     psi = sum(p.numel() for p in make_model().parameters())
     k = 12  # fp32 master weights, Adam's m and v
-    expected = {1: 2 * psi + 2 * psi + k * psi / world,
+    # Stage 1 holds the paper's 2 x psi gradients while it accumulates; after the boundary
+    # backward has reduce-scattered them it keeps only its shard, as stage 2 does.
+    expected = {1: 2 * psi + (2 + k) * psi / world,
                 2: 2 * psi + (2 + k) * psi / world,
                 3: (2 + 2 + k) * psi / world}[stage]
-    for report, counted, padding in run_ranks(_state_bytes, world, stage):
+    for report, counted, padding, between_steps in run_ranks(_state_bytes, world, stage):
         # Padding: each bucket is rounded up to a multiple of the world size (< world elements
         # per bucket), and those elements carry all 16 bytes of state in the sharded parts.
         assert abs(report["total"] - expected) <= 0.10 * expected, (report, expected)
@@ -256,6 +264,8 @@ def test_model_state_memory_matches_the_zero_formula(stage, world):
         # every floating-point tensor alive in the process: model states plus a few small
         # leftovers (the batch's activations are freed; rotary tables are computed per call)
         assert report["total"] <= counted <= 1.10 * report["total"], (report, counted)
+        # the gradients are freed at the step, as DeepSpeed and FSDP2 free theirs
+        assert between_steps == 0
 
 
 def _traffic(stage, vocab, reuse):

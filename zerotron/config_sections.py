@@ -98,6 +98,12 @@ class ZeroConfig:
     stage3_gather_fp16_weights_on_model_save: bool = False
     ignore_unused_parameters: bool = True
     elastic_checkpoint: bool = False
+    # Stages 1-2 (zero/sharded.py): free each bucket's full parameters once the boundary backward
+    # has reduced its gradients, until the step gathers them again (FSDP2's name and behaviour);
+    # start that gather without waiting, each bucket waited on at its first use in the next
+    # forward (Megatron-LM's name).
+    reshard_after_backward: bool = False
+    overlap_param_gather: bool = False
 
     def validate(self, p: str):
         _check(self.stage in (0, 1, 2, 3), p + ".stage", self.stage, "use 0 (data parallel), 1, 2 or 3")
@@ -107,6 +113,10 @@ class ZeroConfig:
             _check(value > 0, f"{p}.{key}", value, "use a positive number of elements, e.g. 5e8")
         _check(self.stage3_param_persistence_threshold >= 0, p + ".stage3_param_persistence_threshold",
                self.stage3_param_persistence_threshold, "use a non-negative number of elements")
+        for key in ("reshard_after_backward", "overlap_param_gather"):
+            _check(not getattr(self, key) or self.stage in (1, 2), f"{p}.{key}", True,
+                   "applies to stages 1 and 2 only (stage 3 gathers and releases each unit itself, and "
+                   "prefetches by stage3_prefetch_bucket_size); remove it or use stage 1 or 2")
         for key in ("offload_optimizer", "offload_param"):
             off = getattr(self, key)
             if off is None:

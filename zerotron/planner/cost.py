@@ -34,6 +34,7 @@ class Layout:
     schedule: str = "1f1b"           # gpipe | 1f1b | interleaved (pp > 1)
     chunks: int = 1                  # virtual stages per rank (interleaved)
     sequence_parallel: bool = False
+    overlap_param_gather: bool = False  # ZeRO-1/2: the step's all-gather hidden under the next forward
 
     @property
     def gpus(self) -> int:
@@ -48,6 +49,8 @@ class Layout:
             parts.append(f"ckpt:{self.checkpoint}")
         if self.offload != "none":
             parts.append(f"offload:{self.offload}")
+        if self.overlap_param_gather:
+            parts.append("overlap-gather")
         return " ".join(parts)
 
 
@@ -202,6 +205,8 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
             traffic += 2 * b * psi / L.dp / (hw.pcie_gbps * 1e9)
         exposed = m * max(0.0, traffic - micro_compute)
     gather_after_step = _ring(b * psi, L.dp, dp_bw, dp_lat, 1, buckets) if L.zero in (1, 2) else 0.0
+    if L.overlap_param_gather:  # waited on bucket by bucket in the next forward: exposed beyond it only
+        gather_after_step = max(0.0, gather_after_step - micro_compute / 3)
     out["data_parallel"] = exposed + gather_after_step
 
     # The optimizer step: bound by device memory bandwidth, or by the host's CPU Adam plus PCIe.

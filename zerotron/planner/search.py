@@ -59,7 +59,8 @@ def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, global_batch: int,
                             for schedule, chunks in schedules:
                                 yield Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=micro, grad_accum=accum,
                                              checkpoint=ckpt, offload=off, schedule=schedule, chunks=chunks,
-                                             sequence_parallel=tp > 1 and pp == 1)
+                                             sequence_parallel=tp > 1 and pp == 1,
+                                             overlap_param_gather=zero in (1, 2) and pp == 1)
 
 
 def plan(shape: ModelShape, gpus: int, hw: Hardware, seq: int, global_batch: int, dtype: str = "bf16",
@@ -86,6 +87,8 @@ def deepspeed_config(layout: Layout, global_batch: int, dtype: str = "bf16", lr:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if layout.offload == "optimizer+param":
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if layout.overlap_param_gather:
+        zero["overlap_param_gather"] = True
     config = {
         "train_batch_size": global_batch,
         "train_micro_batch_size_per_gpu": layout.micro_batch,

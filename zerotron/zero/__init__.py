@@ -38,7 +38,10 @@ def make_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
         buckets = [FlatBucket.partition(ps, comm.size, comm.rank)
                    for ps in _bucketed(params, zero.reduce_bucket_size, isolate)]
         states = ShardedStates(buckets, set(), group_of, comm, gather_comm, zero.stage, zero.allgather_bucket_size,
-                               reduce_dtype, offload=offload)
+                               reduce_dtype, offload=offload, reshard=zero.reshard_after_backward,
+                               overlap_gather=zero.overlap_param_gather)
+        if zero.overlap_param_gather:
+            states.params.watch(module, states._where)
     states.adopt(optimizer, allow_untested=config.zero_allow_untested_optimizer)
     return states
 

@@ -8,9 +8,10 @@ exist only for this rank's shard of each flat bucket.
   they arrive and reduce-scattered at once; the reduced shard is added into the gradient shard,
   so no rank ever holds a full gradient for longer than a bucket is in flight.
 
-Gradient shards stay in the model dtype between steps (the ZeRO paper's 2 bytes per element);
-the fp32 copy the optimizer reads exists only during the step (and not at all in fp32 training
-with stages 2-3, where it is the gradient shard itself).
+Gradient shards stay in the model dtype until the step (the ZeRO paper's 2 bytes per element);
+the fp32 copy the optimizer reads replaces them bucket by bucket at the step (in fp32 training it
+is the gradient shard itself). Between a step and the next backward no gradient memory is held,
+and what a backward holds in flight is bounded by two buckets (one filling, one reducing).
 
 After the optimizer updates the master shard, each rank writes it (in the model dtype) into its
 parameter shard; buckets whose parameters are replicated (stages 1, 2, and small parameters in
@@ -27,7 +28,7 @@ from .replicated import InOrderReduction
 from .flat import FlatBucket
 from .grads import AccumulatedGrads, StreamedGrads
 
-_MAX_REDUCTIONS_IN_FLIGHT = 2
+_MAX_REDUCTIONS_IN_FLIGHT = 1
 
 
 class ShardedStates(InOrderReduction):
@@ -35,7 +36,8 @@ class ShardedStates(InOrderReduction):
 
     def __init__(self, buckets: list[FlatBucket], partitioned: set[int], group_of: dict[int, int], comm: Comm,
                  gather_comm: Comm, stage: int, allgather_numel: int, reduce_dtype: torch.dtype | None = None,
-                 on_grads_done=None, offload=None, sub_group_numel: int | None = None):
+                 on_grads_done=None, offload=None, sub_group_numel: int | None = None, reshard: bool = False,
+                 overlap_gather: bool = False):
         self.buckets = buckets
         self.partitioned = partitioned      # indices of buckets whose full parameters are not kept
         # Gradient reductions start from backward hooks, whose timing can differ between ranks
@@ -52,7 +54,10 @@ class ShardedStates(InOrderReduction):
         self._next_launch = 0
         self._in_flight: deque = deque()
         self._where: dict[int, tuple[FlatBucket, int]] = {}
-        self._build_masters(group_of)
+        self._build_masters(group_of, own_master_storage=reshard)
+        from .param_gather import ReplicatedParams
+        self.params = ReplicatedParams([b for i, b in enumerate(buckets) if i not in partitioned], gather_comm,
+                                       allgather_numel, reshard, overlap_gather)
         # DeepSpeed's sub_group_size (stage 3): the fp32 gradient copy is made, and the optimizer
         # steps, one sub-group of master runs at a time instead of the whole shard at once.
         self._sub_groups = self._cut_sub_groups(sub_group_numel)
@@ -64,10 +69,11 @@ class ShardedStates(InOrderReduction):
                        for b in buckets for p in b.params if p.requires_grad]
 
     # ---- masters --------------------------------------------------------------------------
-    def _build_masters(self, group_of: dict[int, int]):
+    def _build_masters(self, group_of: dict[int, int], own_master_storage: bool = False):
         """One fp32 buffer holds every bucket's master shard. Each shard is cut where the optimizer
         group changes, and each run is one tensor the optimizer updates (runs of parameters that no
-        optimizer group holds, e.g. frozen ones, are never updated)."""
+        optimizer group holds, e.g. frozen ones, are never updated). `own_master_storage`: the
+        full buffers are freed after backward, so an fp32 master shard cannot be a view of one."""
         total = sum(b.shard_numel for b in self.buckets)
         device, dtype = self.buckets[0].device, self.buckets[0].dtype
         self.total_numel = total
@@ -93,6 +99,8 @@ class ShardedStates(InOrderReduction):
             b.index = index
             b.offset = offset
             if self.masters_are_params:
+                if own_master_storage and index not in self.partitioned:
+                    b.shard = b.shard.clone()
                 b.master = b.shard
             else:
                 b.master = self.master_flat[offset:offset + b.shard_numel]
@@ -206,11 +214,17 @@ class ShardedStates(InOrderReduction):
         if self.host is not None:
             self.master_grad_flat = self.host.gradients_ready(self.buckets, self.reduced_shard)
         else:
-            self.master_grad_flat = torch.empty(self.total_numel, dtype=torch.float32,
-                                                device=self.buckets[0].device)
-            self.peak_fp32_grad_numel = max(self.peak_fp32_grad_numel, self.total_numel)
+            # Bucket by bucket, each model-dtype shard freed once copied: the step holds the fp32
+            # gradients, not both (as DeepSpeed's stages 1-2)
+            self.master_grad_flat = None
+            fp32 = {}
             for b in self.buckets:
-                self.master_grad_flat[b.offset:b.offset + b.shard_numel].copy_(self.grads.shard(b))
+                fp32[b.index] = self.grads.shard(b).float()
+                self.grads.release(b)
+            self.peak_fp32_grad_numel = max(self.peak_fp32_grad_numel, self.total_numel)
+            for (_, m), (b, lo, hi) in zip(self.runs, self._run_in_bucket):
+                m.grad = fp32[b.index][lo:hi]
+            return
         for (_, m), (lo, hi) in zip(self.runs, self._run_bounds):
             m.grad = self.master_grad_flat[lo:hi]
 
@@ -230,15 +244,24 @@ class ShardedStates(InOrderReduction):
         bucket, i = self._where[id(param)]
         if self.grads.take(bucket, i, param, self.sync):
             self._mark_ready(bucket, i, param)
+        self._complete_finished()
+
+    def _complete_finished(self):
+        """Take in the reductions that have finished, so their bucket buffers are freed as soon
+        as possible rather than when the in-flight limit forces a wait."""
+        while self._in_flight and self._in_flight[0][1].is_completed():
+            self._complete_oldest()
 
     def _launch(self, bucket: FlatBucket, in_backward: bool):
+        if self.sync and bucket.index not in self.partitioned:
+            self.params.release(bucket)  # reshard_after_backward: nothing needs them before the step
         full = self.grads.to_reduce(bucket)
         if full is None:  # no parameter of this bucket got a gradient in this backward
             full = torch.zeros(bucket.padded_numel, dtype=bucket.dtype, device=bucket.device)
         if self.reduce_dtype is not None and self.reduce_dtype != full.dtype:
             full = full.to(self.reduce_dtype)
         full.div_(self.comm.size)  # average; dividing first keeps fp16 sums in range
-        received = torch.empty(bucket.shard_numel, dtype=full.dtype, device=full.device)
+        received = bucket.own_slice(full)  # reduced in place: no second buffer per bucket in flight
         work = self.comm.reduce_scatter_flat(received, full, async_op=True)
         bucket.launched_in_backward = in_backward
         self._in_flight.append((bucket, work, received, full))
@@ -316,31 +339,28 @@ class ShardedStates(InOrderReduction):
     def publish(self, from_masters: bool = False) -> None:
         """Write the updated master shards into the parameters; all-gather replicated buckets.
         `from_masters`: the masters changed without an optimizer step (a checkpoint was loaded)."""
-        pending, in_flight = [], 0
         if self.host is not None and (from_masters or not self.host.optimizer_copies_out):
             self.host.staging.copy_(self.master_flat)
-        for i, b in enumerate(self.buckets):
-            destination = b.shard if i in self.partitioned else b.own_slice(b.full)
-            if self.host is not None:
-                self.host.weights_in(b, destination)
-            elif not self.masters_are_params:
-                destination.copy_(b.master)
-            if i in self.partitioned:
-                continue
-            pending.append(self.gather_comm.all_gather_flat(b.full, destination.clone(), async_op=True))
-            in_flight += b.padded_numel
-            if in_flight >= self.allgather_numel:  # allgather_bucket_size bounds what is in flight
-                for w in pending:
-                    w.wait()
-                pending, in_flight = [], 0
-        for w in pending:
-            w.wait()
+        for i in sorted(self.partitioned):
+            self._write_master(self.buckets[i], self.buckets[i].shard)
+        self.params.gather(self.params.buckets, self._write_master)
+
+    def _write_master(self, b: FlatBucket, destination: torch.Tensor) -> None:
+        """This rank's updated weights of bucket `b`, in the model dtype, into `destination`."""
+        if self.host is not None:
+            self.host.weights_in(b, destination)
+        elif destination.data_ptr() != b.master.data_ptr():
+            destination.copy_(b.master)
 
     def destroy(self) -> None:
         for h in self._hooks:
             h.remove()
+        self.params.destroy()
 
     def zero_grads(self) -> None:
+        if self.params.released:  # a skipped step: the parameters come back unchanged
+            self.params.gather([b for b in self.params.buckets if b.index in self.params.released],
+                               self._write_master)
         self.master_grad_flat = None
         for _, m in self.runs:
             m.grad = None
@@ -360,13 +380,14 @@ class ShardedStates(InOrderReduction):
         the same buckets; `comm` (default gather_comm) is the data-parallel Comm to gather over."""
         from ..comm import to_device
         comm = comm or self.gather_comm
+        replicated = []
         for b in sorted({id(b): b for b in buckets}.values(), key=lambda b: b.index):
-            partitioned = b.index in self.partitioned
-            destination = b.shard if partitioned else b.own_slice(b.full)
             if self.host is not None:
                 self.host.staging[b.offset:b.offset + b.shard_numel].copy_(b.master)
-                self.host.weights_in(b, destination)
-            elif not self.masters_are_params:
-                destination.copy_(b.master)
-            if not partitioned or b.full.untyped_storage().nbytes() > 0:  # a stage-3 unit gathered right now too
-                comm.all_gather_flat(b.full, to_device(destination, b.full.device).clone())
+            if b.index not in self.partitioned:
+                replicated.append(b)
+                continue
+            self._write_master(b, b.shard)
+            if b.full.untyped_storage().nbytes() > 0:  # a stage-3 unit gathered right now too
+                comm.all_gather_flat(b.full, to_device(b.shard, b.full.device).clone())
+        self.params.gather(replicated, self._write_master, comm=comm, wait=True)
