@@ -72,7 +72,8 @@ def test_estimate_command():
     device = [float(r[5]) for r in rows]
     assert len(device) == 4 and device == sorted(device, reverse=True)  # each ZeRO stage holds less
     shape = ModelShape.of_gpt(__import__("zerotron.models.gpt", fromlist=["config_for"]).config_for("7b"))
-    assert device[3] == pytest.approx(16 * shape.parameters / 8 / 2**30, rel=0.01)  # stage 3 in bf16: 16Ψ/N
+    # stage 3 in bf16: 14Ψ/N (the paper's 16Ψ/N without a bf16 parameter shard beside the masters)
+    assert device[3] == pytest.approx(14 * shape.parameters / 8 / 2**30, rel=0.01)
 
 
 def _saved_for_backward(model, tokens, targets, forward=None) -> int:

@@ -250,10 +250,12 @@ def test_model_state_memory_matches_the_zero_formula(stage, world):
     psi = sum(p.numel() for p in make_model().parameters())
     k = 12  # fp32 master weights, Adam's m and v
     # Stage 1 holds the paper's 2 x psi gradients while it accumulates; after the boundary
-    # backward has reduce-scattered them it keeps only its shard, as stage 2 does.
+    # backward has reduce-scattered them it keeps only its shard, as stage 2 does. Stage 3 in
+    # bf16 keeps no bf16 parameter shard beside the fp32 master (each gather casts the master):
+    # the paper's 16 x psi / N less 2.
     expected = {1: 2 * psi + (2 + k) * psi / world,
                 2: 2 * psi + (2 + k) * psi / world,
-                3: (2 + 2 + k) * psi / world}[stage]
+                3: (2 + k) * psi / world}[stage]
     for report, counted, padding, between_steps in run_ranks(_state_bytes, world, stage):
         # Padding: each bucket is rounded up to a multiple of the world size (< world elements
         # per bucket), and those elements carry all 16 bytes of state in the sharded parts.

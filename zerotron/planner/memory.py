@@ -66,7 +66,10 @@ def rank_state_bytes(tensors: list[int], *, dp: int = 1, stage: int = 0, dtype: 
     psi = sum(tensors)
     small = sum(n for n in tensors if n < persistence_threshold) if stage == 3 else 0
     shard = math.ceil(psi / dp)
-    out = {"params": b * (psi if stage < 3 else math.ceil((psi - small) / dp) + small)}
+    # Stage 3 keeps a partitioned shard in the model dtype only where it is the master (fp32) or
+    # offload needs it; otherwise each gather casts the fp32 master (zero/stage3.py)
+    partitioned = math.ceil((psi - small) / dp) if (dtype == "fp32" or offload_optimizer or offload_param) else 0
+    out = {"params": b * (psi if stage < 3 else partitioned + small)}
     out["grads"] = b * (psi if stage < 2 else shard)
     separate = dtype != "fp32"
     if stage == 0:

@@ -93,6 +93,11 @@ class FlatBucket:
         for p, view in zip(self.params, self.views(flat)):
             p.data = view
 
+    def own_values(self) -> torch.Tensor:
+        """This rank's part of the parameters in the model dtype: the shard, or where none is kept
+        (stage 3 in bf16/fp16 without offload) the fp32 master cast, as FSDP2 casts at each gather."""
+        return self.shard if self.shard is not None else self.master.to(self.dtype)
+
     def own_slice(self, flat: torch.Tensor) -> torch.Tensor:
         start, end = self.shard_range
         return flat[start:end]

@@ -362,8 +362,11 @@ class GatheredParameters:
             unit.pinned -= 1
             if self.modifier_rank is not None:
                 unit.comm.broadcast(b.full, src_group_rank=self.modifier_rank)
-                b.shard.copy_(b.own_slice(b.full))
-                b.master.copy_(b.shard.float())
+                own = b.own_slice(b.full)
+                if b.shard is not None:
+                    b.shard.copy_(own)
+                if b.master is not b.shard:
+                    b.master.copy_(own.float())
             if not was and not unit.pinned:
                 unit.release()
         self.units = []

@@ -341,8 +341,9 @@ class ShardedStates(InOrderReduction):
         `from_masters`: the masters changed without an optimizer step (a checkpoint was loaded)."""
         if self.host is not None and (from_masters or not self.host.optimizer_copies_out):
             self.host.staging.copy_(self.master_flat)
-        for i in sorted(self.partitioned):
-            self._write_master(self.buckets[i], self.buckets[i].shard)
+        for i in sorted(self.partitioned):  # (stage 3 without a shard gathers from the master itself)
+            if self.buckets[i].shard is not None:
+                self._write_master(self.buckets[i], self.buckets[i].shard)
         self.params.gather(self.params.buckets, self._write_master)
 
     def _write_master(self, b: FlatBucket, destination: torch.Tensor) -> None:
@@ -387,7 +388,8 @@ class ShardedStates(InOrderReduction):
             if b.index not in self.partitioned:
                 replicated.append(b)
                 continue
-            self._write_master(b, b.shard)
+            if b.shard is not None:
+                self._write_master(b, b.shard)
             if b.full.untyped_storage().nbytes() > 0:  # a stage-3 unit gathered right now too
-                comm.all_gather_flat(b.full, to_device(b.shard, b.full.device).clone())
+                comm.all_gather_flat(b.full, to_device(b.own_values(), b.full.device).clone())
         self.params.gather(replicated, self._write_master, comm=comm, wait=True)

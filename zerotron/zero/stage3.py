@@ -84,7 +84,7 @@ class Unit:
         b = self.bucket
         b.full.untyped_storage().resize_(b.padded_numel * b.full.element_size())
         # With offload_param the shard comes from host memory first (a no-op copy on a CPU machine).
-        self._source = to_device(b.shard, b.full.device)
+        self._source = to_device(b.own_values(), b.full.device)
         self.work = self.comm.all_gather_flat(b.full, self._source, async_op=True)
         self.state = _GATHERING
         self._mark(ZeroParamStatus.INFLIGHT)
@@ -183,6 +183,13 @@ class Stage3States(ShardedStates):
         super().__init__(buckets, partitioned, group_of, comm, gather_comm, zero.stage, zero.allgather_bucket_size,
                          reduce_dtype, on_grads_done=self._grads_done, offload=offload,
                          sub_group_numel=zero.sub_group_size)
+        # bf16/fp16 without offload: the fp32 master is the only copy of a partitioned shard, and
+        # each gather casts it (FSDP2 keeps no low-precision shard either); saves 2 bytes/element
+        if not self.masters_are_params and self.host is None and not self.param_host:
+            for i in self.partitioned:
+                b = self.buckets[i]
+                b.shard = None
+                _point_pieces(b, b.master)
         self.trace: list[Unit] = []
         self.tracing = True
         self._forward_hooks = [h for u in self.units for h in (
@@ -292,7 +299,7 @@ class Stage3States(ShardedStates):
     def memory(self) -> dict[str, int]:
         out = super().memory()
         shards = sum(b.shard.numel() * b.shard.element_size() for i, b in enumerate(self.buckets)
-                     if i in self.partitioned)
+                     if i in self.partitioned and b.shard is not None)
         out["params"] = shards + sum(b.full.numel() * b.full.element_size() for i, b in enumerate(self.buckets)
                                      if i not in self.partitioned)
         if self.param_host:
@@ -309,13 +316,23 @@ def _describe(bucket: FlatBucket, persist: bool) -> None:
     """DeepSpeed's per-parameter ZeRO-3 attributes, which scripts read: ds_id, ds_shape,
     ds_numel, ds_persist, ds_status, and ds_tensor (this rank's part of the parameter, flat,
     possibly empty: zerotron partitions whole buckets, not each parameter)."""
-    pieces = {i: (start_in_shard, length) for i, _, start_in_shard, length in bucket.param_slices_in_shard()}
     for i, p in enumerate(bucket.params):
         p.ds_id = next(_ds_ids)
         p.ds_shape, p.ds_numel, p.ds_persist = bucket.shapes[i], bucket.numels[i], persist
         p.ds_status = ZeroParamStatus.AVAILABLE
+        if persist:
+            p.ds_tensor = p.data.view(-1)
+    if not persist:
+        _point_pieces(bucket, bucket.shard)
+
+
+def _point_pieces(bucket: FlatBucket, flat: torch.Tensor) -> None:
+    """Each parameter's ds_tensor: its piece of `flat` (the shard, or the fp32 master where no
+    shard is kept), empty where this rank holds none of it."""
+    pieces = {i: (start_in_shard, length) for i, _, start_in_shard, length in bucket.param_slices_in_shard()}
+    for i, p in enumerate(bucket.params):
         start, length = pieces.get(i, (0, 0))
-        p.ds_tensor = p.data.view(-1) if persist else bucket.shard[start:start + length]
+        p.ds_tensor = flat[start:start + length]
 
 
 def _forget_init(p: nn.Parameter) -> None:
