@@ -196,12 +196,15 @@ class StepStages:
                                 persistence_threshold=z.stage3_param_persistence_threshold)
 
     def _log_memory_prediction(self):
+        """After the first step: what the planner predicts next to what this rank holds. Gradients
+        are held from backward to the step and freed by it, so theirs is the predicted peak alone."""
         predicted, measured = self.predicted_memory(), self.memory_report()
         mib = 2 ** 20
-        logger.info(f"rank {self.global_rank} model states: predicted {predicted['total'] / mib:.1f} MiB, measured "
-                    f"{measured['total'] / mib:.1f} MiB (" + ", ".join(
-                        f"{k} {predicted[k] / mib:.1f}/{measured.get(k, 0) / mib:.1f}"
-                        for k in ("params", "grads", "master_weights", "optimizer")) + ")")
+        kept = ("params", "master_weights", "optimizer")
+        logger.info(f"rank {self.global_rank} model states: predicted {sum(predicted[k] for k in kept) / mib:.1f} "
+                    f"MiB, measured {sum(measured.get(k, 0) for k in kept) / mib:.1f} MiB (" + ", ".join(
+                        f"{k} {predicted[k] / mib:.1f}/{measured.get(k, 0) / mib:.1f}" for k in kept) +
+                    f"); gradients from backward to the step: predicted {predicted['grads'] / mib:.1f} MiB")
 
     def _norm_groups(self) -> list:
         """The groups over which squared gradient norms are summed: the ZeRO shards (if any), and
