@@ -24,9 +24,6 @@ class AccumulatedGrads:
     def attach(self, b: FlatBucket, total_offset: int) -> None:
         b.grad_full, b.grad_shard = None, None
 
-    def allocate(self, total: int, dtype, device) -> None:
-        pass
-
     def take(self, b: FlatBucket, i: int, param, sync: bool) -> bool:
         """A parameter's gradient is in; True when it now counts toward launching the reduction."""
         if b.grad_full is None:
@@ -86,9 +83,6 @@ class StreamedGrads:
     from its first reduction to the step, as DeepSpeed's and FSDP2's gradients do: between a
     step and the next backward no gradient memory is held."""
     accumulates = False
-
-    def allocate(self, total: int, dtype, device) -> None:
-        pass
 
     def attach(self, b: FlatBucket, total_offset: int) -> None:
         b.grad_shard = None

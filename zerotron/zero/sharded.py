@@ -88,7 +88,6 @@ class ShardedStates(InOrderReduction):
         else:
             self.master_flat = None if self.masters_are_params else torch.zeros(total, dtype=torch.float32,
                                                                                 device=device)
-        self.grads.allocate(total, dtype, device)
         self.master_grad_flat = None  # fp32 gradients, during the step only
         self.runs: list[tuple[int | None, torch.nn.Parameter]] = []  # (optimizer group, master tensor)
         self._run_bounds: list[tuple[int, int]] = []
