@@ -345,7 +345,7 @@ def test_defaults_are_deepspeeds():
             cfg.fp16.hysteresis, cfg.fp16.consecutive_hysteresis, cfg.fp16.min_loss_scale) == \
         (0.0, 16, 1000, 2, False, 1.0)
     assert cfg.zero_optimization.stage == 0
-    assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
+    assert cfg.zero_optimization.reduce_bucket_size is None  # unset: the engine cuts ~8 buckets (zero/flat.py)
     assert cfg.optimizer is None and cfg.scheduler is None
     assert cfg.model_dtype_name == "fp32"
     assert load({"fp16": {"enabled": True}}).model_dtype_name == "fp16"
@@ -545,7 +545,7 @@ def test_auto_with_nothing_falls_back_to_defaults():
     assert cfg.scheduler.params == {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3}  # warmup_num_steps: default
     z = cfg.zero_optimization
     assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold) == \
-        (500_000_000, 50_000_000, 100_000)
+        (None, 50_000_000, 100_000)  # reduce_bucket_size unset: the engine's rule (zero/flat.py)
 
 
 def test_none_values_count_as_not_given():

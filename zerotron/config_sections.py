@@ -82,7 +82,10 @@ class ZeroConfig:
     contiguous_gradients: bool = True
     overlap_comm: bool = True
     reduce_scatter: bool = True
-    reduce_bucket_size: int = 500_000_000
+    # None (unset): zero/flat.py's rule, about OVERLAP_BUCKETS buckets per model (at most DeepSpeed's
+    # 5e8 elements each), so the reduction overlaps backward whatever the model's size; a number:
+    # the most elements of a bucket, as in DeepSpeed.
+    reduce_bucket_size: Optional[int] = None
     allgather_partitions: bool = True
     allgather_bucket_size: int = 500_000_000
     load_from_fp32_weights: bool = True
@@ -110,7 +113,7 @@ class ZeroConfig:
         for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size",
                     "stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
             value = getattr(self, key)
-            _check(value > 0, f"{p}.{key}", value, "use a positive number of elements, e.g. 5e8")
+            _check(value is None or value > 0, f"{p}.{key}", value, "use a positive number of elements, e.g. 5e8")
         _check(self.stage3_param_persistence_threshold >= 0, p + ".stage3_param_persistence_threshold",
                self.stage3_param_persistence_threshold, "use a non-negative number of elements")
         for key in ("reshard_after_backward", "overlap_param_gather"):

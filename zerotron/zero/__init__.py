@@ -26,9 +26,11 @@ def make_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     group_of = optimizer_groups(module, optimizer)
     # Module order, reversed below: roughly the order backward produces the gradients.
     params = [p for p in module.parameters() if id(p) in group_of]
+    from .flat import bucket_numel
+    bucket = bucket_numel(zero.reduce_bucket_size, sum(p.numel() for p in params))
     if zero.stage == 0:
         from .replicated import ReplicatedStates
-        states = ReplicatedStates(_bucketed(params, zero.reduce_bucket_size, isolate), comm, reduce_dtype)
+        states = ReplicatedStates(_bucketed(params, bucket, isolate), comm, reduce_dtype)
     elif zero.stage == 3:
         from .stage3 import Stage3States
         states = Stage3States(module, params, group_of, comm, gather_comm, zero, reduce_dtype, offload=offload)
@@ -36,7 +38,7 @@ def make_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
         from .flat import FlatBucket
         from .sharded import ShardedStates
         buckets = [FlatBucket.partition(ps, comm.size, comm.rank)
-                   for ps in _bucketed(params, zero.reduce_bucket_size, isolate)]
+                   for ps in _bucketed(params, bucket, isolate)]
         states = ShardedStates(buckets, set(), group_of, comm, gather_comm, zero.stage, zero.allgather_bucket_size,
                                reduce_dtype, offload=offload, reshard=zero.reshard_after_backward,
                                overlap_gather=zero.overlap_param_gather)

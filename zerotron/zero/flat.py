@@ -9,6 +9,22 @@ from __future__ import annotations
 import torch
 
 
+DEEPSPEED_BUCKET_NUMEL = 500_000_000  # DeepSpeed's default reduce_bucket_size
+OVERLAP_BUCKETS = 8
+
+
+def bucket_numel(configured: int | None, total: int) -> int:
+    """The most elements of one gradient bucket. `reduce_bucket_size` when the config sets it (as
+    DeepSpeed reads it); unset, the `total` parameter elements cut into about OVERLAP_BUCKETS
+    buckets of at most DeepSpeed's 5e8: buckets are reduced in backward order as each fills, so
+    with eight of them all but the last (an eighth of the traffic) can overlap the backward, for a
+    model of any size. (DeepSpeed's 5e8 alone makes any model under 5e8 parameters one bucket,
+    whose reduction cannot start before the backward ends.)"""
+    if configured is not None:
+        return configured
+    return max(1, min(DEEPSPEED_BUCKET_NUMEL, -(-total // OVERLAP_BUCKETS)))
+
+
 def split_into_buckets(params: list[torch.nn.Parameter], max_numel: int) -> list[list[torch.nn.Parameter]]:
     """Consecutive runs of parameters of one dtype/device, each run at most `max_numel` elements
     (a single larger parameter gets a bucket of its own)."""
