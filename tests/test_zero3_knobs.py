@@ -1,7 +1,8 @@
 """ZeRO-3's DeepSpeed knobs that trade memory for communication, each measured:
 stage3_max_reuse_distance (a unit whose backward comes within that many parameter elements of
 its forward stays gathered in between: fewer all-gathers) and stage3_max_live_parameters
-(prefetching stops while that many elements are gathered: a lower peak), and sub_group_size
+(prefetching stops while that many elements are gathered: a lower peak), stage3_prefetch_bucket_size
+(how many elements are gathered ahead of their use: the prefetch depth), and sub_group_size
 (the fp32 gradient copy and the optimizer step one sub-group at a time: a smaller copy). None
 changes the math."""
 import torch.distributed as dist
@@ -20,11 +21,12 @@ def _measure(zero_extra: dict, steps: int = 3):
     for i, b in enumerate(global_batches(steps, dp)):
         if i == steps - 1:
             engine.reset_comm_stats()
-            engine.states.peak_live_numel = 0
+            engine.states.peak_live_numel = engine.states.peak_ahead_numel = engine.states.prefetch_hits = 0
         losses.append(engine.train_batch(iter(micro_batches(b, rank, dp, 1))).item())
     states = engine.states
     blocks = [u for u in states.units if u is not states.root_unit and u.bucket is not None]
     return {"losses": losses, "gathered": engine.comm_stats()["all_gather"], "peak": states.peak_live_numel,
+            "ahead": states.peak_ahead_numel, "hits": states.prefetch_hits,
             "block_bytes": [u.numel * u.bucket.full.element_size() for u in blocks],
             "block_numel": [u.numel for u in blocks], "root": states.root_unit.numel}
 
@@ -53,6 +55,31 @@ def test_reuse_distance_and_live_cap_change_communication_and_peak_not_the_math(
         assert release["peak"] > no_prefetch["peak"]
         # kept units stay gathered through the forward: the peak holds every block
         assert keep_all["peak"] == keep_all["root"] + sum(keep_all["block_numel"])
+
+
+def _prefetch_sweep():
+    block = _measure({})["block_numel"][0]  # the blocks are alike
+    return block, {name: _measure({"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": size})
+                   for name, size in (("none", 0), ("one", 1), ("two", 2 * block), ("default", 5e7))}
+
+
+def test_prefetch_bucket_size_sets_how_far_ahead_units_are_gathered_not_the_math():
+    for block, out in run_ranks(_prefetch_sweep, 2, timeout=180):
+        none, one, two, default = (out[k] for k in ("none", "one", "two", "default"))
+        assert none["losses"] == one["losses"] == two["losses"] == default["losses"]
+        assert none["gathered"] == one["gathered"] == two["gathered"] == default["gathered"]  # the same gathers
+        # 0: nothing is gathered before its unit runs
+        assert none["hits"] == 0 and none["ahead"] == 0
+        # 1 element: the next unit only (prefetching goes on while less than the size is ahead)
+        assert one["ahead"] == block
+        # two blocks' worth: two units ahead at most
+        assert two["ahead"] == 2 * block
+        # 5e7 (DeepSpeed's default): every block of this small model ahead at the forward's start
+        assert default["ahead"] == 4 * block
+        # with any prefetch every block's forward and backward gather was issued ahead of its use
+        for run in (one, two, default):
+            assert run["hits"] == 2 * 4
+        assert none["peak"] < one["peak"] < two["peak"] < default["peak"]
 
 
 def _sub_group_sweep():

@@ -110,10 +110,11 @@ class ZeroConfig:
 
     def validate(self, p: str):
         _check(self.stage in (0, 1, 2, 3), p + ".stage", self.stage, "use 0 (data parallel), 1, 2 or 3")
-        for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size",
-                    "stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
+        for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", "stage3_max_live_parameters"):
             value = getattr(self, key)
             _check(value is None or value > 0, f"{p}.{key}", value, "use a positive number of elements, e.g. 5e8")
+        _check(self.stage3_prefetch_bucket_size >= 0, p + ".stage3_prefetch_bucket_size",
+               self.stage3_prefetch_bucket_size, "use a number of elements (0: no prefetching), e.g. 5e7")
         _check(self.stage3_param_persistence_threshold >= 0, p + ".stage3_param_persistence_threshold",
                self.stage3_param_persistence_threshold, "use a non-negative number of elements")
         for key in ("reshard_after_backward", "overlap_param_gather"):

@@ -8,8 +8,9 @@ of which a rank keeps only its shard. A unit is
 - gathered (one all-gather) right before its forward, and released right after it;
 - gathered again right before its backward (a hook on its outputs' gradients), and released as
   soon as all of its gradients are in and reduce-scattered;
-- prefetched: while one unit computes, the next one in execution order (recorded in the first
-  forward; reversed for backward) is already being gathered.
+- prefetched: while one unit computes, the next ones in execution order (recorded in the first
+  forward; reversed for backward) are already being gathered, as long as fewer than
+  `stage3_prefetch_bucket_size` elements are gathered ahead of their use (0: no prefetching).
 
 The root unit wraps the whole forward, so it stays gathered from the start of forward to the end
 of backward; that is also what makes parameters read outside their own module's forward (a head
@@ -138,6 +139,11 @@ class Stage3States(ShardedStates):
         self.max_live_numel = zero.stage3_max_live_parameters
         self.max_reuse_numel = zero.stage3_max_reuse_distance
         self.peak_live_numel = 0  # the most parameter elements gathered at once (a measurement)
+        # Units prefetched and not yet used; measured: the most elements gathered ahead at once,
+        # and how many units found their gather already issued when their turn came.
+        self.ahead: set[Unit] = set()
+        self.peak_ahead_numel = 0
+        self.prefetch_hits = 0
         threshold = zero.stage3_param_persistence_threshold
         trainable = {id(p) for p in params}
         named_units = find_units(module, unit_classes) + [("", module)]
@@ -215,7 +221,7 @@ class Stage3States(ShardedStates):
                 self.trace.append(unit)
             if unit is self.root_unit and self.trace:
                 self.tracing = False  # one full forward recorded the execution order
-            unit.gather()
+            self._use(unit)
             self._prefetch(unit, step=+1)
         return hook
 
@@ -239,8 +245,15 @@ class Stage3States(ShardedStates):
         return hook
 
     def _pre_backward(self, unit: Unit):
-        unit.gather()
+        self._use(unit)
         self._prefetch(unit, step=-1)
+
+    def _use(self, unit: Unit):
+        """`unit` runs now: gathered (waited on, if its prefetch is still in flight), no longer ahead."""
+        if unit in self.ahead:
+            self.ahead.discard(unit)
+            self.prefetch_hits += 1
+        unit.gather()
 
     def _reused_soon(self, unit: Unit) -> bool:
         """DeepSpeed's stage3_max_reuse_distance, at the end of a unit's forward: its next use is
@@ -252,7 +265,10 @@ class Stage3States(ShardedStates):
         return between < self.max_reuse_numel
 
     def _prefetch(self, unit: Unit, step: int):
-        """Start gathering the units that run next, up to stage3_prefetch_bucket_size elements."""
+        """Start gathering the units that run next, in execution order, while fewer than
+        stage3_prefetch_bucket_size elements are gathered ahead of their use and fewer than
+        stage3_max_live_parameters are gathered in all (DeepSpeed's rule: the last unit started
+        may cross either limit; a prefetch bucket of 0 prefetches nothing)."""
         self.peak_live_numel = max(self.peak_live_numel, self._live_numel())
         if self.tracing or not self.trace:
             return
@@ -262,16 +278,17 @@ class Stage3States(ShardedStates):
             i = self.trace.index(unit) + step
         else:
             return
-        # as DeepSpeed: a unit already gathered (kept for reuse) costs no budget
-        budget = min(self.prefetch_numel, self.max_live_numel - self._live_numel())
-        while 0 <= i < len(self.trace):
+        window = self.prefetch_numel - sum(u.numel for u in self.ahead)
+        room = self.max_live_numel - self._live_numel()
+        while 0 <= i < len(self.trace) and window > 0 and room > 0:
             u = self.trace[i]
-            if u.state == _RELEASED:
-                if u.numel > budget:
-                    break
-                budget -= u.numel
+            if u.state == _RELEASED:  # as DeepSpeed: a unit already gathered (kept for reuse) costs nothing
                 u.start_gather()
+                self.ahead.add(u)
+                window -= u.numel
+                room -= u.numel
             i += step
+        self.peak_ahead_numel = max(self.peak_ahead_numel, sum(u.numel for u in self.ahead))
         self.peak_live_numel = max(self.peak_live_numel, self._live_numel())
 
     def _grads_done(self, bucket: FlatBucket):
@@ -292,6 +309,7 @@ class Stage3States(ShardedStates):
         self.release_all()
 
     def release_all(self):
+        self.ahead.clear()
         for u in self.units:
             u.release()
 
