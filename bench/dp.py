@@ -49,6 +49,12 @@ def main():
     engine, systems["zerotron"] = common.zerotron_step(common.build_gpt(cfg), per_rank, args.clip)
     memory["zerotron"] = common.measure_after_first_step(engine.optimizer, engine.module.parameters)
     optimizers["zerotron"] = "torch AdamW fused=True (zerotron's config optimizer)"
+    # reduce_bucket_size 5e8 written out (DeepSpeed's default): the whole model in one bucket, reduced only
+    # after backward, against zerotron's unset default (about eight buckets, reduced during backward)
+    engine, systems["zerotron_one_bucket"] = common.zerotron_step(
+        common.build_gpt(cfg), per_rank, args.clip, zero_optimization={"stage": 0, "reduce_bucket_size": 5e8})
+    memory["zerotron_one_bucket"] = common.measure_after_first_step(engine.optimizer, engine.module.parameters)
+    optimizers["zerotron_one_bucket"] = optimizers["zerotron"]
     systems["ddp_fused"], memory["ddp_fused"] = ddp_system(cfg, fused=True, clip=args.clip)
     optimizers["ddp_fused"] = "torch AdamW fused=True"
     systems["ddp_default"], memory["ddp_default"] = ddp_system(cfg, fused=None, clip=args.clip)
@@ -67,7 +73,10 @@ def main():
         r.update(zt_ratio=res["zerotron"]["median_ms"] / r["median_ms"],
                  zt_paired=common.paired_ratio(res, "zerotron", name), state_mb=mem["total"] / 2**20, memory=mem,
                  optimizer=optimizers[name])
+    overlap = common.pair(res, "zerotron", "zerotron_one_bucket")
     if rank == 0:
+        print(f"\nbuckets: zerotron / zerotron_one_bucket step time {overlap['ratio']:.3f} (ratio of medians), "
+              f"{overlap['paired']:.3f} (paired)")
         print()
         common.print_table(rows, [
             ("system", "system", "{}"), ("median_ms", "median ms", "{:.1f}"), ("zt_ratio", "zerotron/x", "{:.3f}"),
@@ -80,7 +89,7 @@ def main():
             print(f"  {r['system']:<12} {r['optimizer']}; MiB: {mem}")
     common.finish("dp", args, {"model": common.model_json(args, cfg, dtype="fp32"),
                                "adamw": {**common.ADAMW, "betas": list(common.ADAMW["betas"])},
-                               "notes": notes, "results": rows}, rank)
+                               "notes": notes, "results": rows, "buckets_vs_one_bucket": overlap}, rank)
 
 
 if __name__ == "__main__":
