@@ -10,10 +10,13 @@ batches, fused AdamW and clipping (default off) for every system; losses against
   zt_tp     zerotron.initialize(tensor_parallel.autotp_size=N): GPT.tensor_parallel_plan (column-parallel
             q/k/v and w1/w3, row-parallel wo and w2, vocabulary-parallel embedding and loss)
   zt_sp     zt_tp + "zerotron": {"sequence_parallel": true}
+  zt_tp_overlap, zt_sp_overlap
+            zt_tp, zt_sp + "tensor_parallel": {"tp_overlap_comm": true}: each attention and MLP block runs its
+            batch in two halves, one half's collective in flight while the other computes
   torch_tp  parallelize_module with the same split (torch_tp_plan below) and loss_parallel()
   torch_sp  torchtitan's sequence-parallel plan
 
-Pairs: zt_tp vs torch_tp, zt_sp vs torch_sp. Memory: params + grads + AdamW state after the first step
+Pairs: zt_tp vs torch_tp, zt_sp vs torch_sp; zt_tp_overlap vs zt_tp, zt_sp_overlap vs zt_sp. Memory: params + grads + AdamW state after the first step
 (DTensors: the local shard), not activations. The plans in full: bench/README.md.
 """
 from __future__ import annotations
@@ -30,8 +33,8 @@ from bench import common  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
-SYSTEMS = ("zt_tp", "zt_sp", "torch_tp", "torch_sp")
-PAIRS = [("zt_tp", "torch_tp"), ("zt_sp", "torch_sp")]
+SYSTEMS = ("zt_tp", "zt_sp", "torch_tp", "torch_sp", "zt_tp_overlap", "zt_sp_overlap")
+PAIRS = [("zt_tp", "torch_tp"), ("zt_sp", "torch_sp"), ("zt_tp_overlap", "zt_tp"), ("zt_sp_overlap", "zt_sp")]
 BASELINE = "torch_tp"
 
 
@@ -45,8 +48,9 @@ def parse_args():
     return p.parse_args()
 
 
-def zerotron_system(cfg, batch, tp, clip, sequence_parallel):
-    engine, step = common.zerotron_step(common.build_gpt(cfg), batch, clip, tensor_parallel={"autotp_size": tp},
+def zerotron_system(cfg, batch, tp, clip, sequence_parallel, overlap=False):
+    engine, step = common.zerotron_step(common.build_gpt(cfg), batch, clip,
+                                        tensor_parallel={"autotp_size": tp, "tp_overlap_comm": overlap},
                                         zerotron={"sequence_parallel": sequence_parallel})
     return step, common.measure_after_first_step(engine.optimizer, engine.module.parameters)
 
@@ -116,8 +120,8 @@ def main():
     tp = world
     wanted = common.names_arg(args.systems, SYSTEMS)
     if args.no_sp:
-        wanted = [s for s in wanted if not s.endswith("_sp")]
-    if any(s.endswith("_sp") for s in wanted) and args.seq % tp:
+        wanted = [s for s in wanted if "_sp" not in s]
+    if any("_sp" in s for s in wanted) and args.seq % tp:
         raise SystemExit(f"--seq {args.seq} must be divisible by the {tp} ranks for sequence parallelism")
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -125,7 +129,9 @@ def main():
     makers = {"zt_tp": lambda: zerotron_system(cfg, args.batch, tp, args.clip, False),
               "zt_sp": lambda: zerotron_system(cfg, args.batch, tp, args.clip, True),
               "torch_tp": lambda: torch_system(cfg, mesh, args.clip, False),
-              "torch_sp": lambda: torch_system(cfg, mesh, args.clip, True)}
+              "torch_sp": lambda: torch_system(cfg, mesh, args.clip, True),
+              "zt_tp_overlap": lambda: zerotron_system(cfg, args.batch, tp, args.clip, False, True),
+              "zt_sp_overlap": lambda: zerotron_system(cfg, args.batch, tp, args.clip, True, True)}
     systems, memory = {}, {}
     for name in SYSTEMS:
         if name in wanted:
@@ -151,7 +157,7 @@ def main():
             ("state_mb", "state MiB/rank", "{:.2f}")])
         if pairs:
             print()
-            common.print_table(pairs, [("pair", "zerotron / torch", "{}"), ("ratio", "ratio of medians", "{:.3f}"),
+            common.print_table(pairs, [("pair", "a / b", "{}"), ("ratio", "ratio of medians", "{:.3f}"),
                                        ("paired", "paired", "{:.3f}"), ("loss_diff", "max|dloss|", "{:.1e}")])
         print("\nratio < 1: zerotron is faster. paired: median over rounds of the per-round ratio (prefer it on a "
               "shared machine). max|dloss| over every step, warm-up included. State: params + grads + AdamW "

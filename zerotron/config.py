@@ -160,6 +160,9 @@ class Config(Mapping):
             from .schedulers import validate_scheduler
             validate_scheduler(self.scheduler.type, self.scheduler.params)
         self._resolve_batch()
+        _check(not self.tensor_parallel.tp_overlap_comm or self.train_micro_batch_size_per_gpu >= 2,
+               "tensor_parallel.tp_overlap_comm", True, f"it splits each micro-batch in two halves, and "
+               f"train_micro_batch_size_per_gpu is {self.train_micro_batch_size_per_gpu}; use 2 or more, or remove it")
 
     def _resolve_batch(self):
         """train_batch_size = micro x accumulation x data-parallel size; any two give the third.

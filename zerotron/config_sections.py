@@ -161,9 +161,14 @@ class MonitorConfig:
 @dataclass
 class TensorParallelConfig:
     autotp_size: int = 1
+    # DeepSpeed's key: each attention and MLP block runs its micro-batch in two halves, one half's
+    # collective in flight while the other computes (parallel/overlap.py)
+    tp_overlap_comm: bool = False
 
     def validate(self, p: str):
         _check(self.autotp_size >= 1, p + ".autotp_size", self.autotp_size, "use a positive integer")
+        _check(not self.tp_overlap_comm or self.autotp_size > 1, p + ".tp_overlap_comm", True,
+               "it overlaps tensor-parallel collectives, and autotp_size is 1; remove it or set autotp_size > 1")
 
 
 @dataclass

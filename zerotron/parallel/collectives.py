@@ -16,22 +16,52 @@ import torch.distributed as dist
 from ..comm import Comm
 
 
-def _all_gather(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+class Pending:
+    """A collective issued without waiting. `result` is the output, in its final shape, but holds
+    the result only once `wait()` has returned (NCCL's rule, which strict mode enforces on gloo):
+    it may be handed on (to the one consumer that waits first), never read before."""
+
+    def __init__(self, work, result: torch.Tensor, source: torch.Tensor):
+        self.work, self.result = work, result
+        self._source = source  # the input stays alive until the collective is done with it
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work, self._source = None, None
+        return self.result
+
+
+def start_all_gather(x: torch.Tensor, comm: Comm, dim: int) -> Pending:
+    """All-gather `x` along `dim` without waiting; the result is a view (not contiguous)."""
     x = x.movedim(dim, 0).contiguous()
     out = torch.empty((comm.size * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
-    comm.all_gather_flat(out, x)
-    # Contiguous once here: otherwise each linear that consumes it (q, k and v) copies it for its
-    # matmul and keeps its own copy for backward.
-    return out.movedim(0, dim).contiguous()
+    return Pending(comm.all_gather_flat(out, x, async_op=True), out.movedim(0, dim), x)
 
 
-def _reduce_scatter(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+def start_reduce_scatter(x: torch.Tensor, comm: Comm, dim: int) -> Pending:
+    """Sum `x` over the group and keep this rank's part along `dim`, without waiting (a view)."""
     x = x.movedim(dim, 0).contiguous()
     if x.shape[0] % comm.size:
         raise ValueError(f"dimension of size {x.shape[0]} does not split over {comm.size} tensor-parallel ranks")
     out = torch.empty((x.shape[0] // comm.size,) + x.shape[1:], dtype=x.dtype, device=x.device)
-    comm.reduce_scatter_flat(out, x)
-    return out.movedim(0, dim).contiguous()
+    return Pending(comm.reduce_scatter_flat(out, x, async_op=True), out.movedim(0, dim), x)
+
+
+def start_all_reduce(x: torch.Tensor, comm: Comm) -> Pending:
+    """Sum `x` over the group in place (x must be a tensor nothing else reads), without waiting."""
+    x = x.contiguous()
+    return Pending(comm.all_reduce(x, async_op=True), x, x)
+
+
+def _all_gather(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+    # Contiguous once here: otherwise each linear that consumes it (q, k and v) copies it for its
+    # matmul and keeps its own copy for backward.
+    return start_all_gather(x, comm, dim).wait().contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
+    return start_reduce_scatter(x, comm, dim).wait().contiguous()
 
 
 def _own_slice(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
@@ -41,9 +71,7 @@ def _own_slice(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
 
 
 def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    x = x.contiguous()
-    comm.all_reduce(x)
-    return x
+    return start_all_reduce(x, comm).wait()
 
 
 class _CopyToRegion(torch.autograd.Function):

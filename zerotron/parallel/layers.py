@@ -53,23 +53,33 @@ class Region:
     The entry into a column-parallel region is shared by the column layers reading one input
     (q, k and v; gate and up): the input is copied in (or sequence-gathered) once, so backward sums
     their gradients first and pays one all-reduce (or reduce-scatter), as a fused QKV would.
+
+    `half`: set while a "region" module runs one half of its batch (tensor_parallel.tp_overlap_comm,
+    parallel/overlap.py), which enters and exits around that half itself: then the column layers
+    read their input as it comes and the row layer hands back its partial sums.
     """
 
     def __init__(self, comm: Comm, sequence_parallel: bool):
         self.comm, self.sequence_parallel = comm, sequence_parallel
         self.split = False
         self.last_in, self.last_out = None, None
+        self.half = None
 
     def start(self, seq_len: int):
         self.split = self.sequence_parallel and seq_len % self.comm.size == 0
 
     def enter(self, x):
+        if self.half is not None:
+            return x
         if x is not self.last_in:
             enter = gather_sequence if self.split else copy_to_region
             self.last_in, self.last_out = x, enter(x, self.comm)
         return self.last_out
 
     def exit(self, y):
+        if self.half is not None:
+            self.half.exit_in = y
+            return y
         return scatter_sequence(y, self.comm) if self.split else reduce_from_region(y, self.comm)
 
 

@@ -28,6 +28,9 @@ Other modules:
     "rope_tail"       multi-head latent attention's shared key projection: the last
                       `qk_rope_head_dim` outputs feed only this rank's heads, so their gradient is summed
     "scale_input"     the input divided by the group size (an identity expert inside "experts")
+    "region"          an attention or MLP block between one entry and one exit: with
+                      tensor_parallel.tp_overlap_comm it runs its batch in two halves, one half's
+                      collective in flight while the other computes (parallel/overlap.py)
     "keep"            nothing to do (the module's own parameter entries say how they are split)
 Parameters (an entry naming a parameter instead of a module):
     "column" / "column_packed"  split along the output features (dim -2; dim 0 of a vector)
@@ -54,7 +57,7 @@ from .layers import (ColumnParallelLinear, Region, RowParallelLinear, VocabParal
 
 MODULE_STYLES = ("column", "column_qkv", "column_packed", "column_gathered", "head", "row", "row_split_input",
                  "vocab", "embedding_column", "norm", "sum_grad", "experts", "reduce_output", "rope_tail",
-                 "scale_input", "keep")
+                 "scale_input", "region", "keep")
 PARAMETER_STYLES = {"column": (-2, 1), "column_packed": (-2, 2), "row": (-1, 1), "row_packed": (-1, 2)}
 
 
@@ -74,12 +77,14 @@ class _Plan:
         self.region = Region(comm, sequence_parallel)
         self.prepared: set[int] = set()  # modules a style set up (they may hold split parameters)
         self.head: SplitHead | None = None
+        self.regions: list[tuple[str, nn.Module]] = []  # "region" entries (overlapped once all are split)
 
 
-def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], comm: Comm,
-                          sequence_parallel: bool = False) -> SplitHead | None:
+def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], comm: Comm, sequence_parallel: bool = False,
+                          overlap: bool = False) -> SplitHead | None:
     """Apply `plan` to `model` in place (see the module docstring). When the plan splits the head
-    by vocabulary, returns the loss and output functions the model must use from now on."""
+    by vocabulary, returns the loss and output functions the model must use from now on.
+    `overlap` (tensor_parallel.tp_overlap_comm): the plan's regions run their batch in two halves."""
     known = dict.fromkeys(MODULE_STYLES + tuple(PARAMETER_STYLES))
     for pattern, style in plan.items():
         if style not in known:
@@ -104,6 +109,14 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], comm: Comm,
     if not matched:
         raise ConfigError("tensor-parallel plan", sorted(plan), "no module or parameter name matches any pattern")
     _check_split_parameters_are_prepared(model, ctx)
+    if overlap:
+        from .overlap import split_batch
+        if not ctx.regions:
+            raise ConfigError("tensor_parallel.tp_overlap_comm", True, "the model's tensor-parallel plan marks no "
+                              "\"region\" (an attention or MLP block) to run in two overlapped halves (the reference "
+                              "GPT's plan does); turn tp_overlap_comm off for this model")
+        for name, module in ctx.regions:
+            split_batch(module, ctx.region, comm, name)
     for p in model.parameters():
         if not hasattr(p, "tp_split_dim"):
             p.tp_replicated = True  # counted once, not tp times, in the global gradient norm
@@ -164,6 +177,8 @@ def _apply_style(name: str, module: nn.Module, style: str, ctx: _Plan) -> nn.Mod
                 ctx.prepared.add(id(child))
     elif style == "rope_tail":
         module.register_forward_hook(_rope_tail(_rope_dim(ctx.model, name), comm))
+    elif style == "region":
+        ctx.regions.append((name, module))
     elif style == "scale_input":
         module.register_forward_pre_hook(lambda m, args: (args[0] / comm.size, *args[1:]))
         module.tp_partial_output = True

@@ -22,7 +22,8 @@ def parallelize(module, config, topology, tp_comm) -> None:
         plan = adapter.plan(module, topology.tp, sequence_parallel)
         with _plan_probe(module, adapter, config, tp_comm, topology.tp):  # records the whole model first
             adapter.prepare(module, topology.tp)
-            head = apply_tensor_parallel(module, plan, tp_comm, sequence_parallel)
+            head = apply_tensor_parallel(module, plan, tp_comm, sequence_parallel,
+                                         overlap=config.tensor_parallel.tp_overlap_comm)
             if head is not None:  # before the probe runs the split model
                 adapter.use_split_head(module, head)
     from .. import checkpointing

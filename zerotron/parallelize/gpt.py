@@ -53,7 +53,8 @@ class _Head(_Norm):
 
 def gpt_plan(model: GPT, tp: int) -> dict[str, str]:
     """Megatron's split: q/k/v and gate/up by output (whole heads per rank), o and down by
-    input, the vocabulary across ranks for the embedding, head and loss."""
+    input, the vocabulary across ranks for the embedding, head and loss; attention and MLP are
+    the regions tensor_parallel.tp_overlap_comm runs in two halves."""
     cfg = model.config
     for what, n in (("attention heads", cfg.n_head), ("key/value heads", cfg.n_kv_head),
                     ("vocabulary", cfg.vocab_size), ("MLP hidden size", cfg.ffn)):
@@ -63,7 +64,7 @@ def gpt_plan(model: GPT, tp: int) -> dict[str, str]:
     # Leading "*": the same plan fits the model and its pipeline form (names like "layers.3.block.attn.wq").
     return {"*tok_emb": "vocab", "*attn.wq": "column", "*attn.wk": "column", "*attn.wv": "column",
             "*attn.wo": "row", "*mlp.w1": "column", "*mlp.w3": "column", "*mlp.w2": "row", "*lm_head": "head",
-            "*norm": "norm"}
+            "*norm": "norm", "*attn": "region", "*mlp": "region"}
 
 
 def gpt_pipeline(model: GPT, num_stages: int, partition_method: str = "parameters", **kwargs) -> PipelineModule:
