@@ -15,10 +15,12 @@ def _report(stage, tp, pp, bf16, offload, threshold):
         zero["offload_optimizer"] = {"device": "cpu"}
     model = make_model(n_layer=4, n_kv_head=4)
     module = to_pipeline(model, pp, partition_method="type:_PipeBlock") if pp > 1 else model
+    # Two micro-batches: stage 1 holds the full buckets it accumulates (the paper's 2Ψ). A one-micro-batch
+    # step never holds them all: the boundary backward reduces each bucket as soon as it is filled.
     engine, *_ = zerotron.initialize(model=module, config=ds_config(
-        1, 2 if pp > 1 else 1, zero_optimization=zero, tensor_parallel={"autotp_size": tp}, bf16={"enabled": bf16}))
+        1, 2, zero_optimization=zero, tensor_parallel={"autotp_size": tp}, bf16={"enabled": bf16}))
     x = torch.randint(0, 256, (1, 16))
-    engine.train_batch(iter([(x, x)] * (2 if pp > 1 else 1)))  # optimizer states exist after a step
+    engine.train_batch(iter([(x, x)] * 2))  # optimizer states exist after a step
     # Measured in the second step: the states as the step begins, and the gradients at their
     # most during backward (stage 1's full buckets exist until the boundary reduces them; every
     # stage frees its gradients at the step, so after it a rank holds none).
@@ -30,7 +32,7 @@ def _report(stage, tp, pp, bf16, offload, threshold):
     engine.states.unscale_and_check = measure_then_check
     for p in engine.module.parameters():  # after the engine's own hooks: what each arrival leaves held
         p.register_post_accumulate_grad_hook(lambda p: grads.append(engine.memory_report()["grads"]))
-    engine.train_batch(iter([(x, x)] * (2 if pp > 1 else 1)))
+    engine.train_batch(iter([(x, x)] * 2))
     report = held[0]
     peak = max(grads + [report["grads"]])
     return {**report, "grads": peak, "total": report["total"] - report["grads"] + peak}, engine.predicted_memory()
@@ -297,3 +299,4 @@ def test_plan_command_says_when_nothing_fits(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "zerotron.cli", "plan", "--model", "nonsense", "--gpus", "2",
                           "--global-batch", "8"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown model" in bad.stderr
+
