@@ -80,6 +80,10 @@ def test_prefetch_bucket_size_sets_how_far_ahead_units_are_gathered_not_the_math
         for run in (one, two, default):
             assert run["hits"] == 2 * 4
         assert none["peak"] < one["peak"] < two["peak"] < default["peak"]
+        # the planner's depth (planner/overlap.py) is the engine's
+        from zerotron.planner.overlap import prefetch_depth
+        for size, run in ((0, none), (1, one), (2 * block, two), (5e7, default)):
+            assert min(prefetch_depth(size, block, run["root"]), 4) * block == run["ahead"]
 
 
 def _sub_group_sweep():

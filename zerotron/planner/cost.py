@@ -15,6 +15,7 @@ from .activations import activation_bytes, bytes_per_activation
 from .hardware import GIB, Hardware
 from .memory import model_state_bytes
 from .model import ModelShape
+from .overlap import added_time, grad_buckets, kept_units, prefetch_depth, timeline
 
 
 STAGE3_MAX_REUSE_DISTANCE = 1e9  # DeepSpeed's default, which the engine applies (zero/stage3.py)
@@ -35,6 +36,8 @@ class Layout:
     chunks: int = 1                  # virtual stages per rank (interleaved)
     sequence_parallel: bool = False
     overlap_param_gather: bool = False  # ZeRO-1/2: the step's all-gather hidden under the next forward
+    stage3_prefetch: int = 50_000_000   # ZeRO-3: elements gathered ahead of use (stage3_prefetch_bucket_size)
+    tp_overlap: bool = False            # tensor_parallel.tp_overlap_comm: blocks run in two halves
 
     @property
     def gpus(self) -> int:
@@ -51,6 +54,10 @@ class Layout:
             parts.append(f"offload:{self.offload}")
         if self.overlap_param_gather:
             parts.append("overlap-gather")
+        if self.tp_overlap:
+            parts.append("tp-overlap")
+        if self.zero == 3 and self.stage3_prefetch != 50_000_000:
+            parts.append(f"prefetch:{self.stage3_prefetch:g}")
         return " ".join(parts)
 
 
@@ -68,7 +75,7 @@ def in_flight(schedule: str, stages: int, micro_batches: int, chunks: int) -> tu
 
 
 def memory(shape: ModelShape, layout: Layout, seq: int, dtype: str = "bf16",
-           bucket_elements: int = 500_000_000) -> dict[str, int]:
+           bucket_elements: int | None = None) -> dict[str, int]:
     """Bytes per GPU, by part, on the most loaded rank: model states, activations, buffers; and
     "host" for what offload puts in host memory (per GPU)."""
     L = layout
@@ -115,18 +122,17 @@ def _activations(shape: ModelShape, L: Layout, seq: int, dtype: str) -> int:
     return max(first, last)
 
 
-def _buffers(shape: ModelShape, L: Layout, seq: int, dtype: str, bucket_elements: int) -> int:
-    """Transient buffers: ZeRO-2/3's gradient bucket in flight (two, while the previous one
-    reduces), ZeRO-3's gathered layers (the one running and the one prefetched), pipeline
-    send/receive buffers, and the logits' gradient in the head's backward."""
+def _buffers(shape: ModelShape, L: Layout, seq: int, dtype: str, bucket_elements: int | None) -> int:
+    """Transient buffers: ZeRO-2/3's gradient buckets in flight (two, while the previous one
+    reduces; ZeRO-3's buckets are its layers), ZeRO-3's gathered layers (the one running and the
+    one prefetched), pipeline send/receive buffers, and the logits' gradient in the head's backward."""
     b, a = (4 if dtype == "fp32" else 2), bytes_per_activation(dtype)
     layer = sum(n for where, n, _ in shape.tensors() if where == "block") // shape.layers // L.tp
-    stage_params = shape.parameters // (L.tp * L.pp)
     out = 0
-    if L.zero >= 2 and L.dp > 1:
-        out += 2 * b * min(bucket_elements, stage_params)
-    if L.zero == 3:
-        out += 2 * b * layer
+    if L.zero == 2 and L.dp > 1:  # two of the largest gradient buckets (zero/flat.py's rule)
+        out += 2 * b * max(n for n, _ in grad_buckets(shape, L.tp, L.pp, seq, bucket_elements))
+    if L.zero == 3:  # two layers gathered, and (data-parallel) two layers' gradient buckets: a unit is one
+        out += (4 if L.dp > 1 else 2) * b * layer
     tokens = L.micro_batch * seq
     if L.pp > 1:
         out += 2 * 2 * a * tokens * shape.hidden
@@ -151,8 +157,9 @@ def _group_link(hw: Hardware, span: int, members_per_node: int) -> tuple[float, 
 
 
 def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: str = "bf16",
-              bucket_elements: int = 500_000_000) -> dict[str, float]:
-    """Seconds per optimizer step, by part; "total" is their sum (each part is what is not hidden)."""
+              bucket_elements: int | None = None) -> dict[str, float]:
+    """Seconds per optimizer step, by part; "total" is their sum (each part is what is not hidden).
+    `bucket_elements`: reduce_bucket_size (None: unset, the engine's rule)."""
     L = layout
     b, a = (4 if dtype == "fp32" else 2), bytes_per_activation(dtype)
     m = L.grad_accum
@@ -166,13 +173,11 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
     rate = hw.peak_flops * hw.efficiency * width / (width + hw.knee)
     micro_compute = tokens_micro * (fpt + recompute) / (L.tp * L.pp) / rate
 
-    # Tensor parallelism: per layer and micro-batch, two all-reduces forward and two backward
-    # (two more when a checkpointed forward is recomputed); sequence parallelism moves the same
-    # bytes as all-gathers and reduce-scatters. Not overlapped with compute.
-    tp_bw, tp_lat = _group_link(hw, L.tp, L.tp)
-    per_layer = (4 + (2 if L.checkpoint == "every_block" else 0)) * _ring(a * tokens_micro * shape.hidden, L.tp,
-                                                                             tp_bw, tp_lat, 2)
-    micro_tp = per_layer * shape.layers / L.pp
+    # Tensor parallelism: per layer and micro-batch an attention and an MLP block, each with one
+    # collective forward and one backward (the forward's again when a checkpointed block is
+    # recomputed): an all-reduce, or with sequence parallelism an all-gather before the block and a
+    # reduce-scatter after it, around the block's compute as the engine issues them (overlap.py).
+    micro_tp = _tensor_parallel(shape, L, seq, hw, a, tokens_micro, rate) if L.tp > 1 else 0.0
     micro_stage = micro_compute + micro_tp
     # Pipeline: m micro-batches through p stages; idle fill and drain of (p - 1) / v stage-steps.
     pipeline = micro_stage * (m + (L.pp - 1) / L.chunks)
@@ -186,27 +191,28 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
     psi = shape.parameters / (L.tp * L.pp)
     dp_bw, dp_lat = _group_link(hw, L.dp * L.tp, hw.gpus_per_node // L.tp)
     backward = micro_compute * 2 / 3
-    buckets = -(-int(psi) // bucket_elements)
-    if L.zero <= 1:      # one reduction at the boundary, overlapped with the last backward (not in pipelines)
-        reduce = _ring(b * psi, L.dp, dp_bw, dp_lat, 2 if L.zero == 0 else 1, buckets)
-        hidden = backward if L.pp == 1 else 0.0
-        exposed = max(0.0, reduce - hidden)
-    elif L.zero == 2:    # every micro-batch's gradients reduce-scattered during its backward
-        reduce = _ring(b * psi, L.dp, dp_bw, dp_lat, 1, buckets)
-        exposed = m * max(0.0, reduce - backward)
-    else:                # ZeRO-3: each layer gathered for its forward and its backward (prefetched), and the
-        # gradients reduce-scattered, all on the same link under the same micro-batch's compute. A
-        # layer whose backward comes within stage3_max_reuse_distance elements of its forward (the
-        # last ones: 2 x the parameters after it come between) stays gathered: no second gather.
-        kept = min(1.0, STAGE3_MAX_REUSE_DISTANCE / (2 * psi))
-        traffic = _ring(b * psi, L.dp, dp_bw, dp_lat, 1, buckets) + \
-            (2 - kept) * _ring(b * psi, L.dp, dp_bw, dp_lat, 1, shape.layers // L.pp)
-        if L.offload == "optimizer+param":
-            traffic += 2 * b * psi / L.dp / (hw.pcie_gbps * 1e9)
-        exposed = m * max(0.0, traffic - micro_compute)
-    gather_after_step = _ring(b * psi, L.dp, dp_bw, dp_lat, 1, buckets) if L.zero in (1, 2) else 0.0
-    if L.overlap_param_gather:  # waited on bucket by bucket in the next forward: exposed beyond it only
-        gather_after_step = max(0.0, gather_after_step - micro_compute / 3)
+    buckets = grad_buckets(shape, L.tp, L.pp, seq, bucket_elements)
+    flops = [f for _, f in buckets]
+    if L.zero <= 2:      # reduced bucket by bucket as backward fills them (overlap.py), at the boundary
+        costs = [_ring(b * n, L.dp, dp_bw, dp_lat, 2 if L.zero == 0 else 1) for n, _ in buckets]
+        if L.pp > 1 and L.zero <= 1:  # a pipeline reduces after its last backward: nothing hides it
+            exposed = sum(costs)
+        else:                         # (ZeRO-2: every micro-batch; stages 1-2: one bucket in flight)
+            segments = [backward * f / (sum(flops) or 1.0) for f in flops]
+            finish = timeline(segments, post=costs, in_flight=None if L.zero == 0 else 1)
+            exposed = (m if L.zero == 2 else 1) * added_time(finish, backward, sum(costs), hw.overlap)
+    else:                # ZeRO-3: each layer gathered for its forward and its backward (prefetched), its
+        # gradients reduce-scattered after its backward (overlap.py)
+        exposed = m * _stage3(shape, L, seq, hw, b, tokens_micro, rate, recompute, dp_bw, dp_lat)
+    gather_after_step = 0.0
+    if L.zero in (1, 2):  # the step's all-gather, bucket by bucket
+        costs = [_ring(b * n, L.dp, dp_bw, dp_lat, 1) for n, _ in buckets]
+        gather_after_step = sum(costs)
+        if L.overlap_param_gather:  # all issued at the step, each waited on at its first use in the next forward
+            forward = micro_compute / 3
+            segments = [forward * f / (sum(flops) or 1.0) for f in reversed(flops)]
+            finish = timeline(segments, pre=costs[::-1], ahead=None)
+            gather_after_step = added_time(finish, forward, sum(costs), hw.overlap)
     out["data_parallel"] = exposed + gather_after_step
 
     # The optimizer step: bound by device memory bandwidth, or by the host's CPU Adam plus PCIe.
@@ -217,6 +223,61 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
         out["optimizer"] = (4 * 4 + 4 * 2 + b) * shard / (hw.hbm_gbps * 1e9)
     out["total"] = sum(out.values())
     return out
+
+
+def _block_flops(shape: ModelShape, seq: int) -> dict[str, float]:
+    """Forward FLOPs per token of one layer's attention block (projections and attention) and MLP."""
+    d, kv = shape.hidden, shape.hidden // shape.heads * shape.kv_heads
+    return {"attention": 2 * (2 * d * d + 2 * d * kv) + 4 * seq * d,
+            "mlp": 2 * (3 if shape.gated else 2) * d * shape.ffn}
+
+
+def _tensor_parallel(shape: ModelShape, L: Layout, seq: int, hw: Hardware, a: int, tokens: int, rate: float) -> float:
+    """What the blocks' tensor-parallel collectives add to one micro-batch on one pipeline stage:
+    per block and direction, the block as one segment, or with tp_overlap_comm two halves, each
+    half's exit (forward) or entry (backward) collective issued as it ends and, with sequence
+    parallelism, both halves' gathers issued at the start (parallel/overlap.py)."""
+    bw, lat = _group_link(hw, L.tp, L.tp)
+    halves = 2 if L.tp_overlap and L.micro_batch >= 2 else 1
+    act = a * tokens * shape.hidden / halves
+    gather = _ring(act, L.tp, bw, lat, 1) if L.sequence_parallel else 0.0
+    scatter = _ring(act, L.tp, bw, lat, 1 if L.sequence_parallel else 2)
+    forwards = 2 if L.checkpoint == "every_block" else 1
+    per_layer = 0.0
+    for flops in _block_flops(shape, seq).values():
+        forward = tokens * flops / L.tp / rate
+        for compute, times in ((forward, forwards), (2 * forward, 1)):
+            finish = timeline([compute / halves] * halves, pre=[gather] * halves, post=[scatter] * halves, ahead=None)
+            per_layer += times * added_time(finish, compute, halves * (gather + scatter), hw.overlap)
+    return per_layer * shape.layers / L.pp
+
+
+def _stage3(shape: ModelShape, L: Layout, seq: int, hw: Hardware, b: int, tokens: int, rate: float,
+            recompute: float, bw: float, lat: float) -> float:
+    """What ZeRO-3's collectives add to one micro-batch: the root unit (embedding, norm, head)
+    gathered as forward starts, each layer's unit gathered `depth` units ahead
+    (stage3_prefetch_bucket_size) for its forward and again for its backward unless it is kept
+    (stage3_max_reuse_distance), each unit's gradients reduce-scattered after its backward with
+    one reduction in flight (zero/stage3.py)."""
+    layer = sum(n for where, n, _ in shape.tensors() if where == "block") // shape.layers // L.tp
+    root = int(shape.parameters // L.tp) - shape.layers * layer
+    unit, whole = (_ring(b * n, L.dp, bw, lat, 1) for n in (layer, root))
+    if L.offload == "optimizer+param":  # each gather first brings the shard from host memory
+        unit += b * layer / L.dp / (hw.pcie_gbps * 1e9)
+    depth = prefetch_depth(L.stage3_prefetch, layer, root)
+    kept = kept_units(shape.layers, layer, STAGE3_MAX_REUSE_DISTANCE)
+    block = tokens * _block_flops(shape, seq)["attention"] / L.tp / rate + \
+        tokens * _block_flops(shape, seq)["mlp"] / L.tp / rate
+    head = tokens * 2 * shape.vocab * shape.hidden / L.tp / rate
+    again = tokens * recompute / shape.layers / L.tp / rate  # a checkpointed block's forward in backward
+    n = shape.layers
+    forward = timeline([0.0] + [block] * n + [head], pre=[whole] + [unit] * n + [0.0], ahead=depth)
+    backward = timeline([2 * head] + [2 * block + again] * n + [0.0],
+                        pre=[0.0] + [0.0 if i >= n - kept else unit for i in reversed(range(n))] + [0.0],
+                        post=[0.0] + [unit] * n + [whole], ahead=depth, in_flight=1)
+    compute = 3 * (n * block + head) + n * again
+    comm = whole + (2 * n - kept) * unit + n * unit + whole
+    return added_time(forward + backward, compute, comm, hw.overlap)
 
 
 def throughput(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: str = "bf16") -> dict[str, float]:

@@ -32,6 +32,8 @@ class Hardware:
     knee: int = 128            # width (hidden / tp) at which that fraction halves
     host_adam_gparams: float = 1.0  # CPU Adam updates per second per GPU's share of the host, 1e9
     reserve_gib: float = 2.0   # runtime, NCCL buffers, allocator slack
+    overlap: float = 1.0       # fraction of a collective's time that compute running beside it hides
+                               # (GPUs: NCCL has SMs of its own; a CPU's gloo takes cores from compute)
 
     @property
     def peak_flops(self) -> float:

@@ -25,19 +25,27 @@ def bucket_numel(configured: int | None, total: int) -> int:
     return max(1, min(DEEPSPEED_BUCKET_NUMEL, -(-total // OVERLAP_BUCKETS)))
 
 
+def cut(items: list, numel, max_numel: int, joins=lambda first, item: True) -> list[list]:
+    """Consecutive runs of `items`, each of at most `max_numel` elements (`numel(item)` each; a
+    single larger item gets a run of its own), a new run also where `joins(first of the run, item)`
+    is false. The one rule for gradient buckets, shared with the planner (planner/overlap.py)."""
+    runs, current, size = [], [], 0
+    for item in items:
+        n = numel(item)
+        if current and (size + n > max_numel or not joins(current[0], item)):
+            runs.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += n
+    if current:
+        runs.append(current)
+    return runs
+
+
 def split_into_buckets(params: list[torch.nn.Parameter], max_numel: int) -> list[list[torch.nn.Parameter]]:
     """Consecutive runs of parameters of one dtype/device, each run at most `max_numel` elements
     (a single larger parameter gets a bucket of its own)."""
-    buckets, current, size = [], [], 0
-    for p in params:
-        if current and (size + p.numel() > max_numel or p.dtype != current[0].dtype or p.device != current[0].device):
-            buckets.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += p.numel()
-    if current:
-        buckets.append(current)
-    return buckets
+    return cut(params, lambda p: p.numel(), max_numel, lambda a, p: p.dtype == a.dtype and p.device == a.device)
 
 
 class FlatBucket:

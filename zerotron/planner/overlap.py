@@ -1,0 +1,110 @@
+"""What the engine overlaps, as the planner times it (used by cost.py).
+
+One compute stream and one link: collectives run on the link one after another, in the order the
+engine issues them, each as long as the alpha-beta ring model says; compute runs its segments in
+order. `timeline` plays a sequence of segments with the collectives the engine issues around each:
+
+- the boundary's gradient buckets (stages 0-2): a segment is the backward between two buckets'
+  last gradients, each bucket reduced as it fills (zero/replicated.py, zero/sharded.py: stages 1-2
+  let backward run at most one bucket ahead of the reduction in flight);
+- ZeRO-3's units: a segment is one unit's forward or backward, its all-gather issued when the unit
+  `depth` units before it starts (stage3_prefetch_bucket_size), its gradients' reduce-scatter when
+  its backward ends (zero/stage3.py);
+- overlap_param_gather: every bucket's all-gather issued at the step, a segment is the forward of
+  the layers whose parameters a bucket holds (zero/param_gather.py);
+- tensor_parallel.tp_overlap_comm: a segment is one half of a block's batch, its exit (forward) or
+  entry (backward) collective issued when it ends, sequence-parallel gathers issued at the start
+  (parallel/overlap.py); without the option the block is one segment.
+
+On a GPU a collective runs beside compute at little cost (NCCL has SMs of its own). On a CPU the
+collective's copies and sums take cores from the compute: `Hardware.overlap` is the fraction of a
+collective's time that compute running beside it hides (bench/planner.py measures it).
+"""
+from __future__ import annotations
+
+import math
+
+from ..zero.flat import bucket_numel, cut
+from .model import ModelShape
+
+
+def timeline(compute: list[float], pre: list[float] | None = None, post: list[float] | None = None,
+             ahead: int | None = 0, in_flight: int | None = None) -> float:
+    """When the last segment's compute and the last collective are done. Segment i computes for
+    compute[i] once its pre[i] collective is done and then issues post[i]. pre[i] is issued when
+    segment i - `ahead` starts (None: every one at time 0; 0: when segment i starts). After issuing
+    a post, compute waits until at most `in_flight` posts are unfinished (None: never waits)."""
+    n = len(compute)
+    pre, post = pre or [0.0] * n, post or [0.0] * n
+    link, t, done, posts = 0.0, 0.0, {}, []
+
+    def send(cost: float, at: float) -> float:
+        nonlocal link
+        link = max(link, at) + cost
+        return link
+    if ahead is None:
+        for j in range(n):
+            if pre[j]:
+                done[j] = send(pre[j], 0.0)
+    for i in range(n):
+        if pre[i] and i not in done:
+            done[i] = send(pre[i], t)
+        t = max(t, done.get(i, 0.0))
+        for j in range(i + 1, min(n, i + 1 + (ahead or 0))):
+            if pre[j] and j not in done:
+                done[j] = send(pre[j], t)
+        t += compute[i]
+        if post[i]:
+            posts.append(send(post[i], t))
+            if in_flight is not None and len(posts) > in_flight:
+                t = max(t, posts[-1 - in_flight])
+    return max(t, link)
+
+
+def added_time(finish: float, compute: float, comm: float, overlap: float) -> float:
+    """What the collectives add to `compute`: the part of `finish` beyond it, plus the share of the
+    collectives that ran beside compute which the hardware does not hide (1 - overlap)."""
+    exposed = max(0.0, finish - compute)
+    return exposed + (1.0 - overlap) * max(0.0, comm - exposed)
+
+
+def grad_buckets(shape: ModelShape, tp: int, pp: int, seq: int, configured: int | None) -> list[tuple[int, float]]:
+    """(elements, backward FLOPs per token) of each gradient bucket of one rank, in the order the
+    engine launches them: its parameters in reverse module order, cut by zero/flat.py's rule (with
+    pipeline stages: the first stage's, embedding and its share of the blocks)."""
+    tensors, block = [], 0
+    stage_blocks = -(-shape.layers // pp)
+    for where, n, split in shape.tensors():
+        if where == "block":
+            block += 1
+            if block > stage_blocks * shape.tensors_per_block:
+                continue
+        elif where == "head" and pp > 1:
+            continue
+        numel = n // tp if split else n
+        # dgrad and wgrad of a matrix; the attention's own matmuls ride with its first projection
+        flops = 4.0 * numel if split and where != "embed" else 0.0
+        if where == "block" and (block - 1) % shape.tensors_per_block == 1:
+            flops += 8.0 * seq * shape.hidden / tp
+        tensors.append((numel, flops))
+    if shape.tied and pp == 1:  # the head's backward comes first, the tied embedding's gradient last
+        tensors.append((0, 4.0 * shape.vocab * shape.hidden / tp))
+    tensors.reverse()
+    limit = bucket_numel(configured, sum(n for n, _ in tensors))
+    return [(sum(n for n, _ in b), sum(f for _, f in b)) for b in cut(tensors, lambda t: t[0], limit)]
+
+
+def prefetch_depth(window: int, unit: int, root: int, max_live: int = 1_000_000_000) -> int:
+    """How many units ZeRO-3 gathers ahead of the one running: while fewer than `window`
+    (stage3_prefetch_bucket_size) elements are ahead and fewer than `max_live` gathered in all (the
+    root and the running unit; DeepSpeed's rule: the last one started may cross either)."""
+    if window <= 0 or unit <= 0:
+        return 0
+    room = max_live - root - unit
+    return 0 if room <= 0 else min(math.ceil(window / unit), math.ceil(room / unit))
+
+
+def kept_units(layers: int, unit: int, reuse: float) -> int:
+    """Blocks that stay gathered from forward to backward (stage3_max_reuse_distance): those after
+    which fewer than `reuse` elements are gathered (twice the units after it)."""
+    return sum(1 for i in range(layers) if 2 * unit * (layers - 1 - i) < reuse)
