@@ -38,6 +38,7 @@ def test_train_with_zero3_partitioned_parameters(tmp_path):
 
 def test_train_with_tensor_and_sequence_parallelism():
     out = _zerotron("train", "--model", "tiny", "--steps", "20", "--nproc", "2", "--tp", "2", "--sequence-parallel",
+                    "--tp-overlap",
                     "--seq-len", "64", "--eval-batches", "2", "--sample-bytes", "16", "--corpus-bytes", "300000")
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(l for l in out.stdout.splitlines() if "validation loss" in l)

@@ -35,6 +35,9 @@ def add_train_arguments(p: argparse.ArgumentParser):
                    help="pipeline schedule (default 1f1b; interleaved with --virtual-stages)")
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline stage (interleaved 1F1B)")
     p.add_argument("--sequence-parallel", action="store_true", default=None, help="split norms/residuals along the sequence (with --tp)")
+    p.add_argument("--tp-overlap", action="store_true", default=None,
+                   help="run each block in two halves of the micro-batch, one half's tensor-parallel collective "
+                        "under the other's compute (tensor_parallel.tp_overlap_comm; with --tp)")
     p.add_argument("--checkpoint", choices=["none", "every_block", "every_k", "selective"], default=None,
                    help="activation checkpointing policy")
     p.add_argument("--save-dir", default=None, help="write checkpoints here (every --save-every steps and at the end)")
@@ -79,6 +82,8 @@ def build_config(args, gpu: bool) -> dict:
         cfg.setdefault("tensor_parallel", {})["autotp_size"] = args.tp
     if args.sequence_parallel:
         cfg.setdefault("zerotron", {})["sequence_parallel"] = True
+    if args.tp_overlap:
+        cfg.setdefault("tensor_parallel", {})["tp_overlap_comm"] = True
     if args.checkpoint is not None:
         cfg.setdefault("zerotron", {})["checkpoint_policy"] = args.checkpoint
     if args.pp is not None:
