@@ -7,7 +7,11 @@ single-process training step), gloo's all-reduce latency and bandwidth between t
 several layouts of the same GPT on the same 2 ranks (DP with ZeRO 0-3, TP with and without
 sequence parallelism, a 2-stage pipeline, checkpointing) train side by side in alternating
 rounds; each layout's median step time relative to DP 2 / ZeRO-1 is compared with the ratio the
-planner predicts from the calibrated hardware.
+planner predicts from the calibrated hardware. The overlap options are layouts too, each paired
+with the layout without it (EFFECTS): the boundary reduction in zerotron's ~8 buckets against one
+(reduce_bucket_size 5e8), ZeRO-3's prefetch against none, tensor parallelism in two halves
+(tp_overlap_comm) against whole; the calibration also measures how much of an all-reduce a matmul
+running beside it hides on this machine (`overlap`).
 
     python bench/planner.py            # 2 ranks (relaunches itself under torchrun)
 """
@@ -27,7 +31,8 @@ from bench import common
 from bench.common import ADAMW
 
 BASE = "dp2 zero1"
-# name: (dp, tp, pp, zero, checkpoint, sequence_parallel)
+ONE_BUCKET = {"reduce_bucket_size": 5e8}  # DeepSpeed's default written out: this model in one bucket
+# name: (dp, tp, pp, zero, checkpoint, sequence_parallel[, zero_optimization and tensor_parallel keys])
 SYSTEMS = {
     "dp2 zero1": (2, 1, 1, 1, "none", False),
     "dp2 zero0": (2, 1, 1, 0, "none", False),
@@ -38,7 +43,15 @@ SYSTEMS = {
     "tp2": (1, 2, 1, 0, "none", False),
     "tp2 sp": (1, 2, 1, 0, "none", True),
     "pp2 1f1b": (1, 1, 2, 0, "none", False),
+    "dp2 zero0 one bucket": (2, 1, 1, 0, "none", False, ONE_BUCKET),
+    "dp2 zero1 one bucket": (2, 1, 1, 1, "none", False, ONE_BUCKET),
+    "dp2 zero3 no prefetch": (2, 1, 1, 3, "none", False, {"stage3_prefetch_bucket_size": 0}),
+    "tp2 overlap": (1, 2, 1, 0, "none", False, {"tp_overlap_comm": True}),
+    "tp2 sp overlap": (1, 2, 1, 0, "none", True, {"tp_overlap_comm": True}),
 }
+# (with the option, without it): the option's effect, measured and predicted
+EFFECTS = [("dp2 zero0", "dp2 zero0 one bucket"), ("dp2 zero1", "dp2 zero1 one bucket"),
+           ("dp2 zero3", "dp2 zero3 no prefetch"), ("tp2 overlap", "tp2"), ("tp2 sp overlap", "tp2 sp")]
 
 
 def parse_args():
@@ -95,18 +108,50 @@ def calibrate(cfg, args, rank: int) -> dict:
     bandwidth = 16 * 2 ** 20 / max(large - small, 1e-9) / 1e9  # (n-1)/n * 2 passes = 1 for 2 ranks
     return {"peak_tflops": peak / 1e12, "knee": knee, "efficiency": min(efficiency, 1.0), "hbm_gbps": hbm,
             "intra_gbps": bandwidth, "inter_gbps": bandwidth, "intra_latency_us": latency_us,
-            "inter_latency_us": latency_us, "model_step_s": step_s}
+            "inter_latency_us": latency_us, "overlap": overlap_fraction(tokens, d), "model_step_s": step_s}
+
+
+def overlap_fraction(tokens: int, d: int) -> float:
+    """How much of a 16 MiB all-reduce matmuls running beside it hide: (matmuls alone + all-reduce
+    alone - both at once) / the shorter of the two; 1 = free, 0 = no better than one after the other."""
+    t, x, w = torch.zeros(4 * 2 ** 20), torch.randn(tokens, d), torch.randn(d, 4 * d)
+    dist.barrier()
+    reduce_s = _timed(lambda: dist.all_reduce(t), 5)
+    one = _timed(lambda: x @ w, 5)
+    k = max(1, round(reduce_s / one))
+
+    def matmuls():
+        for _ in range(k):
+            x @ w
+
+    def both():
+        work = dist.all_reduce(t, async_op=True)
+        matmuls()
+        work.wait()
+    dist.barrier()
+    alone, together = _timed(matmuls, 5), _timed(both, 5)
+    return min(1.0, max(0.0, (alone + reduce_s - together) / min(alone, reduce_s)))
 
 
 # ---- the layouts ----------------------------------------------------------------------------------
+def _extra(spec) -> tuple[dict, dict]:
+    """The spec's zero_optimization and tensor_parallel keys."""
+    extra = spec[6] if len(spec) > 6 else {}
+    tp_keys = {"tp_overlap_comm"}
+    return ({k: v for k, v in extra.items() if k not in tp_keys}, {k: v for k, v in extra.items() if k in tp_keys})
+
+
 def system(cfg, args, spec, rank):
     import zerotron
-    dp, tp, pp, zero, ckpt, sp = spec
+    dp, tp, pp, zero, ckpt, sp = spec[:6]
+    zero_keys, tp_keys = _extra(spec)
     model = common.build_gpt(cfg)
     per_rank = args.batch // dp
     m = args.micro_batches if pp > 1 else 1
-    config = common.zerotron_config(args.batch // dp // m, 1.0, zero, gas=m, tensor_parallel={"autotp_size": tp},
+    config = common.zerotron_config(args.batch // dp // m, 1.0, zero, gas=m,
+                                    tensor_parallel={"autotp_size": tp, **tp_keys},
                                     zerotron={"checkpoint_policy": ckpt, "sequence_parallel": sp})
+    config["zero_optimization"].update(zero_keys)
     if pp > 1:
         module = common.to_pipeline(model, pp, partition_method="type:_PipeBlock")
         engine, *_ = zerotron.initialize(model=module, config=config)
@@ -120,11 +165,14 @@ def system(cfg, args, spec, rank):
 def predicted(cfg, args, spec, hw) -> float:
     from zerotron.planner.cost import Layout, step_time
     from zerotron.planner.model import ModelShape
-    dp, tp, pp, zero, ckpt, sp = spec
+    dp, tp, pp, zero, ckpt, sp = spec[:6]
+    zero_keys, tp_keys = _extra(spec)
     m = args.micro_batches if pp > 1 else 1
     layout = Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=args.batch // dp // m, grad_accum=m,
-                    checkpoint=ckpt, sequence_parallel=sp)
-    return step_time(ModelShape.of_gpt(cfg), layout, args.seq, hw, dtype="fp32")
+                    checkpoint=ckpt, sequence_parallel=sp, tp_overlap=tp_keys.get("tp_overlap_comm", False),
+                    stage3_prefetch=int(zero_keys.get("stage3_prefetch_bucket_size", 50_000_000)))
+    return step_time(ModelShape.of_gpt(cfg), layout, args.seq, hw, dtype="fp32",
+                     bucket_elements=zero_keys.get("reduce_bucket_size"))
 
 
 def main():
@@ -159,7 +207,17 @@ def main():
                                   ("ratio_error", "error", "{:+.1%}")])
     errors = [abs(r["ratio_error"]) for r in rows if r["layout"] != BASE]
     log(f"ratio error: median {statistics.median(errors):.1%}, worst {max(errors):.1%}")
-    common.finish("planner", args, {"calibration": fields, "rows": rows, "worst_abs_ratio_error": max(errors),
+    by_name = {r["layout"]: r for r in rows}
+    effects = [{"with": a, "without": b, "measured": common.paired_ratio(res, a, b),
+                "predicted": by_name[a]["predicted_ms"] / by_name[b]["predicted_ms"]}
+               for a, b in EFFECTS if a in res and b in res]
+    if rank == 0 and effects:
+        print()
+        common.print_table(effects, [("with", "with the option", "{}"), ("without", "without", "{}"),
+                                     ("measured", "measured ratio (paired)", "{:.3f}"),
+                                     ("predicted", "predicted ratio", "{:.3f}")])
+    common.finish("planner", args, {"calibration": fields, "rows": rows, "effects": effects,
+                                    "worst_abs_ratio_error": max(errors),
                                     "median_abs_ratio_error": statistics.median(errors)}, rank)
 
 

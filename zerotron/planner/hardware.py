@@ -55,8 +55,9 @@ PRESETS = {
     "h200": Hardware("h200", 141, 989, 4800, 360, 45, 8, 15, 50, 2048, efficiency=0.50),
     # The build machine (2 cores, gloo over loopback; one core per rank), as bench/planner.py and
     # bench/cpu_adam.py measured it: "GPU memory" is the host's.
+    # overlap: the median of 11 calibrations on the shared machine, which ranged from 0 to 1 (noise)
     "cpu": Hardware("cpu", 24, 0.061, 16, 0.65, 0.65, 1255, 1255, 1000, 24, gpus_per_node=2, efficiency=0.65,
-                    knee=1, host_adam_gparams=0.47, reserve_gib=1.0),
+                    knee=1, host_adam_gparams=0.47, reserve_gib=1.0, overlap=0.1),
 }
 
 
