@@ -12,9 +12,10 @@ shard of --numel elements; `gpt`: one tensor per parameter of GPT --gpt-size (ti
 Systems: zt (zerotron.ops.adam.CPUAdam, bf16 copy fused via copy_out), torch_foreach, torch_fused (the
 baseline) and ds (DeepSpeedCPUAdam; skipped with the reason when it does not load); the peers copy to bf16
 after the step. Modes, alternating in rounds: `step`, `step+bf16`, and `offload`: the whole host side of an
-offloaded bf16 step with clipping, each system as its engine does it (zerotron: bf16 gradients read in
-place, one pass for norms and the NaN/Inf check, then unscale, clip, Adam and the bf16 copy fused per
-chunk; the peers as DeepSpeed: fp32 gradients, one unscale-and-clip pass, the step, the copy). Check: after
+offloaded bf16 step with clipping, each system as its engine does it, the gradients' norms taken on the
+device by both (zerotron: bf16 gradients read where they arrived, then unscale, clip, Adam and the bf16 copy
+in one pass per chunk; the peers as DeepSpeed: fp32 gradients, one unscale-and-clip pass, the step, the
+copy). Check: after
 the warm-up and at the end, one more step+bf16 step; masters against torch_fused's, each bf16 output
 against its own master rounded.
 Details: bench/README.md. Results: bench/results/cpu_adam.json.
@@ -138,11 +139,14 @@ class System:
                 p.grad = g
 
     def step(self, mode: str) -> None:
-        if mode == "offload" and self.name == "zt":
-            self.offload_step_zt()
+        coef = self.clip_coefs[self.n % len(self.grads)]
+        if mode == "offload" and self.name == "zt":  # unscale/clip, Adam and the bf16 copy in one pass
+            self.opt.grad_multipliers = (coef,)
+            self.opt.step()
+            self.opt.grad_multipliers = ()
         else:
             if mode == "offload":  # DeepSpeed's host side: unscale and clip in one pass, the step, the copy
-                torch._foreach_mul_(self.host_grads, self.clip_coefs[self.n % len(self.grads)])
+                torch._foreach_mul_(self.host_grads, coef)
             self.opt.step()
             if mode in ("step+bf16", "offload") and self.name != "zt":
                 if len(self.params) == 1:
@@ -151,16 +155,6 @@ class System:
                     torch._foreach_copy_(self.bf16, self.params)
         self.n += 1
 
-    def offload_step_zt(self) -> None:
-        """What the engine's offloaded step does on the host: one read pass for the norms and the
-        NaN/Inf check, the clipping coefficient, the update (unscale, clip, Adam, bf16 copy fused)."""
-        norms, nonfinite = self.opt.inspect_grads()
-        if nonfinite.item():
-            raise RuntimeError("NaN/Inf in the benchmark's gradients")
-        self.opt.grad_multipliers = (clip_coefficient(torch.stack(list(norms.values()))),)
-        self.opt.step()
-        self.opt.grad_multipliers = ()
-
     def timed(self, mode: str) -> float:
         self.prepare(mode)
         t0 = time.perf_counter()
@@ -168,23 +162,13 @@ class System:
         return (time.perf_counter() - t0) * 1e3
 
 
-def clip_coefficient(norms) -> torch.Tensor:
-    """The engine's clipping coefficient from per-tensor norms (zerotron.precision)."""
-    from zerotron.precision import clip_coefficient as coefficient, global_norm
-    return coefficient(global_norm(list(norms)), CLIP)
-
-
-def peer_clip_coefficients(init, grads) -> list[torch.Tensor]:
-    """The coefficient of each gradient as zerotron's step computes it (DeepSpeed computes its norm
-    on the device, off the host's clock): every system then takes the same steps, bit for bit."""
-    from zerotron.ops.adam import CPUAdam
-    params = [torch.nn.Parameter(t.clone()) for t in init]
-    probe = CPUAdam(params)
-    coefs = []
-    for g in grads:
-        probe.grad_in = {p: t.bfloat16() for p, t in zip(params, g)}
-        coefs.append(clip_coefficient(probe.inspect_grads()[0].values()))
-    return coefs
+def clip_coefficients(grads) -> list[torch.Tensor]:
+    """Each gradient's clipping coefficient, from norms taken on the device as the gradients leave
+    it (zerotron and DeepSpeed both do: off the host's clock), the engine's way; every system uses
+    the same one, so all take the same steps, bit for bit."""
+    from zerotron.precision import clip_coefficient, global_norm
+    return [clip_coefficient(global_norm(torch._foreach_norm([t.bfloat16() for t in g], 2, dtype=torch.float32)),
+                             CLIP) for g in grads]
 
 
 # ---- workloads --------------------------------------------------------------------------------------
@@ -233,7 +217,7 @@ def run_case(label: str, shapes, args, names: list[str], ds_cls) -> dict:
     numel = sum(torch.Size(s).numel() for s in shapes)
     print(f"\n== {label}: {numel:,} elements in {len(shapes)} tensor(s) ==", flush=True)
     init, grads = make_tensors(shapes, args.grads)
-    coefs = peer_clip_coefficients(init, grads)
+    coefs = clip_coefficients(grads)
     systems = {n: System(n, init, grads, coefs, ds_cls) for n in names}
     del init
     entries = [(n, m) for n in names for m in MODES]

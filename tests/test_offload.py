@@ -145,31 +145,36 @@ def test_cpu_adam_reads_bf16_gradients_and_applies_multipliers_bit_for_bit(same_
     assert a.grad is None  # the gradient was read from grad_in, never made whole in fp32
 
 
-def test_cpu_adam_inspects_gradients_in_one_pass():
-    """Norms per tensor (those of torch's norm for a tensor of one chunk, summed over chunks
-    otherwise: closer to the exact norm than one fp32 sum over the tensor), and the NaN/Inf flag:
-    set by a NaN or an Inf anywhere, not by finite values whose squares overflow."""
+def test_fused_host_step_measures_shards_as_they_leave_and_flags_only_nan_inf():
+    """Each master run's norm is taken from the device shard as it leaves for the host (those of
+    an fp32 copy, unscaled, bit for bit); the flag is set by a NaN or an Inf anywhere, not by
+    finite values whose squares overflow."""
+    from types import SimpleNamespace
+
+    from zerotron.zero.offload import FusedHostStep, HostBuffers
+    n = 1000
+    host = HostBuffers(2 * n, torch.bfloat16, pin_memory=False)
+    masters = [torch.nn.Parameter(host.masters[i * n:(i + 1) * n]) for i in range(2)]
+    buckets = [SimpleNamespace(index=i, offset=i * n, shard_numel=n) for i in range(2)]
+    step = FusedHostStep(host, CPUAdam(masters, threads=1), masters, [(0, n), (n, 2 * n)],
+                         [(buckets[0], 0, n), (buckets[1], 0, n)])
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(n)) for n in (300_007, 5, 70_000)]
-    opt = CPUAdam(params, chunk_numel=1 << 15, threads=2)
-    grads = [torch.randn(p.numel()).bfloat16() for p in params]
-    for p, g in zip(params, grads):
-        opt.grad_in[p] = g
-    inv = torch.tensor(0.5)
-    norms, flag = opt.inspect_grads(inv)
-    assert flag.item() == 0
-    for p, g in zip(params, grads):
-        exact = torch.linalg.vector_norm(g.double() * 0.5).float()
-        torch.testing.assert_close(norms[p], exact, rtol=3e-6, atol=0)
-    assert torch.equal(norms[params[1]], torch._foreach_norm([grads[1].float() * inv])[0])
-    for where, value in ((2, float("nan")), (0, float("inf")), (0, float("-inf"))):
-        saved = grads[where][-3].clone()
-        grads[where][-3] = value
-        assert opt.inspect_grads()[1].item() == 1, (where, value)
-        grads[where][-3] = saved
-    grads[0][:4] = 3e38  # finite in bf16; the squares overflow fp32
-    norms, flag = opt.inspect_grads()
-    assert not torch.isfinite(norms[params[0]]) and flag.item() == 0
+    shards = [torch.randn(n).bfloat16() for _ in range(2)]
+
+    def flag(inv=1.0):
+        for b, shard in zip(buckets, shards):
+            host.gradient_out(b, shard)
+        return step.inspect(inv).item()
+    assert flag(2.0 ** -3) == 0
+    for norm, shard in zip(step.norms, shards):
+        assert torch.equal(norm, torch._foreach_norm([shard.float() * 2.0 ** -3])[0])
+    assert torch.equal(host.staging, torch.cat(shards))  # the gradients arrived where the weights leave from
+    for value in (float("nan"), float("inf"), float("-inf")):
+        shards[1][-3] = value
+        assert flag() == 1, value
+    shards[1][-3] = 0.0
+    shards[0][:4] = 3e38  # finite in bf16; the squares overflow fp32
+    assert flag() == 0 and not torch.isfinite(step.norms[0])
 
 
 def _train_steps(offload, precision, extra=None, steps=5, gas=2):

@@ -13,9 +13,9 @@ of once per operation:
 - `grad_multipliers`: fp32 scalars each gradient chunk is multiplied by before its update, in
   order (the loss scale's inverse, the clipping coefficient): the same products as separate
   unscale and clip passes, bit for bit, without writing the gradient back;
-- `copy_out[p]`: the updated chunk is written in the model's dtype right after its update;
-- `inspect_grads(multiplier)`: one read pass before the step gives each parameter's gradient
-  norm and whether any element is NaN/Inf (what clipping and the skip decision need).
+- `copy_out[p]`: the updated chunk is written in the model's dtype right after its update.
+
+zerotron/zero/offload.py's FusedHostStep drives it in the engine's offloaded step.
 
 bench/cpu_adam.py measures it against torch.optim.AdamW (foreach and fused) and DeepSpeed's C++
 DeepSpeedCPUAdam, with and without the offloaded step's other passes.
@@ -44,7 +44,6 @@ class _Item:
     max_sqs: list = field(default_factory=list)
     steps: list = field(default_factory=list)
     outs: list = field(default_factory=list)        # (updated slice, its model-dtype copy) or None
-    owners: list = field(default_factory=list)      # index of each slice's parameter in the plan
     numel: int = 0
 
 
@@ -56,8 +55,8 @@ class _Plan:
 
 
 class CPUAdam(torch.optim.Optimizer):
-    """DeepSpeedCPUAdam's signature, plus `grad_in`, `grad_multipliers`, `copy_out` and
-    `inspect_grads` (see the module's docstring)."""
+    """DeepSpeedCPUAdam's signature, plus `grad_in`, `grad_multipliers` and `copy_out` (see the
+    module's docstring)."""
 
     def __init__(self, model_params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, adamw_mode=True, fp32_optimizer_states=True, threads: int | None = None,
@@ -86,33 +85,6 @@ class CPUAdam(torch.optim.Optimizer):
         return state
 
     # ---- the two passes -------------------------------------------------------------------------
-    @torch.no_grad()
-    def inspect_grads(self, multiplier: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:
-        """({parameter: L2 norm of its gradient × multiplier}, flag): one read pass over the
-        gradients, chunk by chunk. The flag (a 1-element tensor) is nonzero when any gradient
-        element is NaN/Inf: a chunk's norm is finite exactly when its elements are, unless the
-        squares overflow, so only chunks with a non-finite norm are looked at element by element."""
-        plan = self._current_plan()
-        scale = () if multiplier is None else (multiplier,)
-        norms: list = [None] * len(plan.items)
-
-        def inspect(i):
-            item = plan.items[i]
-            norms[i] = torch._foreach_norm(self._fp32(item.grads, scale, item.numel))
-        self._parallel(len(plan.items), inspect)
-        flag = torch.zeros(1)
-        if not plan.items:
-            return {}, flag
-        pieces = torch.stack([n for item_norms in norms for n in item_norms])
-        owners = torch.tensor([o for item in plan.items for o in item.owners])
-        per_param = torch.zeros(len(plan.params)).index_add_(0, owners, pieces.square()).sqrt_()
-        sources = [g for item in plan.items for g in item.grads]
-        for k in (~torch.isfinite(pieces)).nonzero().flatten().tolist():
-            if not bool(torch.isfinite(sources[k]).all()):
-                flag.fill_(1.0)
-                break
-        return {p: per_param[i] for i, p in enumerate(plan.params)}, flag
-
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -219,7 +191,6 @@ class CPUAdam(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     if group["amsgrad"]:
                         state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                owner = len(params)
                 params.append(p)
                 out = self.copy_out.get(p)
                 flat = [t.view(-1) for t in (p, g, state["exp_avg"], state["exp_avg_sq"])]
@@ -234,7 +205,6 @@ class CPUAdam(torch.optim.Optimizer):
                         item.max_sqs.append(max_sq[start:end])
                     item.steps.append(state["step"])
                     item.outs.append(None if out is None else (flat[0][start:end], out.view(-1)[start:end]))
-                    item.owners.append(owner)
                     item.numel += end - start
                     if item.numel >= self.chunk_numel:
                         items.append(item)

@@ -47,6 +47,7 @@ class HostBuffers:
         self.incoming = self.grads if model_dtype == torch.float32 else self.staging
         self.staging_has_weights = True  # False while gradients sit where the weights go back from
         self.copied_out = set()        # buckets whose gradient shard is on its way to the host
+        self.on_gradient_out = None    # called with (bucket, device shard) as each shard leaves
         self.optimizer_copies_out = False  # the optimizer fills `staging` during its step
         self.stream = torch.cuda.Stream() if self.cuda else None
 
@@ -57,6 +58,8 @@ class HostBuffers:
 
     def gradient_out(self, bucket, shard: torch.Tensor):
         """Send a bucket's reduced gradient shard to the host, asynchronously on a GPU."""
+        if self.on_gradient_out is not None:
+            self.on_gradient_out(bucket, shard)
         target = self.incoming[bucket.offset:bucket.offset + bucket.shard_numel]
         if self.stream is None:
             target.copy_(shard)
@@ -108,24 +111,50 @@ class HostBuffers:
 
 class FusedHostStep:
     """The offloaded step of an optimizer that reads the host gradients itself (CPUAdam's
-    `grad_in`): one read pass gives the gradient norms and the NaN/Inf check (`inspect`), then
-    the update unscales and clips each chunk in cache (`apply`), so the gradients are never
-    converted, scaled or clipped as separate passes over host memory. The products are those of
-    the separate passes, bit for bit; each norm is summed over chunks."""
+    `grad_in`). As DeepSpeed does, the gradients are measured on the device as they leave for the
+    host (each master run's norm; on a GPU this runs during backward and costs no host time);
+    the host then makes one pass: each chunk unscaled and clipped in cache, updated, and written
+    back in the model dtype (`apply`). The norms and products are those of the separate passes
+    over an fp32 copy, bit for bit (a loss scale that is not a power of two can move a norm by
+    an ulp)."""
 
-    def __init__(self, host: HostBuffers, optimizer, masters: list, bounds: list[tuple[int, int]]):
+    def __init__(self, host: HostBuffers, optimizer, masters: list, bounds: list[tuple[int, int]],
+                 run_in_bucket: list[tuple]):
+        """`masters[i]` is the master run at `bounds[i]` of the flat host buffers and at
+        `run_in_bucket[i]` = (bucket, start, end) of that bucket's shard."""
         self.optimizer, self.masters = optimizer, masters
+        self.runs_of_bucket: dict[int, list[tuple[int, int, int]]] = {}
+        for i, (b, lo, hi) in enumerate(run_in_bucket):
+            self.runs_of_bucket.setdefault(b.index, []).append((i, lo, hi))
         for m, (lo, hi) in zip(masters, bounds):
             optimizer.grad_in[m] = host.incoming[lo:hi]
+        host.on_gradient_out = self.measure
+        self._measured: list[torch.Tensor | None] = [None] * len(masters)
+        self._shards: dict[int, torch.Tensor] = {}
         self.inv: torch.Tensor | None = None
         self.norms: list[torch.Tensor] = []
 
+    def measure(self, bucket, shard: torch.Tensor) -> None:
+        """A bucket's reduced shard leaves for the host: the norms of its master runs, in fp32."""
+        runs = self.runs_of_bucket[bucket.index]
+        norms = torch._foreach_norm([shard[lo:hi] for _, lo, hi in runs], 2, dtype=torch.float32)
+        for (i, _, _), norm in zip(runs, norms):
+            self._measured[i] = norm
+        self._shards[bucket.index] = shard
+
     def inspect(self, inv_scale: float | None) -> torch.Tensor | None:
-        """Each master's gradient norm (after unscaling), kept for `norms`; the NaN/Inf flag."""
+        """The NaN/Inf flag, and each run's norm after unscaling (kept for `norms`). A norm is
+        finite exactly when its elements are, unless finite squares overflow: only then are the
+        shards looked at element by element."""
+        measured = torch.stack(self._measured)
+        found = torch.zeros(1, device=measured.device)
+        if not bool(torch.isfinite(measured).all()):
+            if not all(bool(torch.isfinite(s).all()) for s in self._shards.values()):
+                found.fill_(1.0)
+        self._shards.clear()
         self.inv = None if inv_scale in (None, 1.0) else torch.full((), inv_scale, dtype=torch.float32)
-        norms, found = self.optimizer.inspect_grads(self.inv)
-        zero = torch.zeros(())
-        self.norms = [norms.get(m, zero) for m in self.masters]  # (a frozen run has no gradient)
+        scaled = measured if self.inv is None else measured * self.inv.to(measured.device)
+        self.norms = list(scaled.unbind())
         return None if inv_scale is None else found
 
     def apply(self, clip_coef: torch.Tensor | None) -> None:

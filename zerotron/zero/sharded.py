@@ -144,7 +144,8 @@ class ShardedStates(InOrderReduction):
             self.host.optimizer_copies_out = True
         if self.host is not None and hasattr(optimizer, "grad_in"):  # ... and reads the gradients itself
             from .offload import FusedHostStep
-            self._host_step = FusedHostStep(self.host, optimizer, [m for _, m in self.runs], self._run_bounds)
+            self._host_step = FusedHostStep(self.host, optimizer, [m for _, m in self.runs], self._run_bounds,
+                                            self._run_in_bucket)
 
     @property
     def master_params(self) -> list[torch.Tensor]:
