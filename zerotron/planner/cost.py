@@ -18,6 +18,7 @@ from .model import ModelShape
 
 
 STAGE3_MAX_REUSE_DISTANCE = 1e9  # DeepSpeed's default, which the engine applies (zero/stage3.py)
+CHECKPOINT_EVERY = 2  # the every_k policy's k: the config's checkpoint_every default
 
 
 @dataclass(frozen=True)
@@ -160,8 +161,13 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
     fpt = shape.flops_per_token(seq)
     block_flops = 6 * (shape.parameters - shape.vocab * shape.hidden * (1 if shape.tied else 2)) \
         + 12 * shape.layers * shape.hidden * seq
-    recompute = {"none": 0.0, "every_block": block_flops / 3,
-                 "selective": 4 * shape.layers * shape.hidden * seq}[L.checkpoint]
+    # every_k checkpoints one block in CHECKPOINT_EVERY (the config's default checkpoint_every, and
+    # activation_bytes'): those blocks' forwards run again.
+    recomputed = {"none": 0.0, "every_block": 1.0, "selective": 0.0,
+                  "every_k": -(-shape.layers // CHECKPOINT_EVERY) / shape.layers}[L.checkpoint]
+    recompute = block_flops / 3 * recomputed
+    if L.checkpoint == "selective":  # the attention's score and softmax recomputed: 4·L·d·s per token
+        recompute = 4 * shape.layers * shape.hidden * seq
     width = shape.hidden / L.tp
     rate = hw.peak_flops * hw.efficiency * width / (width + hw.knee)
     micro_compute = tokens_micro * (fpt + recompute) / (L.tp * L.pp) / rate
@@ -170,8 +176,7 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
     # (two more when a checkpointed forward is recomputed); sequence parallelism moves the same
     # bytes as all-gathers and reduce-scatters. Not overlapped with compute.
     tp_bw, tp_lat = _group_link(hw, L.tp, L.tp)
-    per_layer = (4 + (2 if L.checkpoint == "every_block" else 0)) * _ring(a * tokens_micro * shape.hidden, L.tp,
-                                                                             tp_bw, tp_lat, 2)
+    per_layer = (4 + 2 * recomputed) * _ring(a * tokens_micro * shape.hidden, L.tp, tp_bw, tp_lat, 2)
     micro_tp = per_layer * shape.layers / L.pp
     micro_stage = micro_compute + micro_tp
     # Pipeline: m micro-batches through p stages; idle fill and drain of (p - 1) / v stage-steps.
