@@ -36,6 +36,11 @@ class Layout:
     chunks: int = 1                  # virtual stages per rank (interleaved)
     sequence_parallel: bool = False
     overlap_param_gather: bool = False  # ZeRO-1/2: the step's all-gather hidden under the next forward
+    # How the engine runs the layout (zerotron's engine is the default; published engines differ):
+    tp_overlap: bool = False         # TP collectives pipelined with the GEMMs (Megatron-Core, async TP)
+    flash_attention: bool = True     # False: the s x s attention scores go through device memory
+    zero3_regather: bool = False     # ZeRO-3 gathers a checkpointed block again for its recomputed forward
+    pooled_nics: bool = True         # False: each GPU's data-parallel traffic leaves through its own NIC
 
     @property
     def gpus(self) -> int:
@@ -52,6 +57,8 @@ class Layout:
             parts.append(f"offload:{self.offload}")
         if self.overlap_param_gather:
             parts.append("overlap-gather")
+        parts += [name for name, on in (("tp-overlap", self.tp_overlap), ("scores-in-hbm", not self.flash_attention),
+                                        ("regather", self.zero3_regather), ("nic-per-gpu", not self.pooled_nics)) if on]
         return " ".join(parts)
 
 
@@ -151,6 +158,20 @@ def _group_link(hw: Hardware, span: int, members_per_node: int) -> tuple[float, 
     return min(hw.intra_gbps, hw.inter_gbps * max(1, members_per_node)), hw.inter_latency_us
 
 
+def score_traffic_s(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, recomputed: float) -> float:
+    """Seconds per micro-batch the attention scores spend in device memory when they are
+    materialized (no FlashAttention): per token, layer and head, s scores of 2 bytes, which the
+    unfused kernels of such engines move 13 times forward (the score GEMM writes them; scale, mask
+    and softmax read and write; dropout reads, writes and keeps a 1-byte mask; the value GEMM reads)
+    and 19 times backward (the mirror image, with the two score-gradient GEMMs each reading), plus a
+    forward's 13 again for each recomputed block. Memory-bound, at the device's bandwidth."""
+    if layout.flash_attention:
+        return 0.0
+    per_score = 13 + 19 + 13 * recomputed
+    tokens = layout.micro_batch * seq
+    return tokens * shape.layers / layout.pp * shape.heads / layout.tp * seq * per_score / (hw.hbm_gbps * 1e9)
+
+
 def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: str = "bf16",
               bucket_elements: int = 500_000_000) -> dict[str, float]:
     """Seconds per optimizer step, by part; "total" is their sum (each part is what is not hidden)."""
@@ -178,10 +199,14 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
     tp_bw, tp_lat = _group_link(hw, L.tp, L.tp)
     per_layer = (4 + 2 * recomputed) * _ring(a * tokens_micro * shape.hidden, L.tp, tp_bw, tp_lat, 2)
     micro_tp = per_layer * shape.layers / L.pp
-    micro_stage = micro_compute + micro_tp
+    if L.tp_overlap:  # chunked and pipelined with the GEMMs they feed: exposed only beyond them
+        micro_tp = max(0.0, micro_tp - micro_compute)
+    micro_scores = score_traffic_s(shape, L, seq, hw, 1.0 if L.checkpoint == "selective" else recomputed)
+    micro_stage = micro_compute + micro_scores + micro_tp
     # Pipeline: m micro-batches through p stages; idle fill and drain of (p - 1) / v stage-steps.
     pipeline = micro_stage * (m + (L.pp - 1) / L.chunks)
-    out = {"compute": micro_compute * m, "tensor_parallel": micro_tp * m, "bubble": pipeline - micro_stage * m}
+    out = {"compute": micro_compute * m, "attention_scores": micro_scores * m, "tensor_parallel": micro_tp * m,
+           "bubble": pipeline - micro_stage * m}
     # Pipeline transfers during fill and drain sit on the critical path; in steady state they overlap.
     pp_bw, pp_lat = _group_link(hw, L.gpus, 1) if L.pp > 1 else (1.0, 0.0)
     p2p = a * tokens_micro * shape.hidden / (pp_bw * 1e9) + pp_lat * 1e-6
@@ -189,7 +214,7 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
 
     # Data parallelism over the stage's parameters on this GPU.
     psi = shape.parameters / (L.tp * L.pp)
-    dp_bw, dp_lat = _group_link(hw, L.dp * L.tp, hw.gpus_per_node // L.tp)
+    dp_bw, dp_lat = _group_link(hw, L.dp * L.tp, hw.gpus_per_node // L.tp if L.pooled_nics else 1)
     backward = micro_compute * 2 / 3
     buckets = -(-int(psi) // bucket_elements)
     if L.zero <= 1:      # one reduction at the boundary, overlapped with the last backward (not in pipelines)
@@ -204,8 +229,9 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
         # layer whose backward comes within stage3_max_reuse_distance elements of its forward (the
         # last ones: 2 x the parameters after it come between) stays gathered: no second gather.
         kept = min(1.0, STAGE3_MAX_REUSE_DISTANCE / (2 * psi))
+        gathers = 2 - kept + (recomputed if L.zero3_regather else 0.0)
         traffic = _ring(b * psi, L.dp, dp_bw, dp_lat, 1, buckets) + \
-            (2 - kept) * _ring(b * psi, L.dp, dp_bw, dp_lat, 1, shape.layers // L.pp)
+            gathers * _ring(b * psi, L.dp, dp_bw, dp_lat, 1, shape.layers // L.pp)
         if L.offload == "optimizer+param":
             traffic += 2 * b * psi / L.dp / (hw.pcie_gbps * 1e9)
         exposed = m * max(0.0, traffic - micro_compute)
