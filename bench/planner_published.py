@@ -28,23 +28,30 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 from bench.published_runs import SKIPPED, Run, bloom, korthikanti, llama3, mosaic, narayanan_table1, \
     narayanan_table2, torchtitan  # noqa: E402
+from bench.published_runs_more import wider  # noqa: E402
 from zerotron.planner.cost import fits, memory, throughput  # noqa: E402
 from zerotron.planner.hardware import GIB, hardware  # noqa: E402
 
 
-def runs() -> list[Run]:
+def original() -> list[Run]:
+    """The 29 runs of the first comparison."""
     return narayanan_table1() + narayanan_table2() + korthikanti() + bloom() + mosaic() + torchtitan() + llama3()
+
+
+def runs() -> list[Run]:
+    return original() + wider()
 
 
 # ---- comparison ---------------------------------------------------------------------------------
 def evaluate(run: Run) -> dict:
     assert run.layout.gpus == run.gpus, (run.name, run.layout.gpus, run.gpus)
-    hw = hardware(run.gpu)
+    hw = hardware(run.gpu, **run.hw)
     t = throughput(run.shape, run.layout, run.seq, hw)
     mem = memory(run.shape, run.layout, run.seq)
     predicted = t["tokens_per_s"] / run.gpus
     fpt = run.shape.flops_per_token(run.seq)
-    return {"name": run.name, "family": run.family, "source": run.source, "gpu": run.gpu, "gpus": run.gpus, "seq": run.seq,
+    return {"name": run.name, "family": run.family, "source": run.source, "gpu": run.gpu,
+            "hardware_overrides": run.hw, "gpus": run.gpus, "seq": run.seq,
             "shape": asdict(run.shape), "parameters": run.shape.parameters,
             "layout": asdict(run.layout), "layout_text": run.layout.describe(),
             "reported": run.reported, "achieved_tokens_per_s_per_gpu": run.achieved,

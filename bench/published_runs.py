@@ -61,12 +61,25 @@ def gpt(layers: int, hidden: int, heads: int, vocab: int = V_MEGATRON) -> ModelS
 
 
 def layout(dp: int, tp: int, pp: int, micro_batch: int, global_batch: int, *, zero: int = 1,
-           checkpoint: str = "every_block", chunks: int = 1, sp: bool = False) -> Layout:
-    """A Layout from the source's terms: grad_accum = global batch / (dp · micro batch)."""
+           checkpoint: str = "every_block", chunks: int = 1, sp: bool = False, **engine) -> Layout:
+    """A Layout from the source's terms: grad_accum = global batch / (dp · micro batch); `engine`:
+    the Layout fields saying how the source's engine runs it (below)."""
     accum, rest = divmod(global_batch, dp * micro_batch)
     assert rest == 0 and accum > 0, (dp, micro_batch, global_batch)
     return Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=micro_batch, grad_accum=accum, checkpoint=checkpoint,
-                  schedule="interleaved" if chunks > 1 else "1f1b", chunks=chunks, sequence_parallel=sp)
+                  schedule="interleaved" if chunks > 1 else "1f1b", chunks=chunks, sequence_parallel=sp, **engine)
+
+
+# How the published engines run a layout, where they differ from zerotron's (docs/planner.md):
+# Megatron-LM before FlashAttention (2021-22, also under DeepSpeed and BigScience) materializes the
+# attention scores: the fused scale-mask-softmax kernel and attention dropout (Megatron's default
+# --attention-dropout 0.1, which none of these runs turns off) read and write them in device memory.
+SCORES_IN_HBM = dict(flash_attention=False)
+# DeepSpeed ZeRO-3 (0.3 to 0.6): hooks on every sub-module release its parameters after its forward
+# (unless reused within stage3_max_reuse_distance), so a checkpointed block's recomputed forward
+# gathers them again; and its collectives move one NIC's worth per GPU, not the node's pooled NICs
+# (inferred: Narayanan's Table 2 iterations stay flat while compute halves, at 21-23 GB/s per GPU).
+DEEPSPEED_ZERO3 = dict(flash_attention=False, zero3_regather=True, pooled_nics=False)
 
 
 def narayanan_chunks(layers: int, pp: int) -> int:
@@ -89,6 +102,7 @@ class Run:
     reported: str            # what the source says, in its own terms
     notes: list[str] = field(default_factory=list)
     family: str = ""         # engine / publication, for the per-family summary
+    hw: dict = field(default_factory=dict)  # preset fields the source's machines differ in
 
 
 NARAYANAN = "Narayanan et al. SC21, arXiv:2104.04473"
@@ -122,7 +136,7 @@ def narayanan_table1() -> list[Run]:
         if pp > 1:
             notes.append(CHUNKS_NOTE.format(v=v) + ("" if v == 2 else f" (2 does not divide {l // pp} layers/stage)"))
         out.append(Run(f"Megatron GPT-{label}", NARAYANAN_T1, gpt(l, h, heads), SEQ_GPT, "a100-80", tp * pp * dp,
-                       layout(dp, tp, pp, mb, gbs, zero=0, chunks=v),
+                       layout(dp, tp, pp, mb, gbs, zero=0, chunks=v, **SCORES_IN_HBM),
                        # C1: X / (96·l·h²·(1 + s/6h + V/16lh)), s = 2048, V = 51,200
                        c1(x, l, h), f"{x} TFLOP/s/GPU (C1)", notes, "Megatron-LM 2021 (PTD-P)"))
     return out
@@ -134,14 +148,14 @@ def narayanan_table2() -> list[Run]:
     for gpus, x in ((384, 153), (768, 149), (1536, 141)):
         v = narayanan_chunks(96, 12)
         out.append(Run(f"GPT-3 175B PTD-P {gpus}", f"{NARAYANAN}, Table 2", shape, SEQ_GPT, "a100-80", gpus,
-                       layout(gpus // 96, 8, 12, 1, 1536, zero=0, chunks=v),
+                       layout(gpus // 96, 8, 12, 1, 1536, zero=0, chunks=v, **SCORES_IN_HBM),
                        c1(x, 96, 12288),  # C1 with l = 96, h = 12288
                        f"{x} TFLOP/s/GPU (C1)",
                        ["model-parallel size 96 = TP8 x PP12 (TP8 from the text, PP derived)",
                         CHUNKS_NOTE.format(v=v), "full recomputation", MEGATRON_DDP], "Megatron-LM 2021 (PTD-P)"))
     for gpus, mb, x in ((384, 4, 144), (768, 2, 88), (1536, 1, 44)):
         out.append(Run(f"GPT-3 175B ZeRO-3 {gpus}", f"{NARAYANAN}, Table 2 (DeepSpeed ZeRO-3)", shape, SEQ_GPT,
-                       "a100-80", gpus, layout(gpus, 1, 1, mb, 1536, zero=3),
+                       "a100-80", gpus, layout(gpus, 1, 1, mb, 1536, zero=3, **DEEPSPEED_ZERO3),
                        c1(x, 96, 12288),  # C1 with l = 96, h = 12288
                        f"{x} TFLOP/s/GPU (C1)", ["DeepSpeed ZeRO-3, no model parallelism; full recomputation"],
                        "DeepSpeed ZeRO-3 2021"))
@@ -160,7 +174,7 @@ def korthikanti() -> list[Run]:
         notes.append("interleaved, 3 virtual stages per rank" if v > 1 else
                      "interleaving not stated (only for 175B/530B); 1F1B" if pp > 1 else "no pipeline")
         out.append(Run(f"Korthikanti GPT-{label}", KORTHIKANTI, gpt(l, h, heads), SEQ_GPT, "a100-80", 8 * pp,
-                       layout(1, 8, pp, mb, gbs, zero=0, checkpoint="selective", chunks=v, sp=True),
+                       layout(1, 8, pp, mb, gbs, zero=0, checkpoint="selective", chunks=v, sp=True, **SCORES_IN_HBM),
                        # C2: MFU · 312e12 / (72·l·h²·(1 + s/6h + V/12hl))
                        c2(mfu, l, h), f"MFU {mfu:.1%} (C2)", notes, "Megatron-LM 2022 (SP + selective)"))
     return out
@@ -170,7 +184,7 @@ def bloom() -> list[Run]:
     # 104.70 s per iteration of 2048 sequences x 2048 tokens on 384 GPUs:
     # 2048·2048 / (104.70·384) = 104.3 tokens/s/GPU (C1 from the logged 149.77 TFLOP/s gives the same).
     return [Run("BLOOM-176B", BLOOM, gpt(70, 14336, 112, vocab=250_880), SEQ_GPT, "a100-80", 384,
-                layout(8, 4, 12, 2, 2048, zero=1),
+                layout(8, 4, 12, 2, 2048, zero=1, **SCORES_IN_HBM),
                 per_iteration(2048, SEQ_GPT, 104.70, 384), "104.70 s/iter, 149.77 TFLOP/s/GPU (C3 = C1)",
                 ["DeepSpeed BF16 optimizer = ZeRO-1 equivalent; full recomputation; DeepSpeed PP (1F1B, "
                  "not interleaved)", "Jean Zay: Omni-Path between nodes (preset: DGX, 8 x HDR IB)",
