@@ -42,6 +42,15 @@ def runs() -> list[Run]:
     return original() + wider()
 
 
+BEYOND = 0.25  # every run off by more than this is explained in docs/planner.md
+
+
+def comparison() -> list[dict]:
+    """Every run evaluated, tagged with the set it belongs to (the first 29, or added since)."""
+    first = {r.name for r in original()}
+    return [{**evaluate(r), "set": "first 29" if r.name in first else "added"} for r in runs()]
+
+
 # ---- comparison ---------------------------------------------------------------------------------
 def evaluate(run: Run) -> dict:
     assert run.layout.gpus == run.gpus, (run.name, run.layout.gpus, run.gpus)
@@ -83,8 +92,11 @@ def summarize(rows: list[dict]) -> dict:
             "mean_abs_pct_error": 100 * statistics.mean(absolute),
             "median_signed_pct_error": 100 * median_signed,
             "worst": {"name": worst["name"], "ratio": worst["ratio"]},
-            "predicted_high": high, "predicted_low": len(rows) - high,
-            "bias": bias, "per_gpu": errors_by(rows, "gpu"), "per_family": errors_by(rows, "family"), "not_fitting": [r["name"] for r in rows if r["fits"]]}
+            "beyond_25_pct": {r["name"]: r["ratio"] for r in rows if abs(r["ratio"] - 1) > BEYOND},
+            "predicted_high": high, "predicted_low": len(rows) - high, "bias": bias,
+            "per_set": errors_by(rows, "set") if "set" in rows[0] else {},
+            "per_gpu": errors_by(rows, "gpu"), "per_family": errors_by(rows, "family"),
+            "not_fitting": [r["name"] for r in rows if r["fits"]]}
 
 
 def table(rows: list[dict]) -> str:
@@ -103,8 +115,10 @@ def summary_text(s: dict, rows: list[dict]) -> str:
     lines = [f"{s['runs']} runs: median |error| {s['median_abs_pct_error']:.1f}%, mean |error| "
              f"{s['mean_abs_pct_error']:.1f}%, median signed error {s['median_signed_pct_error']:+.1f}% "
              f"(bias: {s['bias']}; {s['predicted_high']} predicted above, {s['predicted_low']} below)",
-             f"worst: {s['worst']['name']} (predicted / achieved = {s['worst']['ratio']:.2f})"]
-    for title, groups in (("per GPU type", s["per_gpu"]), ("per engine / publication", s["per_family"])):
+             f"worst: {s['worst']['name']} (predicted / achieved = {s['worst']['ratio']:.2f})",
+             f"beyond {BEYOND:.0%}: " + (", ".join(f"{n} ({v:.2f})" for n, v in s["beyond_25_pct"].items()) or "none")]
+    for title, groups in (("per set", s["per_set"]), ("per GPU type", s["per_gpu"]),
+                          ("per engine / publication", s["per_family"])):
         lines.append(title + ":")
         for name, g in groups.items():
             lines.append(f"  {name}: {g['runs']} runs, median |error| {g['median_abs_pct']:.1f}%, "
@@ -121,7 +135,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="result JSON (default bench/results/planner_published.json)")
     args = p.parse_args()
-    rows = [evaluate(r) for r in runs()]
+    rows = comparison()
     s = summarize(rows)
     print(table(rows))
     print()

@@ -240,12 +240,21 @@ SKIPPED = [
     ("Korthikanti 530B on 2240 GPUs (MFU 54.2%)", "global batch and micro batch not given"),
     ("OPT-175B (arXiv:2205.01068)", "layout not fully known (FSDP + TP8 assumed), FLOP convention not stated"),
     ("Llama 3 405B long context (seq 131,072)", "context parallelism: not modelled by the planner"),
-    ("torchtitan Llama 3.1 405B (H100 96 GB)", "Float8 linears; non-standard H100 (96 GB, 500 W)"),
+    ("torchtitan Llama 3.1 405B on 512 H100 (3D, 4D tables)", "Float8 linears; context parallelism"),
     ("Megatron-Bridge Llama 3 70B / 405B", "FP8"),
-    ("Megatron-LM README GPT-3 175B H100 strong scaling", "layout only in an image"),
+    ("Megatron-LM README GPT-3 175B H100 strong scaling (96 to 4608 GPUs)",
+     "per-point layouts and throughputs only in a plot; the text gives the end points' MFU (47% and 42%) alone"),
     ("Narayanan GPT-3 175B on 1024 GPUs (140 TFLOP/s)", "layout not given"),
+    ("ZeRO (Rajbhandari et al., arXiv:1910.02054) runs on 400 V100s",
+     "per-run throughputs only in Figures 2-4 and 8; the text gives averages over model sizes (15 PFLOP/s for "
+     "8B-100B, over 40 TFLOP/s per GPU for up to 13B) and the batch sizes are in an appendix not read"),
+    ("Turing-NLG 17B with ZeRO-100B (41.4 TFLOP/s/GPU, the same paper, §10.6)", "GPUs, MP degree and batch not given"),
+    ("ZeRO-Offload (arXiv:2101.06840): 40 TFLOP/s for 10B on one V100",
+     "batch and sequence of that run not in a text read; the DeepSpeed tutorial's 10B log (an image) runs one GPU "
+     "of a DGX-2, whose CPU Adam rate (the whole host's) no preset gives"),
+    ("ZeRO-3 Offload blog / ZeRO-Infinity (arXiv:2104.07857): 1T on 512 V100s, 49 TFLOP/s/GPU",
+     "layouts in the paper's appendix, not read; ZeRO-Infinity's NVMe offload is not modelled"),
+    ("DeepSpeed on Azure: 530B peak 171.37 TFLOP/s/GPU, 175B at sequence 1024",
+     "micro batch of the 530B peak not stated; the 175B sequence-1024 runs only in a figure"),
+    ("torchtitan and Trainy Float8 rows (H100, H200), context-parallel rows", "FP8; context parallelism"),
 ]
-
-
-def runs() -> list[Run]:
-    return narayanan_table1() + narayanan_table2() + korthikanti() + bloom() + mosaic() + torchtitan() + llama3()
