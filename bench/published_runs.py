@@ -73,7 +73,7 @@ def layout(dp: int, tp: int, pp: int, micro_batch: int, global_batch: int, *, ze
 # How the published engines run a layout, where they differ from zerotron's (docs/planner.md):
 # Megatron-LM before FlashAttention (2021-22, also under DeepSpeed and BigScience) materializes the
 # attention scores: the fused scale-mask-softmax kernel and attention dropout (Megatron's default
-# --attention-dropout 0.1, which none of these runs turns off) read and write them in device memory.
+# --attention-dropout 0.1, kept by the BLOOM and Azure scripts) read and write them in device memory.
 SCORES_IN_HBM = dict(flash_attention=False)
 # DeepSpeed ZeRO-3 (0.3 to 0.6): hooks on every sub-module release its parameters after its forward
 # (unless reused within stage3_max_reuse_distance), so a checkpointed block's recomputed forward

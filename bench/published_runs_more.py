@@ -60,21 +60,21 @@ def narayanan_530b() -> list[Run]:
 
 
 def megatron_core_h100() -> list[Run]:
-    """The weak-scaling table: (label, heads, hidden, layers, tp, pp, global batch, TFLOP/s/GPU); DP 48
-    everywhere, vocabulary 131,072, sequence 4096, untied embeddings (the labels' parameter counts)."""
-    rows = [("1.7B", 16, 2048, 24, 1, 1, 192, 408.8), ("7.1B", 32, 4096, 30, 2, 1, 192, 465.9),
-            ("16B", 48, 6144, 32, 4, 1, 192, 489.1), ("32B", 56, 7168, 48, 8, 1, 192, 459.6),
-            ("70B", 64, 8192, 84, 8, 2, 384, 419.7), ("119B", 80, 10240, 92, 8, 4, 768, 420.5),
-            ("177B", 96, 12288, 96, 8, 6, 1152, 432.8), ("314B", 128, 16384, 96, 8, 8, 1536, 474.4),
-            ("462B", 144, 18432, 112, 8, 16, 3072, 459.9)]
+    """The weak-scaling table: (label, heads, hidden, layers, tp, pp, global batch, TFLOP/s/GPU, MFU %);
+    DP 48 everywhere, vocabulary 131,072, sequence 4096, untied embeddings (the labels' parameter counts)."""
+    rows = [("1.7B", 16, 2048, 24, 1, 1, 192, 408.8, 41), ("7.1B", 32, 4096, 30, 2, 1, 192, 465.9, 47),
+            ("16B", 48, 6144, 32, 4, 1, 192, 489.1, 49), ("32B", 56, 7168, 48, 8, 1, 192, 459.6, 46),
+            ("70B", 64, 8192, 84, 8, 2, 384, 419.7, 42), ("119B", 80, 10240, 92, 8, 4, 768, 420.5, 43),
+            ("177B", 96, 12288, 96, 8, 6, 1152, 432.8, 44), ("314B", 128, 16384, 96, 8, 8, 1536, 474.4, 48),
+            ("462B", 144, 18432, 112, 8, 16, 3072, 459.9, 47)]
     out = []
-    for label, heads, h, l, tp, pp, gbs, x in rows:
+    for label, heads, h, l, tp, pp, gbs, x, mfu in rows:
         shape = ModelShape(l, h, heads, heads, 4 * h, 131_072, tied=False, gated=False)
         lay = layout(48, tp, pp, 1, gbs, zero=1, checkpoint="none", sp=tp > 1, overlap_param_gather=True,
                      tp_overlap=True)
         out.append(Run(f"Megatron-Core GPT-{label}", MCORE, shape, 4096, "h100", 48 * tp * pp, lay,
                        c7(x, shape, 4096),  # C7 = 72·l·h²·(1 + s/6h + V/12lh), s = 4096, V = 131,072
-                       f"{x} TFLOP/s/GPU, MFU {x / 989.4:.0%} (C7)",
+                       f"{x} TFLOP/s/GPU, MFU {mfu}% (C7)",
                        ["micro batch 1 assumed (not given)", "no recomputation assumed (not given)",
                         "1F1B assumed, not interleaved (not given; 92/4 and 112/16 layers per stage are odd)",
                         "distributed optimizer (= ZeRO-1; --overlap-param-gather requires it)",
