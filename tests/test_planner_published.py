@@ -90,3 +90,14 @@ def test_zerotrons_own_layouts_are_costed_as_before():
     L = Layout(dp=8)
     assert (L.tp_overlap, L.flash_attention, L.zero3_regather, L.pooled_nics) == (False, True, False, True)
     assert "tp-overlap" not in L.describe() and "nic-per-gpu" not in L.describe()
+
+
+def test_offloaded_gradients_are_never_negative_on_the_device():
+    """Offload keeps the fp32 gradient buffer on the host only in fp32 (memory.py); the device side must
+    not take it off in bf16, where it was never counted."""
+    from zerotron.planner.cost import memory
+    shape = ModelShape(32, 4096, 32, 32, 11008, 32000)
+    for dtype in ("bf16", "fp32"):
+        plain = memory(shape, Layout(dp=8, zero=2), 4096, dtype)
+        off = memory(shape, Layout(dp=8, zero=2, offload="optimizer"), 4096, dtype)
+        assert off["grads"] == plain["grads"] > 0, dtype

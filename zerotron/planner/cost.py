@@ -87,7 +87,8 @@ def memory(shape: ModelShape, layout: Layout, seq: int, dtype: str = "bf16",
     states.pop("total")
     if host:  # what lives on the host is not GPU memory
         shard = _shard(shape, L)
-        states["grads"] -= 4 * shard  # the masters' fp32 gradients
+        if dtype == "fp32":  # the masters' fp32 gradients (bf16/fp16 keep none: CPU Adam reads the staging buffer)
+            states["grads"] -= 4 * shard
         states["master_weights"] = states["optimizer"] = 0
         if L.offload == "optimizer+param" and L.zero == 3:
             states["params"] -= (4 if dtype == "fp32" else 2) * shard
