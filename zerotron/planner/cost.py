@@ -153,7 +153,8 @@ def _ring(bytes_: float, n: int, bw_gbps: float, latency_us: float, passes: int,
 
 
 def _group_link(hw: Hardware, span: int, members_per_node: int) -> tuple[float, float]:
-    """Bandwidth and latency of a group whose ranks span `span` consecutive GPUs."""
+    """Bandwidth and latency of a group whose ranks span `span` consecutive GPUs: beyond a node, a
+    group with k members per node crosses over k NICs (NCCL's rings run through every rail)."""
     if span <= hw.gpus_per_node:
         return hw.intra_gbps, hw.intra_latency_us
     return min(hw.intra_gbps, hw.inter_gbps * max(1, members_per_node)), hw.inter_latency_us
