@@ -325,12 +325,15 @@ def rotated(names: list, r: int) -> list:
     return names[k:] + names[:k]
 
 
-def rounds(entries: list, run: Callable, n_rounds: int, steps: int, on_round=lambda r, round_ms: None):
+def rounds(entries: list, run: Callable, n_rounds: int, steps: int, on_round=lambda r, round_ms: None,
+           block: int = 1):
     """`n_rounds` rounds, each running every entry `steps` times in rotating order; `run(entry)` returns
-    milliseconds. Returns ({entry: every ms}, {entry: median ms per round}); on_round(r, that) after each."""
+    milliseconds. Returns ({entry: every ms}, {entry: median ms per round}); on_round(r, that) after each.
+    `block`: the order rotates by that many entries a round, so blocks of consecutive entries (one
+    system's modes) keep their inner order."""
     ms, round_ms = {e: [] for e in entries}, {e: [] for e in entries}
     for r in range(n_rounds):
-        for e in rotated(list(entries), r):
+        for e in rotated(list(entries), r * block):
             t = [run(e) for _ in range(steps)]
             ms[e] += t
             round_ms[e].append(statistics.median(t))

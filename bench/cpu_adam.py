@@ -11,8 +11,13 @@ shard of --numel elements; `gpt`: one tensor per parameter of GPT --gpt-size (ti
 
 Systems: zt (zerotron.ops.adam.CPUAdam, bf16 copy fused via copy_out), torch_foreach, torch_fused (the
 baseline) and ds (DeepSpeedCPUAdam; skipped with the reason when it does not load); the peers copy to bf16
-after the step. Modes: `step` and `step+bf16`, alternating in rounds. Check: after the warm-up and at the end,
-one more step+bf16 step; masters against torch_fused's, each bf16 output against its own master rounded.
+after the step. Modes, alternating in rounds: `step`, `step+bf16`, and `offload`: the whole host side of an
+offloaded bf16 step with clipping, each system as its engine does it, the gradients' norms taken on the
+device by both (zerotron: bf16 gradients read where they arrived, then unscale, clip, Adam and the bf16 copy
+in one pass per chunk; the peers as DeepSpeed: fp32 gradients, one unscale-and-clip pass, the step, the
+copy). Check: after
+the warm-up and at the end, one more step+bf16 step; masters against torch_fused's, each bf16 output
+against its own master rounded.
 Details: bench/README.md. Results: bench/results/cpu_adam.json.
 """
 from __future__ import annotations
@@ -37,7 +42,8 @@ from bench import common  # noqa: E402
 
 ADAMW = common.ADAMW
 BASELINE = "torch_fused"
-MODES = ("step", "step+bf16")
+MODES = ("step", "step+bf16", "offload")
+CLIP = 1.0  # gradient clipping of the offload mode: the benchmark's gradients have norms of ~4-40
 ALL_SYSTEMS = ("zt", "torch_foreach", "torch_fused", "ds")
 
 
@@ -87,12 +93,17 @@ def deepspeed_status() -> tuple[type | None, str]:
 
 
 class System:
-    """One optimizer over its own copy of the masters, with a bf16 tensor per master."""
+    """One optimizer over its own copy of the masters, with a bf16 tensor per master (the weights
+    the device gets back) and a host gradient buffer per master (where the gradients arrive)."""
 
-    def __init__(self, name: str, init: list[torch.Tensor], grads: list[list[torch.Tensor]], ds_cls=None):
-        self.name, self.grads, self.n = name, grads, 0
+    def __init__(self, name: str, init: list[torch.Tensor], grads: list[list[torch.Tensor]], clip_coefs: list,
+                 ds_cls=None):
+        self.name, self.grads, self.clip_coefs, self.n = name, grads, clip_coefs, 0
         self.params = [torch.nn.Parameter(t.clone()) for t in init]
         self.bf16 = [torch.empty_like(t, dtype=torch.bfloat16) for t in init]
+        # offload: zerotron's gradients arrive in bf16 in the buffer the bf16 weights leave from (its
+        # staging buffer); DeepSpeed's arrive in fp32 (the device converts them before the copy)
+        self.host_grads = self.bf16 if name == "zt" else [torch.empty_like(t) for t in init]
         kw = dict(lr=ADAMW["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"], weight_decay=ADAMW["weight_decay"])
         if name == "zt":
             from zerotron.ops.adam import CPUAdam
@@ -107,19 +118,41 @@ class System:
             raise ValueError(name)
 
     def prepare(self, mode: str) -> None:
-        """Untimed: this step's gradient (and, for zerotron, whether to copy out)."""
-        for p, g in zip(self.params, self.grads[self.n % len(self.grads)]):
-            p.grad = g
+        """Untimed: this step's gradient (and, for zerotron, where it reads it and whether to copy
+        out). Offload: the gradient is first copied into the host buffer, as its transfer would."""
+        grads = self.grads[self.n % len(self.grads)]
+        if mode != "offload":
+            for p, g in zip(self.params, grads):
+                p.grad = g
+            if self.name == "zt":
+                self.opt.grad_in = {}
+                self.opt.copy_out = dict(zip(self.params, self.bf16)) if mode == "step+bf16" else {}
+            return
+        torch._foreach_copy_(self.host_grads, grads)
         if self.name == "zt":
-            self.opt.copy_out = dict(zip(self.params, self.bf16)) if mode == "step+bf16" else {}
+            for p in self.params:
+                p.grad = None
+            self.opt.grad_in = dict(zip(self.params, self.host_grads))
+            self.opt.copy_out = dict(zip(self.params, self.bf16))
+        else:
+            for p, g in zip(self.params, self.host_grads):
+                p.grad = g
 
     def step(self, mode: str) -> None:
-        self.opt.step()
-        if mode == "step+bf16" and self.name != "zt":
-            if len(self.params) == 1:
-                self.bf16[0].copy_(self.params[0])
-            else:
-                torch._foreach_copy_(self.bf16, self.params)
+        coef = self.clip_coefs[self.n % len(self.grads)]
+        if mode == "offload" and self.name == "zt":  # unscale/clip, Adam and the bf16 copy in one pass
+            self.opt.grad_multipliers = (coef,)
+            self.opt.step()
+            self.opt.grad_multipliers = ()
+        else:
+            if mode == "offload":  # DeepSpeed's host side: unscale and clip in one pass, the step, the copy
+                torch._foreach_mul_(self.host_grads, coef)
+            self.opt.step()
+            if mode in ("step+bf16", "offload") and self.name != "zt":
+                if len(self.params) == 1:
+                    self.bf16[0].copy_(self.params[0])
+                else:
+                    torch._foreach_copy_(self.bf16, self.params)
         self.n += 1
 
     def timed(self, mode: str) -> float:
@@ -127,6 +160,15 @@ class System:
         t0 = time.perf_counter()
         self.step(mode)
         return (time.perf_counter() - t0) * 1e3
+
+
+def clip_coefficients(grads) -> list[torch.Tensor]:
+    """Each gradient's clipping coefficient, from norms taken on the device as the gradients leave
+    it (zerotron and DeepSpeed both do: off the host's clock), the engine's way; every system uses
+    the same one, so all take the same steps, bit for bit."""
+    from zerotron.precision import clip_coefficient, global_norm
+    return [clip_coefficient(global_norm(torch._foreach_norm([t.bfloat16() for t in g], 2, dtype=torch.float32)),
+                             CLIP) for g in grads]
 
 
 # ---- workloads --------------------------------------------------------------------------------------
@@ -144,7 +186,8 @@ def gpt_shapes(size: str, vocab: int) -> tuple[list[torch.Size], str]:
 def make_tensors(shapes, n_grads: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     init = [torch.randn(s, generator=g).mul_(0.02) for s in shapes]
-    grads = [[torch.randn(s, generator=g).mul_(1e-2) for s in shapes] for _ in range(n_grads)]
+    # bf16 values (in fp32 tensors): zerotron's offload receives them in bf16, the peers in fp32
+    grads = [[torch.randn(s, generator=g).mul_(1e-2).bfloat16().float() for s in shapes] for _ in range(n_grads)]
     return init, grads
 
 
@@ -174,7 +217,8 @@ def run_case(label: str, shapes, args, names: list[str], ds_cls) -> dict:
     numel = sum(torch.Size(s).numel() for s in shapes)
     print(f"\n== {label}: {numel:,} elements in {len(shapes)} tensor(s) ==", flush=True)
     init, grads = make_tensors(shapes, args.grads)
-    systems = {n: System(n, init, grads, ds_cls) for n in names}
+    coefs = clip_coefficients(grads)
+    systems = {n: System(n, init, grads, coefs, ds_cls) for n in names}
     del init
     entries = [(n, m) for n in names for m in MODES]
     for n, m in entries:
@@ -188,7 +232,9 @@ def run_case(label: str, shapes, args, names: list[str], ds_cls) -> dict:
         round_load.append(os.getloadavg()[0])
         print(f"round {r + 1}/{args.rounds} (load {round_load[-1]:.1f}): "
               + ", ".join(f"{n}/{m} {round_ms[(n, m)][-1]:.1f}" for n, m in entries), flush=True)
-    ms, round_ms = common.rounds(entries, lambda e: systems[e[0]].timed(e[1]), args.rounds, args.steps, on_round)
+    # each system runs its modes in one order (only offload clips), so all take the same steps, bit for bit
+    ms, round_ms = common.rounds(entries, lambda e: systems[e[0]].timed(e[1]), args.rounds, args.steps, on_round,
+                                 block=len(MODES))
     check_end = check(systems)
 
     rows = []

@@ -169,7 +169,7 @@ def predicted(cfg, args, spec, hw) -> float:
     zero_keys, tp_keys = _extra(spec)
     m = args.micro_batches if pp > 1 else 1
     layout = Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=args.batch // dp // m, grad_accum=m,
-                    checkpoint=ckpt, sequence_parallel=sp, tp_overlap=tp_keys.get("tp_overlap_comm", False),
+                    checkpoint=ckpt, sequence_parallel=sp, tp_overlap_comm=tp_keys.get("tp_overlap_comm", False),
                     stage3_prefetch=int(zero_keys.get("stage3_prefetch_bucket_size", 50_000_000)))
     return step_time(ModelShape.of_gpt(cfg), layout, args.seq, hw, dtype="fp32",
                      bucket_elements=zero_keys.get("reduce_bucket_size"))

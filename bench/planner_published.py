@@ -1,35 +1,18 @@
 """The planner's predicted throughput against PUBLISHED large training runs (no GPU needed).
 
-For each published run (Megatron-LM, Korthikanti et al., BLOOM, MosaicML MPT, torchtitan, Llama 3)
-the script rebuilds the model shape and the parallel layout the source reports, asks the planner
-for its predicted tokens/s per GPU (`throughput(...)["tokens_per_s"] / gpus`) and its memory per
-GPU (`memory(...)["total"]`, and `fits`), and compares them with what the source achieved. It
-prints a markdown table and a summary, and writes every row to bench/results/planner_published.json.
+For each published run (bench/published_runs.py: Megatron-LM, Korthikanti et al., BLOOM, MosaicML
+MPT, torchtitan, Llama 3, ...) the script takes the model shape and the parallel layout the source
+reports, asks the planner for its predicted tokens/s per GPU (`throughput(...)["tokens_per_s"] /
+gpus`) and its memory per GPU (`memory(...)["total"]`, and `fits`), and compares them with what the
+source achieved, converted to tokens/s per GPU from the source's own FLOP convention (the
+conventions and every row's arithmetic are in bench/published_runs.py). It prints a markdown
+table and a summary, and writes every row to bench/results/planner_published.json.
 
     python bench/planner_published.py
-
-Achieved throughput, as tokens/s per GPU, is converted EXACTLY from each source's own convention
-(the comment on every row shows the arithmetic); n = GPUs, B = global batch (sequences), s = seq:
-
-    C1  Narayanan et al. 2021, eq. (3), recomputation counted (also BigScience's TFLOPs):
-        F = 96·B·s·l·h²·(1 + s/6h + V/16lh) per iteration, per-GPU rate X = F / (T·n), so
-        tokens/s/GPU = B·s / (T·n) = X / (96·l·h²·(1 + s/6h + V/16lh))          (B cancels)
-    C2  Korthikanti et al. 2022 MFU (no recompute): model FLOPs 72·B·l·s·h²·(1 + s/6h + V/12hl),
-        MFU = F / (T·n·peak), so tokens/s/GPU = MFU·peak / (72·l·h²·(1 + s/6h + V/12hl)),
-        peak = 312e12 (A100 bf16)
-    C4  Llama 3 (PaLM's MFU: 6N + 12·l·h·s per token, no recompute): from the reported model
-        TFLOP/s per GPU, tokens/s/GPU = X / (6N + 12·l·h·s), N = all parameters (the paper does
-        not say whether embeddings count: about 1% of N at 405B)
-    C5, C6  MosaicML llm-foundry and torchtitan report tokens/s per GPU: used as is
-    iter    a reported time per iteration T: tokens/s/GPU = B·s / (T·n)
 
 The planner's and the published MFU are then both re-expressed in ONE convention (the planner's
 own: 6N + 12·l·d·s per token, `ModelShape.flops_per_token`, over the preset's dense bf16 peak),
 so the two columns compare like with like (their ratio is the tokens/s ratio).
-
-Shapes: GPT-3-style models (Megatron, BLOOM, MPT) are ModelShape(..., ffn=4h, tied=True,
-gated=False) with kv_heads = heads; Llama models are gated with their kv heads and ffn. The
-planner's shapes are bias-free and RMS-normed; biases and LayerNorm weights are <0.1% of N.
 """
 from __future__ import annotations
 
@@ -38,233 +21,46 @@ import datetime
 import os
 import statistics
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402
-from zerotron.planner.cost import Layout, fits, memory, throughput  # noqa: E402
+from bench.published_runs import SKIPPED, Run, bloom, korthikanti, llama3, mosaic, narayanan_table1, \
+    narayanan_table2, torchtitan  # noqa: E402
+from bench.published_runs_more import wider  # noqa: E402
+from zerotron.planner.cost import fits, memory, throughput  # noqa: E402
 from zerotron.planner.hardware import GIB, hardware  # noqa: E402
-from zerotron.planner.model import ARCHITECTURES, ModelShape  # noqa: E402
-
-A100_PEAK = hardware("a100-80").peak_flops  # the planner's table: 312e12, dense bf16
-SEQ_GPT = 2048
-V_MEGATRON = 51_200
 
 
-# ---- conversions (section 2 of the run notes) ---------------------------------------------------
-def c1(x_tflops: float, l: int, h: int, s: int = SEQ_GPT, v: int = V_MEGATRON) -> float:
-    """Narayanan eq. (3): tokens/s/GPU from achieved TFLOP/s per GPU (recompute counted)."""
-    return x_tflops * 1e12 / (96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)))
-
-
-def c2(mfu: float, l: int, h: int, s: int = SEQ_GPT, v: int = V_MEGATRON, peak: float = A100_PEAK) -> float:
-    """Korthikanti MFU: tokens/s/GPU from model FLOPs utilisation (no recompute)."""
-    return mfu * peak / (72 * l * h * h * (1 + s / (6 * h) + v / (12 * h * l)))
-
-
-def c4(x_tflops: float, shape: ModelShape, s: int) -> float:
-    """Llama 3 / PaLM MFU convention: tokens/s/GPU from model TFLOP/s per GPU, 6N + 12·l·h·s."""
-    return x_tflops * 1e12 / (6 * shape.parameters + 12 * shape.layers * shape.hidden * s)
-
-
-def per_iteration(batch: int, seq: int, seconds: float, gpus: int) -> float:
-    """tokens/s/GPU from a reported time per iteration."""
-    return batch * seq / (seconds * gpus)
-
-
-# ---- shapes and layouts -------------------------------------------------------------------------
-def gpt(layers: int, hidden: int, heads: int, vocab: int = V_MEGATRON) -> ModelShape:
-    """A GPT-3-style shape: 4h two-matrix MLP, multi-head attention, tied embedding."""
-    return ModelShape(layers, hidden, heads, heads, 4 * hidden, vocab, tied=True, gated=False)
-
-
-def layout(dp: int, tp: int, pp: int, micro_batch: int, global_batch: int, *, zero: int = 1,
-           checkpoint: str = "every_block", chunks: int = 1, sp: bool = False) -> Layout:
-    """A Layout from the source's terms: grad_accum = global batch / (dp · micro batch)."""
-    accum, rest = divmod(global_batch, dp * micro_batch)
-    assert rest == 0 and accum > 0, (dp, micro_batch, global_batch)
-    return Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=micro_batch, grad_accum=accum, checkpoint=checkpoint,
-                  schedule="interleaved" if chunks > 1 else "1f1b", chunks=chunks, sequence_parallel=sp)
-
-
-def narayanan_chunks(layers: int, pp: int) -> int:
-    """Virtual stages per rank for Narayanan's interleaved runs: the paper does not say, so 2,
-    or the smallest divisor > 1 of the layers per stage when 2 does not divide them."""
-    per = layers // pp
-    return next(v for v in range(2, per + 1) if per % v == 0) if pp > 1 and per > 1 else 1
-
-
-@dataclass
-class Run:
-    name: str
-    source: str
-    shape: ModelShape
-    seq: int
-    gpu: str                 # hardware preset
-    gpus: int
-    layout: Layout
-    achieved: float          # tokens/s per GPU, converted from the source's convention
-    reported: str            # what the source says, in its own terms
-    notes: list[str] = field(default_factory=list)
-    family: str = ""         # engine / publication, for the per-family summary
-
-
-NARAYANAN = "Narayanan et al. SC21, arXiv:2104.04473"
-NARAYANAN_T1 = f"{NARAYANAN}, Table 1 (DP/MBS: bigscience-workshop/bigscience experiments/meg-notes.md)"
-KORTHIKANTI = ("Korthikanti et al. 2022, arXiv:2205.05198 (MFU: NVIDIA/Megatron-LM README.md, 2022; "
-               "configs: Tables 3, 5 via a secondary summary)")
-BLOOM = "bigscience-workshop/bigscience train/tr11-176B-ml/README.md + tr11-176B-ml.slurm"
-MOSAIC = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (shapes: scripts/train/yamls/pretrain/mpt-*.yaml)"
-TITAN = "pytorch/torchtitan docs/performance.md"
-LLAMA3 = "Llama 3 Herd of Models, arXiv:2407.21783, Table 4"
-MEGATRON_DDP = "Megatron-LM of 2021/22: plain data parallelism, no distributed optimizer (ZeRO-0)"
-CHUNKS_NOTE = "interleaved schedule, virtual stages per rank not given: {v} assumed"
-
-
-def narayanan_table1() -> list[Run]:
-    """Table 1: (params label, heads, hidden, layers, tp, pp, dp, micro batch, global batch, TFLOP/s/GPU)."""
-    rows = [("1.7B", 24, 2304, 24, 1, 1, 32, 16, 512, 137),
-            ("3.6B", 32, 3072, 30, 2, 1, 32, 16, 512, 138),
-            ("7.5B", 32, 4096, 36, 4, 1, 32, 16, 512, 142),
-            ("18.4B", 48, 6144, 40, 8, 1, 32, 8, 1024, 135),
-            ("39.1B", 64, 8192, 48, 8, 2, 32, 4, 1536, 138),
-            ("76.1B", 80, 10240, 60, 8, 4, 32, 2, 1792, 140),
-            ("145.6B", 96, 12288, 80, 8, 8, 24, 2, 2304, 148),
-            ("310.1B", 128, 16384, 96, 8, 16, 15, 1, 2160, 155),
-            ("529.6B", 128, 20480, 105, 8, 35, 9, 1, 2520, 163),
-            ("1008.0B", 160, 25600, 128, 8, 64, 6, 1, 3072, 163)]
-    out = []
-    for label, heads, h, l, tp, pp, dp, mb, gbs, x in rows:
-        v = narayanan_chunks(l, pp)
-        notes = ["full recomputation (eq. 3 assumes it)", MEGATRON_DDP]
-        if pp > 1:
-            notes.append(CHUNKS_NOTE.format(v=v) + ("" if v == 2 else f" (2 does not divide {l // pp} layers/stage)"))
-        out.append(Run(f"Megatron GPT-{label}", NARAYANAN_T1, gpt(l, h, heads), SEQ_GPT, "a100-80", tp * pp * dp,
-                       layout(dp, tp, pp, mb, gbs, zero=0, chunks=v),
-                       # C1: X / (96·l·h²·(1 + s/6h + V/16lh)), s = 2048, V = 51,200
-                       c1(x, l, h), f"{x} TFLOP/s/GPU (C1)", notes, "Megatron-LM 2021 (PTD-P)"))
-    return out
-
-
-def narayanan_table2() -> list[Run]:
-    """Table 2: GPT-3 174.6B, global batch 1536; PTD-P (TP8 x PP12) and ZeRO-3 without model parallelism."""
-    shape, out = gpt(96, 12288, 96), []
-    for gpus, x in ((384, 153), (768, 149), (1536, 141)):
-        v = narayanan_chunks(96, 12)
-        out.append(Run(f"GPT-3 175B PTD-P {gpus}", f"{NARAYANAN}, Table 2", shape, SEQ_GPT, "a100-80", gpus,
-                       layout(gpus // 96, 8, 12, 1, 1536, zero=0, chunks=v),
-                       c1(x, 96, 12288),  # C1 with l = 96, h = 12288
-                       f"{x} TFLOP/s/GPU (C1)",
-                       ["model-parallel size 96 = TP8 x PP12 (TP8 from the text, PP derived)",
-                        CHUNKS_NOTE.format(v=v), "full recomputation", MEGATRON_DDP], "Megatron-LM 2021 (PTD-P)"))
-    for gpus, mb, x in ((384, 4, 144), (768, 2, 88), (1536, 1, 44)):
-        out.append(Run(f"GPT-3 175B ZeRO-3 {gpus}", f"{NARAYANAN}, Table 2 (DeepSpeed ZeRO-3)", shape, SEQ_GPT,
-                       "a100-80", gpus, layout(gpus, 1, 1, mb, 1536, zero=3),
-                       c1(x, 96, 12288),  # C1 with l = 96, h = 12288
-                       f"{x} TFLOP/s/GPU (C1)", ["DeepSpeed ZeRO-3, no model parallelism; full recomputation"],
-                       "DeepSpeed ZeRO-3 2021"))
-    return out
-
-
-def korthikanti() -> list[Run]:
-    """Sequence parallelism + selective recomputation, data-parallel size 1."""
-    rows = [("22B", 48, 6144, 64, 1, 4, 4, 1, 0.415),
-            ("175B", 96, 12288, 96, 8, 64, 1, 3, 0.514),
-            ("530B", 105, 20480, 128, 35, 280, 1, 3, 0.560),
-            ("1T", 128, 25600, 160, 64, 512, 1, 1, 0.563)]
-    out = []
-    for label, l, h, heads, pp, gbs, mb, v, mfu in rows:
-        notes = ["sequence parallelism + selective recomputation", MEGATRON_DDP]
-        notes.append("interleaved, 3 virtual stages per rank" if v > 1 else
-                     "interleaving not stated (only for 175B/530B); 1F1B" if pp > 1 else "no pipeline")
-        out.append(Run(f"Korthikanti GPT-{label}", KORTHIKANTI, gpt(l, h, heads), SEQ_GPT, "a100-80", 8 * pp,
-                       layout(1, 8, pp, mb, gbs, zero=0, checkpoint="selective", chunks=v, sp=True),
-                       # C2: MFU · 312e12 / (72·l·h²·(1 + s/6h + V/12hl))
-                       c2(mfu, l, h), f"MFU {mfu:.1%} (C2)", notes, "Megatron-LM 2022 (SP + selective)"))
-    return out
-
-
-def bloom() -> list[Run]:
-    # 104.70 s per iteration of 2048 sequences x 2048 tokens on 384 GPUs:
-    # 2048·2048 / (104.70·384) = 104.3 tokens/s/GPU (C1 from the logged 149.77 TFLOP/s gives the same).
-    return [Run("BLOOM-176B", BLOOM, gpt(70, 14336, 112, vocab=250_880), SEQ_GPT, "a100-80", 384,
-                layout(8, 4, 12, 2, 2048, zero=1),
-                per_iteration(2048, SEQ_GPT, 104.70, 384), "104.70 s/iter, 149.77 TFLOP/s/GPU (C3 = C1)",
-                ["DeepSpeed BF16 optimizer = ZeRO-1 equivalent; full recomputation; DeepSpeed PP (1F1B, "
-                 "not interleaved)", "Jean Zay: Omni-Path between nodes (preset: DGX, 8 x HDR IB)",
-                 "vocab padded to 250,880; ALiBi, LayerNorm and biases not modelled"], "Megatron-DeepSpeed (BLOOM)")]
-
-
-def mosaic() -> list[Run]:
-    """llm-foundry benchmark table: FSDP FULL_SHARD (= ZeRO-3), tokens/s per GPU as reported (C5)."""
-    mpt = lambda l, h, heads: ModelShape(l, h, heads, heads, 4 * h, 50_368, tied=True, gated=False)  # noqa: E731
-    note = "FSDP FULL_SHARD = ZeRO-3"
-    return [
-        Run("MPT-70B H100", MOSAIC, mpt(80, 8192, 64), 2048, "h100", 64, layout(64, 1, 1, 8, 2048, zero=3),
-            1039, "1039 tok/s/GPU, MFU 42.57% (C5)", [note, "activation checkpointing on (full)", "amp_bf16"], "MosaicML FSDP"),
-        Run("MPT-70B A100-80", MOSAIC, mpt(80, 8192, 64), 2048, "a100-80", 64, layout(64, 1, 1, 8, 2048, zero=3),
-            410, "410 tok/s/GPU, MFU 53.33% (C5)",
-            [note, "activation checkpointing on (full)", "RoCE 1600 Gbps per node (preset: 8 x 22 GB/s IB)"], "MosaicML FSDP"),
-        Run("MPT-13B A100-40", MOSAIC, mpt(40, 5120, 40), 2048, "a100-40", 64, layout(64, 1, 1, 16, 1024, zero=3),
-            1976, "1976 tok/s/GPU, MFU 52.04% (C5)", [note, "activation checkpointing on (full)"], "MosaicML FSDP"),
-        Run("MPT-7B H100", MOSAIC, mpt(32, 4096, 32), 2048, "h100", 8, layout(8, 1, 1, 6, 48, zero=3, checkpoint="none"),
-            10643, "10643 tok/s/GPU, MFU 46.44% (C5)", [note, "no activation checkpointing"], "MosaicML FSDP"),
-    ]
-
-
-def torchtitan() -> list[Run]:
-    """FSDP2 only (= ZeRO-3) on 64 A100-80GB, local batch 1 x 8192 tokens; tokens/s per GPU as reported (C6)."""
-    return [
-        Run("torchtitan Llama 3 8B", TITAN, ARCHITECTURES["llama3-8b"], 8192, "a100-80", 64,
-            layout(64, 1, 1, 1, 64, zero=3, checkpoint="selective"), 2973, "2973 tok/s/GPU, MFU 58.2% (C6)",
-            ["FSDP2 = ZeRO-3", "selective op AC modelled as the planner's 'selective'", "seq 8192 inferred"], "torchtitan FSDP2"),
-        Run("torchtitan Llama 3 70B", TITAN, ARCHITECTURES["llama3-70b"], 8192, "a100-80", 64,
-            layout(64, 1, 1, 1, 64, zero=3), 331, "331 tok/s/GPU, MFU 51.7% (C6)",
-            ["FSDP2 = ZeRO-3", "full AC", "seq 8192 inferred"], "torchtitan FSDP2"),
-    ]
-
-
-def llama3() -> list[Run]:
-    """Table 4, stages 1 and 2 (8K sequences, no activation checkpointing)."""
-    shape, out = ARCHITECTURES["llama3-405b"], []
-    for stage, dp, per_dp, x in ((1, 64, 32, 430), (2, 128, 16, 400)):
-        out.append(Run(f"Llama 3 405B stage {stage}", LLAMA3, shape, 8192, "h100", 8 * 16 * dp,
-                       layout(dp, 8, 16, 1, dp * per_dp, zero=1, checkpoint="none", chunks=2),
-                       # C4: X / (6N + 12·l·h·s), N = 405.9e9 (all parameters), l = 126, h = 16384, s = 8192
-                       c4(x, shape, 8192), f"{x} TFLOP/s/GPU, BF16 MFU {x // 10}% (C4)",
-                       ["FSDP with PP in the paper: modelled as ZeRO-1 (the planner's engine does not run ZeRO-3 "
-                        "with pipelines)", CHUNKS_NOTE.format(v=2), "micro batch 1 assumed (not given)",
-                        "sequence parallelism not stated: off", "no activation checkpointing (paper)",
-                        "vocab 128,256 (HF config; paper: 128,000)"], "Llama 3 (Meta)"))
-    return out
-
-
-SKIPPED = [
-    ("MT-NLG 530B (Smith et al., arXiv:2201.11990)", "second-hand only (cli99/llm-analysis); micro batch unknown"),
-    ("Korthikanti 530B on 2240 GPUs (MFU 54.2%)", "global batch and micro batch not given"),
-    ("OPT-175B (arXiv:2205.01068)", "layout not fully known (FSDP + TP8 assumed), FLOP convention not stated"),
-    ("Llama 3 405B long context (seq 131,072)", "context parallelism: not modelled by the planner"),
-    ("torchtitan Llama 3.1 405B (H100 96 GB)", "Float8 linears; non-standard H100 (96 GB, 500 W)"),
-    ("Megatron-Bridge Llama 3 70B / 405B", "FP8"),
-    ("Megatron-LM README GPT-3 175B H100 strong scaling", "layout only in an image"),
-    ("Narayanan GPT-3 175B on 1024 GPUs (140 TFLOP/s)", "layout not given"),
-]
+def original() -> list[Run]:
+    """The 29 runs of the first comparison."""
+    return narayanan_table1() + narayanan_table2() + korthikanti() + bloom() + mosaic() + torchtitan() + llama3()
 
 
 def runs() -> list[Run]:
-    return narayanan_table1() + narayanan_table2() + korthikanti() + bloom() + mosaic() + torchtitan() + llama3()
+    return original() + wider()
+
+
+BEYOND = 0.25  # every run off by more than this is explained in docs/planner.md
+
+
+def comparison() -> list[dict]:
+    """Every run evaluated, tagged with the set it belongs to (the first 29, or added since)."""
+    first = {r.name for r in original()}
+    return [{**evaluate(r), "set": "first 29" if r.name in first else "added"} for r in runs()]
 
 
 # ---- comparison ---------------------------------------------------------------------------------
 def evaluate(run: Run) -> dict:
     assert run.layout.gpus == run.gpus, (run.name, run.layout.gpus, run.gpus)
-    hw = hardware(run.gpu)
+    hw = hardware(run.gpu, **run.hw)
     t = throughput(run.shape, run.layout, run.seq, hw)
     mem = memory(run.shape, run.layout, run.seq)
     predicted = t["tokens_per_s"] / run.gpus
     fpt = run.shape.flops_per_token(run.seq)
-    return {"name": run.name, "family": run.family, "source": run.source, "gpu": run.gpu, "gpus": run.gpus, "seq": run.seq,
+    return {"name": run.name, "family": run.family, "source": run.source, "gpu": run.gpu,
+            "hardware_overrides": run.hw, "gpus": run.gpus, "seq": run.seq,
             "shape": asdict(run.shape), "parameters": run.shape.parameters,
             "layout": asdict(run.layout), "layout_text": run.layout.describe(),
             "reported": run.reported, "achieved_tokens_per_s_per_gpu": run.achieved,
@@ -296,8 +92,11 @@ def summarize(rows: list[dict]) -> dict:
             "mean_abs_pct_error": 100 * statistics.mean(absolute),
             "median_signed_pct_error": 100 * median_signed,
             "worst": {"name": worst["name"], "ratio": worst["ratio"]},
-            "predicted_high": high, "predicted_low": len(rows) - high,
-            "bias": bias, "per_gpu": errors_by(rows, "gpu"), "per_family": errors_by(rows, "family"), "not_fitting": [r["name"] for r in rows if r["fits"]]}
+            "beyond_25_pct": {r["name"]: r["ratio"] for r in rows if abs(r["ratio"] - 1) > BEYOND},
+            "predicted_high": high, "predicted_low": len(rows) - high, "bias": bias,
+            "per_set": errors_by(rows, "set") if "set" in rows[0] else {},
+            "per_gpu": errors_by(rows, "gpu"), "per_family": errors_by(rows, "family"),
+            "not_fitting": [r["name"] for r in rows if r["fits"]]}
 
 
 def table(rows: list[dict]) -> str:
@@ -316,8 +115,10 @@ def summary_text(s: dict, rows: list[dict]) -> str:
     lines = [f"{s['runs']} runs: median |error| {s['median_abs_pct_error']:.1f}%, mean |error| "
              f"{s['mean_abs_pct_error']:.1f}%, median signed error {s['median_signed_pct_error']:+.1f}% "
              f"(bias: {s['bias']}; {s['predicted_high']} predicted above, {s['predicted_low']} below)",
-             f"worst: {s['worst']['name']} (predicted / achieved = {s['worst']['ratio']:.2f})"]
-    for title, groups in (("per GPU type", s["per_gpu"]), ("per engine / publication", s["per_family"])):
+             f"worst: {s['worst']['name']} (predicted / achieved = {s['worst']['ratio']:.2f})",
+             f"beyond {BEYOND:.0%}: " + (", ".join(f"{n} ({v:.2f})" for n, v in s["beyond_25_pct"].items()) or "none")]
+    for title, groups in (("per set", s["per_set"]), ("per GPU type", s["per_gpu"]),
+                          ("per engine / publication", s["per_family"])):
         lines.append(title + ":")
         for name, g in groups.items():
             lines.append(f"  {name}: {g['runs']} runs, median |error| {g['median_abs_pct']:.1f}%, "
@@ -334,7 +135,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="result JSON (default bench/results/planner_published.json)")
     args = p.parse_args()
-    rows = [evaluate(r) for r in runs()]
+    rows = comparison()
     s = summarize(rows)
     print(table(rows))
     print()

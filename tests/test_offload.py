@@ -107,3 +107,125 @@ def test_pipeline_stages_with_optimizer_offload():
     ref_losses, _ = reference_training(global_batches(STEPS, 4), n_layer=4, n_kv_head=4)
     for losses in run_ranks(_pipeline_offload, 2):
         assert_losses_close(losses, ref_losses, rtol=1e-5)
+
+
+# ---- the fused host step: CPU Adam reads the gradients where they arrived -----------------------------
+def _old_path_grads(g16, inv, coef):
+    """What the separate passes make of a bf16 gradient: fp32 copy, unscale (with the NaN/Inf
+    check), clip."""
+    g = g16.float()
+    torch._amp_foreach_non_finite_check_and_unscale_([g], torch.zeros(1), inv.reshape(1))
+    torch._foreach_mul_([g], coef)
+    return g
+
+
+@pytest.mark.parametrize("same_buffer", [False, True])
+def test_cpu_adam_reads_bf16_gradients_and_applies_multipliers_bit_for_bit(same_buffer):
+    """grad_in + grad_multipliers + copy_out equal the separate passes and torch's fused AdamW,
+    also when the updated weights are written over the gradients they came from (offload's
+    staging buffer); chunks of several threads, a size that is not a multiple of the chunk."""
+    torch.manual_seed(0)
+    n = 300_007
+    a = torch.nn.Parameter(torch.randn(n))
+    b = torch.nn.Parameter(a.detach().clone())
+    ours = CPUAdam([a], lr=1e-2, weight_decay=0.1, chunk_numel=1 << 15, threads=2)
+    theirs = torch.optim.AdamW([b], lr=1e-2, weight_decay=0.1, fused=True)
+    g16 = torch.empty(n, dtype=torch.bfloat16)
+    out = g16 if same_buffer else torch.empty(n, dtype=torch.bfloat16)
+    ours.grad_in[a], ours.copy_out[a] = g16, out
+    inv, coef = torch.tensor(2.0 ** -10), torch.tensor(0.37)
+    for _ in range(3):
+        g16.copy_(torch.randn(n) * 1024)
+        b.grad = _old_path_grads(g16, inv, coef)
+        ours.grad_multipliers = (inv, coef)
+        ours.step()
+        theirs.step()
+        assert torch.equal(a, b)
+        assert torch.equal(out, a.detach().bfloat16())
+    assert a.grad is None  # the gradient was read from grad_in, never made whole in fp32
+
+
+def test_fused_host_step_measures_shards_as_they_leave_and_flags_only_nan_inf():
+    """Each master run's norm is taken from the device shard as it leaves for the host (those of
+    an fp32 copy, unscaled, bit for bit); the flag is set by a NaN or an Inf anywhere, not by
+    finite values whose squares overflow."""
+    from types import SimpleNamespace
+
+    from zerotron.zero.offload import FusedHostStep, HostBuffers
+    n = 1000
+    host = HostBuffers(2 * n, torch.bfloat16, pin_memory=False)
+    masters = [torch.nn.Parameter(host.masters[i * n:(i + 1) * n]) for i in range(2)]
+    buckets = [SimpleNamespace(index=i, offset=i * n, shard_numel=n) for i in range(2)]
+    step = FusedHostStep(host, CPUAdam(masters, threads=1), masters, [(0, n), (n, 2 * n)],
+                         [(buckets[0], 0, n), (buckets[1], 0, n)])
+    torch.manual_seed(0)
+    shards = [torch.randn(n).bfloat16() for _ in range(2)]
+
+    def flag(inv=1.0):
+        for b, shard in zip(buckets, shards):
+            host.gradient_out(b, shard)
+        return step.inspect(inv).item()
+    assert flag(2.0 ** -3) == 0
+    for norm, shard in zip(step.norms, shards):
+        assert torch.equal(norm, torch._foreach_norm([shard.float() * 2.0 ** -3])[0])
+    assert torch.equal(host.staging, torch.cat(shards))  # the gradients arrived where the weights leave from
+    for value in (float("nan"), float("inf"), float("-inf")):
+        shards[1][-3] = value
+        assert flag() == 1, value
+    shards[1][-3] = 0.0
+    shards[0][:4] = 3e38  # finite in bf16; the squares overflow fp32
+    assert flag() == 0 and not torch.isfinite(step.norms[0])
+
+
+def _train_steps(offload, precision, extra=None, steps=5, gas=2):
+    """forward/backward/step as a DeepSpeed script; fp16 starts at 2^40, so the first steps
+    overflow and are skipped; small buckets; clipping at 1.0 (active on this model)."""
+    import torch.distributed as dist
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    zero = {"stage": 2, "reduce_bucket_size": 20_000, "allgather_bucket_size": 20_000, **(extra or {})}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    dtype = {"bf16": {"bf16": {"enabled": True}},
+             "fp16": {"fp16": {"enabled": True, "initial_scale_power": 40, "loss_scale_window": 2}}}[precision]
+    engine, *_ = zerotron.initialize(model=make_model(n_kv_head=4), config=ds_config(2, gas, zero_optimization=zero,
+                                                                                      **dtype))
+    losses, norms = [], []
+    for batch in global_batches(steps, 2 * gas * dp):
+        for x, y in micro_batches(batch, rank, dp, gas):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        norms.append(None if engine.get_global_grad_norm() is None else float(engine.get_global_grad_norm()))
+    return losses, norms, zerotron.zero.consolidated_state_dict(engine.module), engine.skipped_steps, \
+        type(engine.optimizer).__name__
+
+
+@pytest.mark.parametrize("precision,extra", [("fp16", None), ("fp16", {"reshard_after_backward": True}),
+                                             ("bf16", {"reshard_after_backward": True})])
+def test_fused_host_step_trains_as_the_device_step_bit_for_bit(precision, extra):
+    """Offloaded (CPU Adam reading the host gradients, unscaling and clipping in cache) and
+    not: the same losses, norms and weights, bit for bit, through skipped fp16 steps; after a
+    skip the freed parameters are gathered from the masters, not from the gradients that sit
+    in the staging buffer."""
+    plain = run_ranks(_train_steps, 2, False, precision, extra)
+    offloaded = run_ranks(_train_steps, 2, True, precision, extra)
+    for (l1, n1, s1, skip1, _), (l2, n2, s2, skip2, name) in zip(plain, offloaded):
+        assert name == "CPUAdam"
+        if precision == "fp16":
+            assert skip1 == skip2 > 0
+        assert l1 == l2 and n1 == n2
+        assert all(torch.equal(s1[k], s2[k]) for k in s1)
+
+
+def test_bf16_offload_keeps_no_fp32_gradients_on_the_host():
+    """bf16 + CPU Adam: masters (4 bytes/element), the staging buffer the gradients arrive in and
+    the weights leave from (2) and Adam's moments (8): the planner's figure."""
+    (_, _, _, report), _ = run_ranks(_train, 2, 2, True, False, True)
+    psi = sum(p.numel() for p in make_model(n_kv_head=4).parameters())
+    shard = -(-psi // 2)
+    assert report["host"] == (4 + 2 + 8) * shard + 4
+    from zerotron.planner.memory import rank_state_bytes
+    numels = [p.numel() for p in make_model(n_kv_head=4).parameters()]
+    predicted = rank_state_bytes(numels, dp=2, stage=2, dtype="bf16", offload_optimizer=True)
+    assert abs(predicted["host"] - report["host"]) <= 8

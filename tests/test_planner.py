@@ -353,10 +353,10 @@ def test_step_time_models_bucketed_reduction_prefetch_depth_and_tp_overlap():
     # 35 us of bandwidth and 16 of latency per half, against 70 + 16 whole)
     for sp in (False, True):
         plain, halves = (cost.step_time(shape, cost.Layout(dp=4, tp=2, zero=1, micro_batch=2, sequence_parallel=sp,
-                                                           tp_overlap=o), 2048, hw)["tensor_parallel"]
+                                                           tp_overlap_comm=o), 2048, hw)["tensor_parallel"]
                          for o in (False, True))
         assert 0.5 < halves / plain < 0.62
         # hardware that cannot compute beside a collective (overlap 0) gains nothing
         none = hw.with_overrides(overlap=0.0)
         assert cost.step_time(shape, cost.Layout(dp=4, tp=2, zero=1, micro_batch=2, sequence_parallel=sp,
-                                                 tp_overlap=True), 2048, none)["tensor_parallel"] >= plain
+                                                 tp_overlap_comm=True), 2048, none)["tensor_parallel"] >= plain

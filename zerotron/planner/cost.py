@@ -19,6 +19,7 @@ from .overlap import added_time, grad_buckets, kept_units, prefetch_depth, timel
 
 
 STAGE3_MAX_REUSE_DISTANCE = 1e9  # DeepSpeed's default, which the engine applies (zero/stage3.py)
+CHECKPOINT_EVERY = 2  # the every_k policy's k: the config's checkpoint_every default
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,17 @@ class Layout:
     chunks: int = 1                  # virtual stages per rank (interleaved)
     sequence_parallel: bool = False
     overlap_param_gather: bool = False  # ZeRO-1/2: the step's all-gather hidden under the next forward
+    # How the engine runs the layout (zerotron's engine is the default; published engines differ):
+    tp_overlap: bool = False         # TP collectives pipelined with the GEMMs (Megatron-Core, async TP)
+    flash_attention: bool = True     # False: the s x s attention scores go through device memory
+    zero3_regather: bool = False     # ZeRO-3 gathers a checkpointed block again for its recomputed forward
+    pooled_nics: bool = True         # False: each GPU's data-parallel traffic leaves through its own NIC
+    # zerotron's own options (overlap.py plays them out):
     stage3_prefetch: int = 50_000_000   # ZeRO-3: elements gathered ahead of use (stage3_prefetch_bucket_size)
-    tp_overlap: bool = False            # tensor_parallel.tp_overlap_comm: blocks run in two halves
+    # ZeRO-3's stage3_max_live_parameters: no cap by default (a config for the layout raises it until it does
+    # not bind); 1e9, the config's default, stops prefetching where the root unit or a layer is that large
+    stage3_max_live: float = float("inf")
+    tp_overlap_comm: bool = False       # tensor_parallel.tp_overlap_comm: each block in two halves of the batch
 
     @property
     def gpus(self) -> int:
@@ -54,8 +64,10 @@ class Layout:
             parts.append(f"offload:{self.offload}")
         if self.overlap_param_gather:
             parts.append("overlap-gather")
-        if self.tp_overlap:
-            parts.append("tp-overlap")
+        parts += [name for name, on in (("tp-overlap", self.tp_overlap), ("scores-in-hbm", not self.flash_attention),
+                                        ("regather", self.zero3_regather), ("nic-per-gpu", not self.pooled_nics)) if on]
+        if self.tp_overlap_comm:
+            parts.append("tp-halves")
         if self.zero == 3 and self.stage3_prefetch != 50_000_000:
             parts.append(f"prefetch:{self.stage3_prefetch:g}")
         return " ".join(parts)
@@ -86,7 +98,8 @@ def memory(shape: ModelShape, layout: Layout, seq: int, dtype: str = "bf16",
     states.pop("total")
     if host:  # what lives on the host is not GPU memory
         shard = _shard(shape, L)
-        states["grads"] -= 4 * shard  # the masters' fp32 gradients
+        if dtype == "fp32":  # the masters' fp32 gradients (bf16/fp16 keep none: CPU Adam reads the staging buffer)
+            states["grads"] -= 4 * shard
         states["master_weights"] = states["optimizer"] = 0
         if L.offload == "optimizer+param" and L.zero == 3:
             states["params"] -= (4 if dtype == "fp32" else 2) * shard
@@ -150,10 +163,25 @@ def _ring(bytes_: float, n: int, bw_gbps: float, latency_us: float, passes: int,
 
 
 def _group_link(hw: Hardware, span: int, members_per_node: int) -> tuple[float, float]:
-    """Bandwidth and latency of a group whose ranks span `span` consecutive GPUs."""
+    """Bandwidth and latency of a group whose ranks span `span` consecutive GPUs: beyond a node, a
+    group with k members per node crosses over k NICs (NCCL's rings run through every rail)."""
     if span <= hw.gpus_per_node:
         return hw.intra_gbps, hw.intra_latency_us
     return min(hw.intra_gbps, hw.inter_gbps * max(1, members_per_node)), hw.inter_latency_us
+
+
+def score_traffic_s(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, recomputed: float) -> float:
+    """Seconds per micro-batch the attention scores spend in device memory when they are
+    materialized (no FlashAttention): per token, layer and head, s scores of 2 bytes, which the
+    unfused kernels of such engines move 13 times forward (the score GEMM writes them; scale, mask
+    and softmax read and write; dropout reads, writes and keeps a 1-byte mask; the value GEMM reads)
+    and 19 times backward (the mirror image, with the two score-gradient GEMMs each reading), plus a
+    forward's 13 again for each recomputed block. Memory-bound, at the device's bandwidth."""
+    if layout.flash_attention:
+        return 0.0
+    per_score = 13 + 19 + 13 * recomputed
+    tokens = layout.micro_batch * seq
+    return tokens * shape.layers / layout.pp * shape.heads / layout.tp * seq * per_score / (hw.hbm_gbps * 1e9)
 
 
 def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: str = "bf16",
@@ -167,8 +195,13 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
     fpt = shape.flops_per_token(seq)
     block_flops = 6 * (shape.parameters - shape.vocab * shape.hidden * (1 if shape.tied else 2)) \
         + 12 * shape.layers * shape.hidden * seq
-    recompute = {"none": 0.0, "every_block": block_flops / 3,
-                 "selective": 4 * shape.layers * shape.hidden * seq}[L.checkpoint]
+    # every_k checkpoints one block in CHECKPOINT_EVERY (the config's default checkpoint_every, and
+    # activation_bytes'): those blocks' forwards run again.
+    recomputed = {"none": 0.0, "every_block": 1.0, "selective": 0.0,
+                  "every_k": -(-shape.layers // CHECKPOINT_EVERY) / shape.layers}[L.checkpoint]
+    recompute = block_flops / 3 * recomputed
+    if L.checkpoint == "selective":  # the attention's score and softmax recomputed: 4·L·d·s per token
+        recompute = 4 * shape.layers * shape.hidden * seq
     width = shape.hidden / L.tp
     rate = hw.peak_flops * hw.efficiency * width / (width + hw.knee)
     micro_compute = tokens_micro * (fpt + recompute) / (L.tp * L.pp) / rate
@@ -177,11 +210,15 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
     # collective forward and one backward (the forward's again when a checkpointed block is
     # recomputed): an all-reduce, or with sequence parallelism an all-gather before the block and a
     # reduce-scatter after it, around the block's compute as the engine issues them (overlap.py).
-    micro_tp = _tensor_parallel(shape, L, seq, hw, a, tokens_micro, rate) if L.tp > 1 else 0.0
-    micro_stage = micro_compute + micro_tp
+    micro_tp = _tensor_parallel(shape, L, seq, hw, a, tokens_micro, rate, recomputed) if L.tp > 1 else 0.0
+    if L.tp_overlap:  # chunked and pipelined with the GEMMs they feed: exposed only beyond them
+        micro_tp = max(0.0, micro_tp - micro_compute)
+    micro_scores = score_traffic_s(shape, L, seq, hw, 1.0 if L.checkpoint == "selective" else recomputed)
+    micro_stage = micro_compute + micro_scores + micro_tp
     # Pipeline: m micro-batches through p stages; idle fill and drain of (p - 1) / v stage-steps.
     pipeline = micro_stage * (m + (L.pp - 1) / L.chunks)
-    out = {"compute": micro_compute * m, "tensor_parallel": micro_tp * m, "bubble": pipeline - micro_stage * m}
+    out = {"compute": micro_compute * m, "attention_scores": micro_scores * m, "tensor_parallel": micro_tp * m,
+           "bubble": pipeline - micro_stage * m}
     # Pipeline transfers during fill and drain sit on the critical path; in steady state they overlap.
     pp_bw, pp_lat = _group_link(hw, L.gpus, 1) if L.pp > 1 else (1.0, 0.0)
     p2p = a * tokens_micro * shape.hidden / (pp_bw * 1e9) + pp_lat * 1e-6
@@ -189,7 +226,7 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
 
     # Data parallelism over the stage's parameters on this GPU.
     psi = shape.parameters / (L.tp * L.pp)
-    dp_bw, dp_lat = _group_link(hw, L.dp * L.tp, hw.gpus_per_node // L.tp)
+    dp_bw, dp_lat = _group_link(hw, L.dp * L.tp, hw.gpus_per_node // L.tp if L.pooled_nics else 1)
     backward = micro_compute * 2 / 3
     buckets = grad_buckets(shape, L.tp, L.pp, seq, bucket_elements)
     flops = [f for _, f in buckets]
@@ -203,7 +240,7 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
             exposed = (m if L.zero == 2 else 1) * added_time(finish, backward, sum(costs), hw.overlap)
     else:                # ZeRO-3: each layer gathered for its forward and its backward (prefetched), its
         # gradients reduce-scattered after its backward (overlap.py)
-        exposed = m * _stage3(shape, L, seq, hw, b, tokens_micro, rate, recompute, dp_bw, dp_lat)
+        exposed = m * _stage3(shape, L, seq, hw, b, tokens_micro, rate, recompute, recomputed, dp_bw, dp_lat)
     gather_after_step = 0.0
     if L.zero in (1, 2):  # the step's all-gather, bucket by bucket
         costs = [_ring(b * n, L.dp, dp_bw, dp_lat, 1) for n, _ in buckets]
@@ -232,17 +269,18 @@ def _block_flops(shape: ModelShape, seq: int) -> dict[str, float]:
             "mlp": 2 * (3 if shape.gated else 2) * d * shape.ffn}
 
 
-def _tensor_parallel(shape: ModelShape, L: Layout, seq: int, hw: Hardware, a: int, tokens: int, rate: float) -> float:
+def _tensor_parallel(shape: ModelShape, L: Layout, seq: int, hw: Hardware, a: int, tokens: int, rate: float,
+                     recomputed: float) -> float:
     """What the blocks' tensor-parallel collectives add to one micro-batch on one pipeline stage:
     per block and direction, the block as one segment, or with tp_overlap_comm two halves, each
     half's exit (forward) or entry (backward) collective issued as it ends and, with sequence
     parallelism, both halves' gathers issued at the start (parallel/overlap.py)."""
     bw, lat = _group_link(hw, L.tp, L.tp)
-    halves = 2 if L.tp_overlap and L.micro_batch >= 2 else 1
+    halves = 2 if L.tp_overlap_comm and L.micro_batch >= 2 else 1
     act = a * tokens * shape.hidden / halves
     gather = _ring(act, L.tp, bw, lat, 1) if L.sequence_parallel else 0.0
     scatter = _ring(act, L.tp, bw, lat, 1 if L.sequence_parallel else 2)
-    forwards = 2 if L.checkpoint == "every_block" else 1
+    forwards = 1 + recomputed  # checkpointed blocks run their forward again
     per_layer = 0.0
     for flops in _block_flops(shape, seq).values():
         forward = tokens * flops / L.tp / rate
@@ -253,30 +291,32 @@ def _tensor_parallel(shape: ModelShape, L: Layout, seq: int, hw: Hardware, a: in
 
 
 def _stage3(shape: ModelShape, L: Layout, seq: int, hw: Hardware, b: int, tokens: int, rate: float,
-            recompute: float, bw: float, lat: float) -> float:
+            recompute: float, recomputed: float, bw: float, lat: float) -> float:
     """What ZeRO-3's collectives add to one micro-batch: the root unit (embedding, norm, head)
     gathered as forward starts, each layer's unit gathered `depth` units ahead
     (stage3_prefetch_bucket_size) for its forward and again for its backward unless it is kept
     (stage3_max_reuse_distance), each unit's gradients reduce-scattered after its backward with
-    one reduction in flight (zero/stage3.py)."""
+    one reduction in flight (zero/stage3.py). `zero3_regather` (other engines): a recomputed block is
+    gathered once more for its recomputed forward."""
     layer = sum(n for where, n, _ in shape.tensors() if where == "block") // shape.layers // L.tp
     root = int(shape.parameters // L.tp) - shape.layers * layer
     unit, whole = (_ring(b * n, L.dp, bw, lat, 1) for n in (layer, root))
     if L.offload == "optimizer+param":  # each gather first brings the shard from host memory
         unit += b * layer / L.dp / (hw.pcie_gbps * 1e9)
-    depth = prefetch_depth(L.stage3_prefetch, layer, root)
+    depth = prefetch_depth(L.stage3_prefetch, layer, root, L.stage3_max_live)
     kept = kept_units(shape.layers, layer, STAGE3_MAX_REUSE_DISTANCE)
     block = tokens * _block_flops(shape, seq)["attention"] / L.tp / rate + \
         tokens * _block_flops(shape, seq)["mlp"] / L.tp / rate
     head = tokens * 2 * shape.vocab * shape.hidden / L.tp / rate
     again = tokens * recompute / shape.layers / L.tp / rate  # a checkpointed block's forward in backward
     n = shape.layers
+    regather = recomputed * unit if L.zero3_regather else 0.0
+    gathers = [(0.0 if i >= n - kept else unit) + regather for i in reversed(range(n))]
     forward = timeline([0.0] + [block] * n + [head], pre=[whole] + [unit] * n + [0.0], ahead=depth)
-    backward = timeline([2 * head] + [2 * block + again] * n + [0.0],
-                        pre=[0.0] + [0.0 if i >= n - kept else unit for i in reversed(range(n))] + [0.0],
+    backward = timeline([2 * head] + [2 * block + again] * n + [0.0], pre=[0.0] + gathers + [0.0],
                         post=[0.0] + [unit] * n + [whole], ahead=depth, in_flight=1)
     compute = 3 * (n * block + head) + n * again
-    comm = whole + (2 * n - kept) * unit + n * unit + whole
+    comm = whole + n * unit + sum(gathers) + n * unit + whole
     return added_time(forward + backward, compute, comm, hw.overlap)
 
 

@@ -81,8 +81,11 @@ def rank_state_bytes(tensors: list[int], *, dp: int = 1, stage: int = 0, dtype: 
         out["optimizer"] = 8 * shard
     host = 0
     if offload_optimizer and stage > 0:
-        out["grads"] += 4 * shard  # the masters' fp32 gradients, on the host
-        host += 4 * shard + 4 * shard + b * shard + out["optimizer"]  # masters, grads, staging, Adam
+        # masters, the staging buffer the gradients arrive in (model dtype), Adam; CPU Adam reads
+        # the gradients there, so only fp32 training has an fp32 gradient buffer on the host
+        fp32_grads = 4 * shard if dtype == "fp32" else 0
+        out["grads"] += fp32_grads
+        host += 4 * shard + fp32_grads + b * shard + out["optimizer"]
     if offload_param and stage == 3:
         host += b * math.ceil((psi - small) / dp)
     out["total"] = sum(out.values())

@@ -94,14 +94,16 @@ def grad_buckets(shape: ModelShape, tp: int, pp: int, seq: int, configured: int 
     return [(sum(n for n, _ in b), sum(f for _, f in b)) for b in cut(tensors, lambda t: t[0], limit)]
 
 
-def prefetch_depth(window: int, unit: int, root: int, max_live: int = 1_000_000_000) -> int:
+def prefetch_depth(window: int, unit: int, root: int, max_live: float = 1_000_000_000) -> int:
     """How many units ZeRO-3 gathers ahead of the one running: while fewer than `window`
     (stage3_prefetch_bucket_size) elements are ahead and fewer than `max_live` gathered in all (the
     root and the running unit; DeepSpeed's rule: the last one started may cross either)."""
     if window <= 0 or unit <= 0:
         return 0
     room = max_live - root - unit
-    return 0 if room <= 0 else min(math.ceil(window / unit), math.ceil(room / unit))
+    if room <= 0:
+        return 0
+    return math.ceil(window / unit) if math.isinf(room) else min(math.ceil(window / unit), math.ceil(room / unit))
 
 
 def kept_units(layers: int, unit: int, reuse: float) -> int:

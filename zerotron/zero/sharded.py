@@ -49,6 +49,7 @@ class ShardedStates(InOrderReduction):
         self.on_grads_done = on_grads_done  # stage 3: release a unit once its gradients are in
         self.offload = offload              # OffloadConfig of offload_optimizer, or None
         self.host = None                    # HostBuffers when offloading
+        self._host_step = None              # an offload optimizer that reads the host gradients itself
         self.sync = True
         self.grads = AccumulatedGrads() if stage == 1 else StreamedGrads()
         self._next_launch = 0
@@ -141,6 +142,10 @@ class ShardedStates(InOrderReduction):
             for (_, m), (lo, hi) in zip(self.runs, self._run_bounds):
                 optimizer.copy_out[m] = self.host.staging[lo:hi]
             self.host.optimizer_copies_out = True
+        if self.host is not None and hasattr(optimizer, "grad_in"):  # ... and reads the gradients itself
+            from .offload import FusedHostStep
+            self._host_step = FusedHostStep(self.host, optimizer, [m for _, m in self.runs], self._run_bounds,
+                                            self._run_in_bucket)
 
     @property
     def master_params(self) -> list[torch.Tensor]:
@@ -171,11 +176,15 @@ class ShardedStates(InOrderReduction):
         return grads
 
     def grad_norms(self) -> list[torch.Tensor]:
+        if self._host_step is not None:
+            return self._host_step.norms
         if self._sub_groups is not None:
             return self._run_norms
         return list(torch._foreach_norm(self.master_grads()))
 
     def apply_update(self, optimizer: torch.optim.Optimizer, clip_coef: torch.Tensor | None) -> None:
+        if self._host_step is not None:
+            return self._host_step.apply(clip_coef)
         if self._sub_groups is None:
             grads = self.master_grads()
             if clip_coef is not None and grads:
@@ -323,6 +332,9 @@ class ShardedStates(InOrderReduction):
     # ---- after the optimizer step ---------------------------------------------------------
     def unscale_and_check(self, inv_scale: float | None) -> torch.Tensor | None:
         from ..precision import nonfinite_and_unscale
+        if self._host_step is not None:
+            self.host.gradients_arrived(self.buckets, self.reduced_shard)
+            return self._host_step.inspect(inv_scale)
         if self._sub_groups is not None and inv_scale is not None:  # checked and measured a sub-group at a time
             device = self.buckets[0].device
             self._inv_scale, found = inv_scale, torch.zeros(1, device=device)
@@ -368,8 +380,8 @@ class ShardedStates(InOrderReduction):
 
     def memory(self) -> dict[str, int]:
         out = {"grads": self.grads.nbytes(self.buckets), "master_weights": 0 if self.master_flat is None else self.master_flat.numel() * 4}
-        if self.host is not None:  # in host memory: masters, their gradients, the staging buffer
-            out["grads"] += self.host.grads.numel() * 4
+        if self.host is not None:  # in host memory: masters, the staging buffer, fp32 gradients if any
+            out["grads"] += 0 if self.host.grads is None else self.host.grads.numel() * 4
             out["host"] = self.host.nbytes()
         return out
 

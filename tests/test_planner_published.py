@@ -1,0 +1,104 @@
+"""The planner against published training runs (bench/planner_published.py): the comparison stays
+within the bounds docs/planner.md states, and each term the published engines need does what its
+docstring says. No GPU and no processes: the comparison is arithmetic."""
+import pytest
+
+from bench import planner_published as published
+from zerotron.planner import ModelShape
+from zerotron.planner.cost import Layout, _group_link, _ring, score_traffic_s, step_time
+from zerotron.planner.hardware import hardware
+
+# docs/planner.md explains each of these; any other run beyond 25% is a regression.
+EXPLAINED = {"torchtitan H100 Llama 3.1 8B FSDP 8", "torchtitan H100 Llama 3.1 8B FSDP 128",
+             "torchtitan H100 Llama 3.1 8B FSDP+TP8, async TP", "Llama 3 405B stage 1", "Llama 3 405B stage 2",
+             "GPT 530B ZeRO-3 640"}
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return published.comparison()
+
+
+def test_published_runs_stay_within_the_documented_bounds(rows):
+    s = published.summarize(rows)
+    assert s["runs"] == 62
+    assert s["median_abs_pct_error"] <= 9.5  # docs/planner.md: 8.7% (the issue's goal: 10%)
+    assert s["mean_abs_pct_error"] <= 12.0   # 10.8%
+    assert all(0.6 <= r["ratio"] <= 1.45 for r in rows), [(r["name"], r["ratio"]) for r in rows]  # 0.66-1.37
+    assert set(s["beyond_25_pct"]) <= EXPLAINED, set(s["beyond_25_pct"]) - EXPLAINED
+    assert s["per_set"]["first 29"]["median_abs_pct"] <= 7.2  # the first comparison's median, before this work
+
+
+def test_megatron_core_shapes_count_the_flops_megatron_counts(rows):
+    """The table's MFU column (Megatron-Core's own FLOP count over 989 TFLOP/s) against the planner's
+    6N + 12·L·d·s over the same peak: equal within 1.5 points when the shape (untied embeddings,
+    4h MLP, 131,072 vocabulary) is the one the source ran."""
+    table_mfu = [41, 47, 49, 46, 42, 43, 44, 48, 47]
+    core = [r for r in rows if r["family"] == "Megatron-Core 2024 (H100)"]
+    assert len(core) == len(table_mfu)
+    for r, mfu in zip(core, table_mfu):
+        assert 100 * r["published_mfu"] == pytest.approx(mfu, abs=1.5), r["name"]
+
+
+def _gpt3_like():
+    return ModelShape(24, 2048, 16, 16, 4 * 2048, 50_304, tied=True, gated=False)
+
+
+def test_materialized_attention_scores_cost_their_trips_through_device_memory():
+    shape, hw, seq = _gpt3_like(), hardware("a100-80"), 2048
+    for checkpoint, per_score in (("none", 13 + 19), ("every_block", 13 + 19 + 13), ("selective", 13 + 19 + 13)):
+        flash = Layout(dp=8, zero=1, micro_batch=2, grad_accum=4, checkpoint=checkpoint)
+        scores = Layout(dp=8, zero=1, micro_batch=2, grad_accum=4, checkpoint=checkpoint, flash_attention=False)
+        assert step_time(shape, flash, seq, hw)["attention_scores"] == 0
+        # per micro-batch: tokens x layers x heads x s scores, per_score bytes each, at the HBM bandwidth
+        expected = 2 * seq * shape.layers * shape.heads * seq * per_score / (hw.hbm_gbps * 1e9)
+        assert step_time(shape, scores, seq, hw)["attention_scores"] == pytest.approx(4 * expected)
+    # split like the heads across tensor and pipeline parallelism
+    split = Layout(dp=2, tp=2, pp=2, zero=1, micro_batch=2, grad_accum=4, flash_attention=False)
+    assert score_traffic_s(shape, split, seq, hw, 0.0) == pytest.approx(
+        2 * seq * shape.layers * shape.heads * seq * 32 / (hw.hbm_gbps * 1e9) / 4)
+
+
+def test_overlapped_tensor_parallelism_shows_only_what_the_gemms_cannot_hide():
+    shape, seq = _gpt3_like(), 2048
+    hw = hardware("a100-80")
+    plain = step_time(shape, Layout(dp=1, tp=8, zero=1, micro_batch=2, grad_accum=4), seq, hw)
+    hidden = step_time(shape, Layout(dp=1, tp=8, zero=1, micro_batch=2, grad_accum=4, tp_overlap=True), seq, hw)
+    assert plain["tensor_parallel"] > 0 and hidden["tensor_parallel"] == 0
+    slow = hw.with_overrides(intra_gbps=1)  # collectives far longer than the GEMMs: the excess stays
+    plain = step_time(shape, Layout(dp=1, tp=8, zero=1, micro_batch=2, grad_accum=4), seq, slow)
+    hidden = step_time(shape, Layout(dp=1, tp=8, zero=1, micro_batch=2, grad_accum=4, tp_overlap=True), seq, slow)
+    assert hidden["tensor_parallel"] == pytest.approx(plain["tensor_parallel"] - plain["compute"])
+
+
+def test_deepspeed_zero3_regathers_for_recomputation_over_one_nic_per_gpu():
+    shape, seq = _gpt3_like(), 2048
+    # compute and latency made free, so the step shows the ZeRO-3 traffic's bandwidth term itself
+    hw = hardware("a100-80").with_overrides(peak_tflops=1e12, inter_latency_us=0, intra_latency_us=0)
+    base = dict(dp=32, zero=3, micro_batch=1, grad_accum=1, checkpoint="every_block")
+    pooled, regather, one_nic = (step_time(shape, Layout(**base, **extra), seq, hw)["data_parallel"]
+                                 for extra in ({}, {"zero3_regather": True}, {"pooled_nics": False}))
+    blocks = sum(n for where, n, _ in shape.tensors() if where == "block")  # the embedding is not recomputed
+    bw, lat = _group_link(hw, 32, hw.gpus_per_node)
+    assert bw == pytest.approx(hw.inter_gbps * hw.gpus_per_node)  # a group with 8 GPUs per node: 8 NICs
+    assert regather - pooled == pytest.approx(_ring(2 * blocks, 32, bw, lat, 1, shape.layers), rel=1e-3)
+    # each GPU's traffic through its own NIC: 8x as long
+    assert one_nic / pooled == pytest.approx(hw.gpus_per_node, rel=1e-3)
+
+
+def test_zerotrons_own_layouts_are_costed_as_before():
+    """The engine-property fields default to zerotron's engine: none of them is on in a plain Layout."""
+    L = Layout(dp=8)
+    assert (L.tp_overlap, L.flash_attention, L.zero3_regather, L.pooled_nics) == (False, True, False, True)
+    assert "tp-overlap" not in L.describe() and "nic-per-gpu" not in L.describe()
+
+
+def test_offloaded_gradients_are_never_negative_on_the_device():
+    """Offload keeps the fp32 gradient buffer on the host only in fp32 (memory.py); the device side must
+    not take it off in bf16, where it was never counted."""
+    from zerotron.planner.cost import memory
+    shape = ModelShape(32, 4096, 32, 32, 11008, 32000)
+    for dtype in ("bf16", "fp32"):
+        plain = memory(shape, Layout(dp=8, zero=2), 4096, dtype)
+        off = memory(shape, Layout(dp=8, zero=2, offload="optimizer"), 4096, dtype)
+        assert off["grads"] == plain["grads"] > 0, dtype
