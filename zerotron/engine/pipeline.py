@@ -1,8 +1,11 @@
 """PipelineEngine: `train_batch` runs one global batch through the pipeline stages.
 
-Each rank runs its stage's actions from `schedule.build_schedule` in order. Gradients of every
-micro-batch accumulate without communication; after the last backward they are reduced over the
-data-parallel group (ZeRO 0/1 all at once; ZeRO-2 reduces each backward's gradients as it goes),
+Each rank runs its stage's actions from `schedule.build_schedule` in order: F, B and (zero-bubble
+schedules) W, which runs the weight half of a backward that B split off (pipe/backward.py). The
+receives each action reads are posted ahead (p2p.Inbox), the sends as their tensors exist.
+Gradients of every micro-batch accumulate without communication; after the last backward (or W)
+they are reduced over the data-parallel group (ZeRO 0/1 all at once; ZeRO-2 reduces each
+backward's gradients as it goes, from the hooks that fire where weight gradients are made),
 weights tied across stages get their reduced gradients summed between those stages, and the
 step clips by the global norm over data, tensor and pipeline ranks.
 """
@@ -19,8 +22,10 @@ from ..nested import to_device
 from ..topology import shared_group
 from ..errors import ConfigError
 from ..pipe.module import PipelineModule
-from ..pipe.p2p import P2P, as_tuple, flows
-from ..pipe.schedule import Action, build_schedule, location, theoretical_bubble, virtual_stage
+from ..pipe.backward import backward_input
+from ..pipe.p2p import P2P, Inbox, as_tuple, flows
+from ..pipe.schedule import (Action, build_schedule, location, simulate, splits_backward, theoretical_bubble,
+                             virtual_stage)
 
 
 class PipelineEngine(Engine):
@@ -104,17 +109,25 @@ class PipelineEngine(Engine):
 
     def pipeline_bubble(self) -> dict:
         """Idle fraction of each stage in the last train_batch, measured over the common window from
-        the first stage's start to the last stage's end (collective over the pipeline group), and
-        the schedule's theoretical bubble."""
+        the first stage's start to the last stage's end (collective over the pipeline group); the
+        schedule's theoretical bubble (equal stages, t_B = 2·t_F, ZB-H1's B and W equal halves);
+        and `simulated`: each stage's bubble on ideal stages (free transfers) that take this batch's
+        measured mean time for each of their F, B and W, the part of the bubble the schedule
+        explains with these stages."""
         if self._timeline is None:
             raise RuntimeError("pipeline_bubble() reports on the last train_batch: run one first, with "
                                "\"wall_clock_breakdown\": true in the config (timing synchronizes the device)")
-        start, end, busy, micro = self._timeline
-        mine = torch.tensor([start, end, busy], dtype=torch.float64, device=self.device)
-        every = self.pp_comm.all_gather_list(mine)
-        window = max(t[1].item() for t in every) - min(t[0].item() for t in every)
-        return {"measured": [1 - t[2].item() / window for t in every],
-                "theory": theoretical_bubble(self.stages, micro, self.chunks)}
+        (start, end, busy, means), micro = self._timeline
+        mine = torch.tensor([start, end, busy, means["F"], means["B"], means["W"]], dtype=torch.float64,
+                            device=self.device)
+        every = [t.tolist() for t in self.pp_comm.all_gather_list(mine)]
+        window = max(t[1] for t in every) - min(t[0] for t in every)
+        schedule = build_schedule(self.schedule_name, self.stages, micro, self.chunks)
+        simulated = simulate(schedule, self.chunks, t_forward=[t[3] for t in every],
+                             t_backward=[t[4] + t[5] for t in every], t_weight=[t[5] for t in every])
+        return {"measured": [1 - t[2] / window for t in every],
+                "theory": theoretical_bubble(self.stages, micro, self.chunks, self.schedule_name),
+                "simulated": simulated.bubble}
 
     # ---- running a schedule --------------------------------------------------------------------
     def _read(self, data_iter, count: int | None = None) -> list:
@@ -134,20 +147,23 @@ class PipelineEngine(Engine):
         return self.topology.rank_of(stage, self.coords.dp, self.coords.tp)
 
     def _run(self, actions: list[Action], batches: list, train: bool) -> list[torch.Tensor]:
-        inputs, outputs, losses = {}, {}, []
+        inputs, outputs, weight_passes, losses = {}, {}, {}, []
         last = self.stages * self.chunks - 1
         clock = self._clock if train else None
         if clock is not None:
             clock.start_batch()
         scale = self.loss_scaler.scale if self.loss_scaler.enabled else 1.0
-        for a in actions:
+        inbox = Inbox(self.p2p, self._reads(actions), lambda key: _needing_grad(outputs.get(key)))
+        split = splits_backward(actions)
+        weights = [p for p in self.module.parameters() if p.requires_grad] if split else []
+        for i, a in enumerate(actions):
             vs = virtual_stage(self.stage, a.chunk, self.stages)
             key = (a.chunk, a.micro)
             if a.kind == "F":
                 if vs == 0:
                     x = feed = to_device(batches[a.micro][0], self.device)
                 else:
-                    x = self.p2p.recv_activation(self._peer(vs - 1), vs, with_header=a.micro == 0)
+                    x = inbox.take(i)
                     # The received tensors are leaves that collect the gradient to send back; the
                     # stage gets copies, which its first layer may modify in place (ReLU(inplace=True)).
                     feed = tuple(t.clone() if t.requires_grad else t for t in x)
@@ -160,34 +176,62 @@ class PipelineEngine(Engine):
                     outputs[key] = loss
                 else:
                     outputs[key] = as_tuple(y)
-                    self.p2p.send_activation(outputs[key], self._peer(vs + 1), vs + 1, with_header=a.micro == 0)
+                    self.p2p.send_activation(outputs[key], self._peer(vs + 1), vs + 1, first=a.micro == 0)
+                    inbox.post_ready()  # the gradient answering this forward can be received now
                 if train:
                     inputs[key] = x
                 else:
                     outputs.pop(key)
                 if clock:
-                    clock.end(t0)
-            else:
+                    clock.end(t0, "F")
+            elif a.kind == "B":
                 x, y = inputs.pop(key), outputs.pop(key)
                 if vs == last:
                     tensors, grads = [(y / len(batches)).float() * scale], None
                 else:
-                    tensors = [t for t in y if t.requires_grad]
-                    grads = self.p2p.recv_like(tensors, self._peer(vs + 1))
+                    tensors, grads = _needing_grad(y), list(inbox.take(i))
+                t0 = clock.begin() if clock else None
+                received = list(as_tuple(x)) if vs > 0 else []
+                if split:  # zero-bubble: the input's gradient now, the weights' in W
+                    back, weight_passes[key] = backward_input(tensors, grads, received, weights)
+                else:
+                    self.states.begin_backward(False)
+                    torch.autograd.backward(tensors, grads)
+                    self.states.end_backward()
+                    back = [t.grad for t in received]
+                if vs > 0:
+                    self.p2p.send_gradient([g if g is not None else torch.zeros_like(t)
+                                            for t, g in zip(received, back) if t.requires_grad], self._peer(vs - 1))
+                if clock:
+                    clock.end(t0, "B")
+            else:
                 t0 = clock.begin() if clock else None
                 self.states.begin_backward(False)
-                torch.autograd.backward(tensors, grads)
+                weight_passes.pop(key)()
                 self.states.end_backward()
-                if vs > 0:
-                    back = [t.grad if t.grad is not None else torch.zeros_like(t)
-                            for t in as_tuple(x) if t.requires_grad]
-                    self.p2p.send_gradient(back, self._peer(vs - 1))
                 if clock:
-                    clock.end(t0)
+                    clock.end(t0, "W")
+        inbox.finish()
         self.p2p.finish()
+        if weight_passes:  # the data-parallel reduction must see every weight gradient
+            raise RuntimeError(f"the schedule left weight passes unrun: {sorted(weight_passes)}")
         if clock is not None:
-            self._timeline = clock.finish_batch() + (len(batches),)
+            self._timeline = clock.finish_batch(), len(batches)
         return losses
+
+    def _reads(self, actions: list[Action]) -> list:
+        """What each action receives (see p2p.Inbox): a forward its activation, unless it is the
+        first virtual stage's; a backward its output's gradient, unless it is the last's."""
+        last, reads = self.stages * self.chunks - 1, []
+        for a in actions:
+            vs = virtual_stage(self.stage, a.chunk, self.stages)
+            if a.kind == "F" and vs > 0:
+                reads.append(("act", self._peer(vs - 1), vs, a.micro == 0))
+            elif a.kind == "B" and vs < last:
+                reads.append(("grad", self._peer(vs + 1), (a.chunk, a.micro)))
+            else:
+                reads.append(None)
+        return reads
 
     def _loss(self, output, labels) -> torch.Tensor:
         labels = to_device(labels, self.device)
@@ -210,6 +254,10 @@ class PipelineEngine(Engine):
         value, arrival = self._send_mean_loss(losses)
         arrival.wait()
         return self._mean_over_dp(value)
+
+
+def _needing_grad(outputs) -> list | None:
+    return None if outputs is None else [t for t in outputs if t.requires_grad]
 
 
 class _StageClock:
@@ -235,16 +283,21 @@ class _StageClock:
     def begin(self):
         return self._now()
 
-    def end(self, began):
-        self.spans.append((began, self._now()))
+    def end(self, began, kind: str):
+        self.spans.append((kind, began, self._now()))
 
-    def finish_batch(self) -> tuple[float, float, float]:
+    def finish_batch(self) -> tuple[float, float, float, dict]:
+        """(start, end, busy seconds, mean seconds of an F, a B and a W)."""
         if self.cuda:
             torch.cuda.synchronize()
-            busy = sum(a.elapsed_time(b) for a, b in self.spans) / 1e3
+            spans = [(kind, a.elapsed_time(b) / 1e3) for kind, a, b in self.spans]
         else:
-            busy = sum(b - a for a, b in self.spans)
-        return self.start, time.time(), busy
+            spans = [(kind, b - a) for kind, a, b in self.spans]
+        means = {}
+        for kind in "FBW":
+            times = [t for k, t in spans if k == kind]
+            means[kind] = sum(times) / len(times) if times else 0.0
+        return self.start, time.time(), sum(t for _, t in spans), means
 
 
 class _Done:
