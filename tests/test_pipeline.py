@@ -197,17 +197,25 @@ def _measure_bubble(schedule, chunks, micro_batches, rounds=4):
         engine.train_batch(iter([batch] * micro_batches))
         if i:  # the first batch warms up
             measured.append(engine.pipeline_bubble())
-    # The least idle batch of each stage: another job on the machine only ever adds idle time (a
-    # stage waiting for a peer that lost its core), so the best batch is the schedule's own bubble.
-    return [min(m["measured"][s] for m in measured) for s in range(2)], measured[0]["theory"]
+    return measured
 
 
-@pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
+@pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb-h1", 1)])
 def test_measured_bubble_is_close_to_theory(schedule, chunks):
-    (bubbles, theory), *_ = run_ranks(_measure_bubble, 2, schedule, chunks, 4, 6, timeout=150)
-    assert theory == pytest.approx(1 / 5 if chunks == 1 else 1 / 9)
-    for bubble in bubbles:  # measured over the common window of both stages, the best of 6 batches
-        assert abs(bubble - theory) <= 0.10, (bubbles, theory)
+    batches = run_ranks(_measure_bubble, 2, schedule, chunks, 4, 6, timeout=150)[0]
+    theory = batches[0]["theory"]
+    assert theory == pytest.approx({1: 1 / 5, 2: 1 / 9}[chunks] if schedule != "zb-h1" else 1 / 13)
+    for stage in range(2):
+        # What the engine adds (transfers, waits, host work between actions): the measured bubble
+        # over the batch's replay on ideal stages with its measured action times. Never negative
+        # (the replay is a lower bound); small when receives are posted ahead and sends never wait.
+        gaps = [b["measured"][stage] - b["simulated"][stage] for b in batches]
+        assert min(gaps) > -0.005 and min(gaps) < 0.03, gaps
+        # The schedule's: the least idle batch of each stage against the theory, which assumes
+        # equal stages. Another job on the machine only ever adds idle time (a stage waiting for a
+        # peer that lost its core), so the best of 6 batches is the schedule's own bubble.
+        best = min(b["measured"][stage] for b in batches)
+        assert abs(best - theory) <= 0.10, (best, theory)
 
 
 # ---- errors ------------------------------------------------------------------------------------------

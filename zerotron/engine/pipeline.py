@@ -11,6 +11,7 @@ step clips by the global norm over data, tensor and pipeline ranks.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -110,24 +111,23 @@ class PipelineEngine(Engine):
     def pipeline_bubble(self) -> dict:
         """Idle fraction of each stage in the last train_batch, measured over the common window from
         the first stage's start to the last stage's end (collective over the pipeline group); the
-        schedule's theoretical bubble (equal stages, t_B = 2·t_F, ZB-H1's B and W equal halves);
-        and `simulated`: each stage's bubble on ideal stages (free transfers) that take this batch's
-        measured mean time for each of their F, B and W, the part of the bubble the schedule
-        explains with these stages."""
+        schedule's theoretical bubble (equal stages, t_B = 2·t_F, ZB-H1's B and W as long as F);
+        and `simulated`: the schedule replayed on ideal stages (free transfers, nothing between
+        actions) whose every action takes the time it took in that batch. Measured minus simulated
+        is what the engine adds (transfers, waits, host work); simulated minus theory is the stages'
+        own unevenness (a machine where concurrent stages slow each other, uneven layers)."""
         if self._timeline is None:
             raise RuntimeError("pipeline_bubble() reports on the last train_batch: run one first, with "
                                "\"wall_clock_breakdown\": true in the config (timing synchronizes the device)")
-        (start, end, busy, means), micro = self._timeline
-        mine = torch.tensor([start, end, busy, means["F"], means["B"], means["W"]], dtype=torch.float64,
-                            device=self.device)
-        every = [t.tolist() for t in self.pp_comm.all_gather_list(mine)]
+        (start, end, durations), micro = self._timeline
+        mine = torch.tensor([start, end, *durations], dtype=torch.float64, device=self.device)
+        every = [t.tolist() for t in self.pp_comm.all_gather_list(mine)]  # every stage runs as many actions
         window = max(t[1] for t in every) - min(t[0] for t in every)
         schedule = build_schedule(self.schedule_name, self.stages, micro, self.chunks)
-        simulated = simulate(schedule, self.chunks, t_forward=[t[3] for t in every],
-                             t_backward=[t[4] + t[5] for t in every], t_weight=[t[5] for t in every])
-        return {"measured": [1 - t[2] / window for t in every],
+        replayed = simulate(schedule, self.chunks, durations=[t[2:] for t in every])
+        return {"measured": [1 - sum(t[2:]) / window for t in every],
                 "theory": theoretical_bubble(self.stages, micro, self.chunks, self.schedule_name),
-                "simulated": simulated.bubble}
+                "simulated": replayed.bubble}
 
     # ---- running a schedule --------------------------------------------------------------------
     def _read(self, data_iter, count: int | None = None) -> list:
@@ -147,77 +147,73 @@ class PipelineEngine(Engine):
         return self.topology.rank_of(stage, self.coords.dp, self.coords.tp)
 
     def _run(self, actions: list[Action], batches: list, train: bool) -> list[torch.Tensor]:
-        inputs, outputs, weight_passes, losses = {}, {}, {}, []
-        last = self.stages * self.chunks - 1
-        clock = self._clock if train else None
-        if clock is not None:
-            clock.start_batch()
-        scale = self.loss_scaler.scale if self.loss_scaler.enabled else 1.0
-        inbox = Inbox(self.p2p, self._reads(actions), lambda key: _needing_grad(outputs.get(key)))
-        split = splits_backward(actions)
-        weights = [p for p in self.module.parameters() if p.requires_grad] if split else []
+        """Run this stage's `actions` over `batches`; the losses (on the last stage). Only the
+        computations are timed: waiting for a receive, and sending, count as idle."""
+        clock = self._clock if train and self._clock is not None else _NO_CLOCK
+        clock.start_batch()
+        run = _Batch(batches, train, self.loss_scaler.scale if self.loss_scaler.enabled else 1.0)
+        run.inbox = Inbox(self.p2p, self._reads(actions), lambda key: _needing_grad(run.outputs.get(key)))
+        if splits_backward(actions):
+            run.weights = [p for p in self.module.parameters() if p.requires_grad]
         for i, a in enumerate(actions):
             vs = virtual_stage(self.stage, a.chunk, self.stages)
-            key = (a.chunk, a.micro)
             if a.kind == "F":
-                if vs == 0:
-                    x = feed = to_device(batches[a.micro][0], self.device)
-                else:
-                    x = inbox.take(i)
-                    # The received tensors are leaves that collect the gradient to send back; the
-                    # stage gets copies, which its first layer may modify in place (ReLU(inplace=True)).
-                    feed = tuple(t.clone() if t.requires_grad else t for t in x)
-                    x, feed = (x[0], feed[0]) if len(x) == 1 else (x, feed)
-                t0 = clock.begin() if clock else None
-                y = self.module(feed, chunk=a.chunk)
-                if vs == last:
-                    loss = self._loss(y, batches[a.micro][1])
-                    losses.append(loss.detach().float())
-                    outputs[key] = loss
-                else:
-                    outputs[key] = as_tuple(y)
-                    self.p2p.send_activation(outputs[key], self._peer(vs + 1), vs + 1, first=a.micro == 0)
-                    inbox.post_ready()  # the gradient answering this forward can be received now
-                if train:
-                    inputs[key] = x
-                else:
-                    outputs.pop(key)
-                if clock:
-                    clock.end(t0, "F")
+                self._forward(run, i, a, vs, clock)
             elif a.kind == "B":
-                x, y = inputs.pop(key), outputs.pop(key)
-                if vs == last:
-                    tensors, grads = [(y / len(batches)).float() * scale], None
-                else:
-                    tensors, grads = _needing_grad(y), list(inbox.take(i))
-                t0 = clock.begin() if clock else None
-                received = list(as_tuple(x)) if vs > 0 else []
-                if split:  # zero-bubble: the input's gradient now, the weights' in W
-                    back, weight_passes[key] = backward_input(tensors, grads, received, weights)
-                else:
-                    self.states.begin_backward(False)
-                    torch.autograd.backward(tensors, grads)
-                    self.states.end_backward()
-                    back = [t.grad for t in received]
-                if vs > 0:
-                    self.p2p.send_gradient([g if g is not None else torch.zeros_like(t)
-                                            for t, g in zip(received, back) if t.requires_grad], self._peer(vs - 1))
-                if clock:
-                    clock.end(t0, "B")
+                self._backward(run, i, a, vs, clock)
             else:
-                t0 = clock.begin() if clock else None
-                self.states.begin_backward(False)
-                weight_passes.pop(key)()
-                self.states.end_backward()
-                if clock:
-                    clock.end(t0, "W")
-        inbox.finish()
+                with clock.span():
+                    self.states.begin_backward(False)
+                    run.weight_passes.pop((a.chunk, a.micro))()
+                    self.states.end_backward()
+        run.inbox.finish()
         self.p2p.finish()
-        if weight_passes:  # the data-parallel reduction must see every weight gradient
-            raise RuntimeError(f"the schedule left weight passes unrun: {sorted(weight_passes)}")
-        if clock is not None:
+        if run.weight_passes:  # the data-parallel reduction must see every weight gradient
+            raise RuntimeError(f"the schedule left weight passes unrun: {sorted(run.weight_passes)}")
+        if clock is not _NO_CLOCK:
             self._timeline = clock.finish_batch(), len(batches)
-        return losses
+        return run.losses
+
+    def _forward(self, run: "_Batch", i: int, a: Action, vs: int, clock):
+        key, last = (a.chunk, a.micro), vs == self.stages * self.chunks - 1
+        if vs == 0:
+            x = feed = to_device(run.batches[a.micro][0], self.device)
+        else:
+            x = run.inbox.take(i)
+            # The received tensors are leaves that collect the gradient to send back; the stage gets
+            # copies, which its first layer may modify in place (ReLU(inplace=True)).
+            feed = tuple(t.clone() if t.requires_grad else t for t in x)
+            x, feed = (x[0], feed[0]) if len(x) == 1 else (x, feed)
+        with clock.span():
+            y = self.module(feed, chunk=a.chunk)
+            y = self._loss(y, run.batches[a.micro][1]) if last else as_tuple(y)
+        if run.train:
+            run.inputs[key], run.outputs[key] = x, y
+        if last:
+            run.losses.append(y.detach().float())
+        else:
+            self.p2p.send_activation(y, self._peer(vs + 1), vs + 1, first=a.micro == 0)
+            run.inbox.post_ready()  # the gradient answering this forward can be received now
+
+    def _backward(self, run: "_Batch", i: int, a: Action, vs: int, clock):
+        key = (a.chunk, a.micro)
+        x, y = run.inputs.pop(key), run.outputs.pop(key)
+        if vs == self.stages * self.chunks - 1:
+            tensors, grads = [(y / len(run.batches)).float() * run.scale], None
+        else:
+            tensors, grads = _needing_grad(y), list(run.inbox.take(i))
+        received = list(as_tuple(x)) if vs > 0 else []
+        with clock.span():
+            if run.weights is not None:  # zero bubble: the input's gradient now, the weights' in W
+                back, run.weight_passes[key] = backward_input(tensors, grads, received, run.weights)
+            else:
+                self.states.begin_backward(False)
+                torch.autograd.backward(tensors, grads)
+                self.states.end_backward()
+                back = [t.grad for t in received]
+        if vs > 0:
+            self.p2p.send_gradient([g if g is not None else torch.zeros_like(t)
+                                    for t, g in zip(received, back) if t.requires_grad], self._peer(vs - 1))
 
     def _reads(self, actions: list[Action]) -> list:
         """What each action receives (see p2p.Inbox): a forward its activation, unless it is the
@@ -260,6 +256,15 @@ def _needing_grad(outputs) -> list | None:
     return None if outputs is None else [t for t in outputs if t.requires_grad]
 
 
+class _Batch:
+    """What a stage keeps while it runs one batch's actions."""
+
+    def __init__(self, batches: list, train: bool, scale: float):
+        self.batches, self.train, self.scale = batches, train, scale
+        self.inputs, self.outputs, self.weight_passes, self.losses = {}, {}, {}, []
+        self.inbox, self.weights = None, None  # weights: set when W actions compute their gradients
+
+
 class _StageClock:
     """This stage's busy time in a batch and the batch's window, for pipeline_bubble(). On a GPU each
     computation is timed by device events, and the window starts and ends at a device
@@ -280,24 +285,29 @@ class _StageClock:
             torch.cuda.synchronize()
         self.start, self.spans = time.time(), []
 
-    def begin(self):
-        return self._now()
+    @contextlib.contextmanager
+    def span(self):
+        began = self._now()
+        yield
+        self.spans.append((began, self._now()))
 
-    def end(self, began, kind: str):
-        self.spans.append((kind, began, self._now()))
-
-    def finish_batch(self) -> tuple[float, float, float, dict]:
-        """(start, end, busy seconds, mean seconds of an F, a B and a W)."""
+    def finish_batch(self) -> tuple[float, float, list[float]]:
+        """(start, end, seconds each action took, in schedule order)."""
         if self.cuda:
             torch.cuda.synchronize()
-            spans = [(kind, a.elapsed_time(b) / 1e3) for kind, a, b in self.spans]
-        else:
-            spans = [(kind, b - a) for kind, a, b in self.spans]
-        means = {}
-        for kind in "FBW":
-            times = [t for k, t in spans if k == kind]
-            means[kind] = sum(times) / len(times) if times else 0.0
-        return self.start, time.time(), sum(t for _, t in spans), means
+            return self.start, time.time(), [a.elapsed_time(b) / 1e3 for a, b in self.spans]
+        return self.start, time.time(), [b - a for a, b in self.spans]
+
+
+class _NoClock:
+    def start_batch(self):
+        pass
+
+    def span(self):
+        return contextlib.nullcontext()
+
+
+_NO_CLOCK = _NoClock()
 
 
 class _Done:

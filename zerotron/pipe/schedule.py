@@ -135,10 +135,11 @@ class Simulation:
 
 
 def simulate(schedule: list[list[Action]], chunks: int = 1, t_forward=1.0, t_backward=2.0,
-             t_weight=None) -> Simulation:
+             t_weight=None, durations: list[list[float]] | None = None) -> Simulation:
     """Run the schedule on ideal stages (fixed action times, free transfers, blocking receives in
     program order). `t_backward` is a whole backward; where the schedule splits it, W takes
-    `t_weight` of it (default half) and B the rest. Each time is a number, or one per stage.
+    `t_weight` of it (default half) and B the rest. Each time is a number, or one per stage;
+    `durations` (per stage, one per action) replaces them, e.g. to replay measured times.
     Raises RuntimeError if some stage waits on an action that can never happen, or runs one out
     of order."""
     p = len(schedule)
@@ -147,6 +148,14 @@ def simulate(schedule: list[list[Action]], chunks: int = 1, t_forward=1.0, t_bac
     t_f, t_b = _per_stage(t_forward, p), _per_stage(t_backward, p)
     t_w = [b / 2 for b in t_b] if t_weight is None else _per_stage(t_weight, p)
     cost = [{"F": f, "B": b - w if split else b, "W": w} for f, b, w in zip(t_f, t_b, t_w)]
+    for s, actions in enumerate(schedule):
+        for a in actions:
+            if a.kind not in cost[s]:
+                raise RuntimeError(f"stage {s} runs {a}: actions are F, B or W")
+    if durations is None:
+        durations = [[cost[s][a.kind] for a in actions] for s, actions in enumerate(schedule)]
+    elif [len(d) for d in durations] != [len(actions) for actions in schedule]:
+        raise ValueError("durations must give one time per action of each stage")
     frees = "W" if split else "B"   # the action after which a micro-batch's activations are gone
     done: dict[tuple[str, int, int], float] = {}   # (kind, vstage, micro) -> finish time
     position, clock = [0] * p, [0.0] * p
@@ -170,8 +179,6 @@ def simulate(schedule: list[list[Action]], chunks: int = 1, t_forward=1.0, t_bac
                 continue
             a = schedule[s][position[s]]
             vs = virtual_stage(s, a.chunk, p)
-            if a.kind not in cost[s]:
-                raise RuntimeError(f"stage {s} runs {a}: actions are F, B or W")
             if (a.kind, vs, a.micro) in done:
                 raise RuntimeError(f"stage {s} runs {a} twice")
             if a.kind == "B" and ("F", vs, a.micro) not in done:
@@ -185,8 +192,8 @@ def simulate(schedule: list[list[Action]], chunks: int = 1, t_forward=1.0, t_bac
                 src = location(dep[1], p)[0]
                 received.setdefault((src, s, a.kind), []).append((dep[1], a.micro))
             start = max(clock[s], done[dep] if dep is not None else 0.0)
-            clock[s] = start + cost[s][a.kind]
-            busy[s] += cost[s][a.kind]
+            clock[s] = start + durations[s][position[s]]
+            busy[s] += durations[s][position[s]]
             done[(a.kind, vs, a.micro)] = clock[s]
             alive[s] += 1 if a.kind == "F" else -1 if a.kind == frees else 0
             peak[s] = max(peak[s], alive[s])
