@@ -6,6 +6,7 @@ import pytest
 import torch.nn as nn
 
 from zerotron.pipe import LayerSpec, PipelineModule, TiedLayerSpec, build_schedule, simulate, theoretical_bubble
+from zerotron.pipe.schedule import Action
 from zerotron.pipe.partition import by_type, partition, uniform
 
 CASES = [(name, p, m, v) for name, v in (("gpipe", 1), ("1f1b", 1), ("gpipe", 2), ("interleaved", 2), ("interleaved", 3),
@@ -261,3 +262,71 @@ def test_one_group_for_every_flow_would_deadlock():
     # to interleaved schedules): each stage's next operation is a send the other cannot match yet
     assert _stalls(build_schedule("1f1b", 2, 2, 1), 2, 1, lambda msg, src, dst: "pp")
     assert _stalls(build_schedule("interleaved", 2, 4, 2), 2, 2, lambda msg, src, dst: msg[0])
+
+
+# ---- receives posted ahead (zerotron/pipe/p2p.py's Inbox) -------------------------------------------
+class _Recorder:
+    """A stand-in for P2P that logs each receive's posting, by flow."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def post_activation(self, src, vstage, first):
+        self.log.append(("post", ("act", src)))
+        return self
+
+    def post_gradient(self, like, src):
+        self.log.append(("post", ("grad", src)))
+        return self
+
+    def wait(self):
+        return ()
+
+
+@pytest.mark.parametrize("name,p,m,v", [c for c in CASES if c[1] > 1])
+def test_each_receive_is_posted_as_soon_as_the_schedule_makes_it_knowable(name, p, m, v):
+    """A receive is posted before the computation that follows the read of the previous message of
+    its flow (a gradient's, also of the forward it answers): the message can then arrive while the
+    stage computes; and no flow has two receives outstanding."""
+    from zerotron.pipe.p2p import Inbox
+    from zerotron.pipe.schedule import location, virtual_stage
+    last = p * v - 1
+    for s, actions in enumerate(build_schedule(name, p, m, v)):
+        reads, answers = [], []  # per action: what it receives (as the engine's _reads), the forward it answers
+        for a in actions:
+            vs = virtual_stage(s, a.chunk, p)
+            if a.kind == "F" and vs > 0:
+                reads.append(("act", location(vs - 1, p)[0], vs, a.micro == 0))
+            elif a.kind == "B" and vs < last:
+                reads.append(("grad", location(vs + 1, p)[0], (a.chunk, a.micro)))
+            else:
+                reads.append(None)
+            answers.append(actions.index(Action("F", a.chunk, a.micro)) if a.kind == "B" else None)
+        log, forwarded = [], set()
+        inbox = Inbox(_Recorder(log), reads, lambda key: [] if key in forwarded else None)
+        for i, (a, r) in enumerate(zip(actions, reads)):
+            if r is not None:
+                log.append(("read", i))
+                inbox.take(i)
+            log.append(("compute", i))
+            if a.kind == "F":
+                forwarded.add((a.chunk, a.micro))
+                inbox.post_ready()
+        inbox.finish()
+        at = {event: t for t, event in enumerate(log) if event[0] != "post"}
+        posts, flows = {}, {}
+        for t, event in enumerate(log):
+            if event[0] == "post":
+                posts.setdefault(event[1], []).append(t)
+        for i, r in enumerate(reads):
+            if r is not None:
+                flows.setdefault(r[:2], []).append(i)
+        for flow, indices in flows.items():
+            assert len(posts[flow]) == len(indices)  # the k-th receive posted on a flow is its k-th read's
+            for k, i in enumerate(indices):
+                ready = at[("read", indices[k - 1])] if k else 0
+                if reads[i][0] == "grad":
+                    ready = max(ready, at[("compute", answers[i])])
+                next_compute = min(t for e, t in at.items() if e[0] == "compute" and t > ready)
+                assert posts[flow][k] < next_compute, (s, i, flow)
+                assert k == 0 or posts[flow][k] > at[("read", indices[k - 1])]  # one outstanding per flow

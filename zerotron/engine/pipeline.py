@@ -112,9 +112,9 @@ class PipelineEngine(Engine):
         """Idle fraction of each stage in the last train_batch, measured over the common window from
         the first stage's start to the last stage's end (collective over the pipeline group); the
         schedule's theoretical bubble (equal stages, t_B = 2·t_F, ZB-H1's B and W as long as F);
-        and `simulated`: the schedule replayed on ideal stages (free transfers, nothing between
-        actions) whose every action takes the time it took in that batch. Measured minus simulated
-        is what the engine adds (transfers, waits, host work); simulated minus theory is the stages'
+        and `replayed`: the schedule replayed on ideal stages (free transfers, nothing between
+        actions) whose every action takes the time it took in that batch. Measured minus replayed
+        is what the engine adds (transfers, waits, host work); replayed minus theory is the stages'
         own unevenness (a machine where concurrent stages slow each other, uneven layers)."""
         if self._timeline is None:
             raise RuntimeError("pipeline_bubble() reports on the last train_batch: run one first, with "
@@ -127,7 +127,7 @@ class PipelineEngine(Engine):
         replayed = simulate(schedule, self.chunks, durations=[t[2:] for t in every])
         return {"measured": [1 - sum(t[2:]) / window for t in every],
                 "theory": theoretical_bubble(self.stages, micro, self.chunks, self.schedule_name),
-                "simulated": replayed.bubble}
+                "replayed": replayed.bubble}
 
     # ---- running a schedule --------------------------------------------------------------------
     def _read(self, data_iter, count: int | None = None) -> list:
