@@ -230,6 +230,8 @@ def _initialize(config_extra):
     ({"tensor_parallel": {"autotp_size": 2}, "zerotron": {"sequence_parallel": True}}, "sequence parallelism"),
     ({"pipeline": {"schedule": "interleaved"}}, "num_virtual_stages"),
     ({"pipeline": {"schedule": "zb-h1"}, "chunks": 2}, "pipeline.schedule.*zb-h1.*num_virtual_stages=1"),
+    ({"pipeline": {"schedule": "zb-h1"}, "zerotron": {"checkpoint_policy": "selective"}},
+     "checkpoint_policy.*selective.*every_block"),
     ({"pipeline": {"stages": 4}}, "PipelineModule has 2 stages")])
 def test_unsupported_combinations_get_clear_errors(extra, message):
     world = 4 if "tensor_parallel" in extra else 2

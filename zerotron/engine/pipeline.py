@@ -38,6 +38,10 @@ class PipelineEngine(Engine):
         if config.zerotron.sequence_parallel:
             raise ConfigError("zerotron.sequence_parallel", True, "sequence parallelism is not supported with "
                               "pipeline parallelism yet; turn it off or use one pipeline stage")
+        if config.pipeline.schedule == "zb-h1" and config.zerotron.checkpoint_policy == "selective":
+            raise ConfigError("zerotron.checkpoint_policy", "selective", "the zb-h1 schedule recomputes a "
+                              "checkpointed block twice (for B, then for W), which selective checkpointing does not "
+                              "allow; use every_block or every_k, or the 1f1b schedule")
         chunks = module.num_virtual_stages
         if config.pipeline.schedule == "interleaved" and chunks == 1:
             raise ConfigError("pipeline.schedule", "interleaved", "the interleaved schedule needs "
