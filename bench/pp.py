@@ -10,9 +10,9 @@ Pipeline size = world size; a step is one global batch of --batch sequences in -
 micro-batches (stage 0 reads the tokens, the last stage the targets). Same seeded GPT, batches, fused AdamW
 and clipping (default off) for every system. Both sides cut the model alike (stage_bounds) and wrap each block
 to take one tensor, as zerotron's _PipeBlock does. --balanced: every stage holds transformer blocks only (no
-embedding, no head), stage 0 reads seeded hidden states that require grad (so it computes its input's gradient
-as every other stage does) and the last stage's loss is the mean squared error to seeded targets: stages of
-equal cost, as the bubble's theory assumes.
+embedding, no head); stage 0 reads seeded hidden states and makes them a leaf that requires grad (InputLeaf), so
+it computes its input's gradient as every other stage does; the last stage's loss is the mean squared error to
+seeded targets: stages of equal cost, as the bubble's theory assumes.
 
   zt_<schedule>     to_pipeline + zerotron.initialize(pipeline.schedule gpipe / 1f1b / zb-h1);
                     a step = engine.train_batch(iter(micro-batches))
@@ -70,11 +70,11 @@ def stage_bounds(n_layer: int, stages: int) -> list[int]:
 
 
 def hidden_batches(args, cfg):
-    """--balanced: per step, seeded hidden states (requiring grad, so that stage 0 computes its input's
-    gradient too) and seeded targets for the mean squared error, shaped (batch, seq, d_model)."""
+    """--balanced: per step, seeded hidden states and seeded targets for the mean squared error, shaped
+    (batch, seq, d_model)."""
     g = torch.Generator().manual_seed(1234)
     shape = (args.batch, args.seq, cfg.d_model)
-    return [(torch.randn(shape, generator=g).requires_grad_(), torch.randn(shape, generator=g))
+    return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
             for _ in range(args.warmup + args.rounds * args.steps)]
 
 
@@ -92,12 +92,20 @@ def mse(output, target):
     return nn.functional.mse_loss(output, target)
 
 
+class InputLeaf(nn.Module):
+    """--balanced, first on stage 0: the hidden states as a leaf that requires grad, as a received
+    activation is on every other stage (their gradient is computed and dropped)."""
+
+    def forward(self, x):
+        return x.detach().requires_grad_()
+
+
 def zerotron_system(cfg, args, stages, schedule):
     if args.balanced:  # the GPT's blocks alone, cut as the torch stages are
         from zerotron.pipe import PipelineModule
         gpt = common.build_gpt(cfg)
-        module = PipelineModule([RotaryBlock(b, cfg) for b in gpt.layers], num_stages=stages, loss_fn=mse,
-                                partition_method="uniform")
+        module = PipelineModule([InputLeaf(), *(RotaryBlock(b, cfg) for b in gpt.layers)], num_stages=stages,
+                                loss_fn=mse, partition_method="type:_PipeBlock")
     else:
         module = common.to_pipeline(common.build_gpt(cfg), stages, partition_method="type:_PipeBlock")
     engine, _ = common.zerotron_step(module, args.batch // args.micro_batches, args.clip, gas=args.micro_batches,
@@ -121,7 +129,8 @@ class TorchStage(nn.Module):
         super().__init__()
         lo, hi = stage_bounds(gpt.config.n_layer, stages)[stage:stage + 2]
         self.tok_emb = gpt.tok_emb if stage == 0 and not blocks_only else None
-        self.layers = nn.ModuleList(RotaryBlock(b, gpt.config) for b in gpt.layers[lo:hi])
+        self.layers = nn.ModuleList(([InputLeaf()] if stage == 0 and blocks_only else [])
+                                    + [RotaryBlock(b, gpt.config) for b in gpt.layers[lo:hi]])
         last = stage == stages - 1 and not blocks_only
         self.norm = gpt.norm if last else None
         self.lm_head = gpt.lm_head if last else None
@@ -205,9 +214,10 @@ def main():
         systems[f"torch_{s}"], memory[f"torch_{s}"] = torch_system(cfg, args, rank, stages, s)
     parts = next(iter(engines.values())).module.parts
     blocks = stage_bounds(args.layers, stages)
-    # zerotron's layers: [embedding, block 0..L-1, head] (balanced: the blocks); its cuts must match the
-    # torch stages' block ranges.
-    expected = blocks if args.balanced else [0] + [b + 1 for b in blocks[1:-1]] + [args.layers + 2]
+    # zerotron's layers: [embedding, block 0..L-1, head] (balanced: [InputLeaf, block 0..L-1]); its cuts
+    # must match the torch stages' block ranges.
+    expected = [0] + [b + 1 for b in blocks[1:]] if args.balanced else \
+        [0] + [b + 1 for b in blocks[1:-1]] + [args.layers + 2]
     if list(parts) != expected:
         raise SystemExit(f"zerotron cut the layers at {parts}, the torch stages at {expected}")
 
