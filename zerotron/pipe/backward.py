@@ -16,9 +16,11 @@ the ones below it and run the chain again. A weight used at two depths puts both
 group; the flow between them along the input path is then replaced by the recorded gradients, so
 nothing is counted twice.
 
-Costs: a frontier node runs in both passes, each computing its own part. Activation-checkpointed
+Costs: a frontier node runs in both passes, each computing its own part. A micro-batch's graph,
+with everything it saved (what only B needed too), lives from its forward to its W. Activation-checkpointed
 regions are recomputed once for B and once for all of W (torch's GraphExecGroup; without it, on
-older torch, once per W group). A custom autograd Function that takes a weight computes all its
+older torch, once per W group); selective checkpointing allows only one recomputation (the engine
+refuses it with zb-h1). A custom autograd Function that takes a weight computes all its
 gradients in each pass, and runs any communication in its backward twice.
 """
 from __future__ import annotations
@@ -30,7 +32,8 @@ from typing import Callable
 import torch
 from torch.autograd.graph import GradientEdge
 
-# torch >= 2.9: checkpointed regions recompute once for all backward calls made inside it.
+# Checkpointed regions recompute once for all the backward calls made inside one GraphExecGroup;
+# a torch without it recomputes them for each call.
 _one_recomputation = getattr(torch.utils.checkpoint, "GraphExecGroup", contextlib.nullcontext)
 
 
