@@ -90,7 +90,7 @@ def _layout(rng: random.Random, model: str, batch: int, grouped: bool, max_world
         if dp * tp * pp <= max_world:
             break
     gas = rng.choice([g for g in (1, 2, 3, 4) if (batch // dp) % g == 0])
-    schedule = rng.choice(["gpipe", "1f1b", "interleaved"]) if pp > 1 else "1f1b"
+    schedule = rng.choice(["gpipe", "1f1b", "interleaved", "zb-h1"]) if pp > 1 else "1f1b"
     # Mostly what is supported, sometimes what must be refused (ZeRO-3 or sequence parallelism with
     # pipelines, sequence parallelism with Transformers models).
     stage = rng.choice([0, 1, 2, 3] if pp == 1 or rng.random() < 0.1 else [0, 1, 2])

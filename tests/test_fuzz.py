@@ -47,6 +47,14 @@ FOUND = {
     # refused with a ValueError at the first step, not a ConfigError at start-up
     "the interleaved schedule with fewer micro-batches than stages": (
         _case("gpt", 4, L(dp=2, tp=1, pp=2, stage=0, gas=1, micro=2, schedule="interleaved", chunks=2)), "refused"),
+    # zb-h1 recomputes a checkpointed block for B and again for W; selective checkpointing allows one
+    # recomputation (torch's RuntimeError at the first W), so it is refused at start-up
+    "the zb-h1 schedule with selective checkpointing": (
+        _case("gpt2", 4, L(dp=4, tp=1, pp=2, stage=1, gas=1, micro=1, schedule="zb-h1", policy="selective",
+                           offload=True)), "refused"),
+    "the zb-h1 schedule with checkpointed blocks, tensor parallelism and ZeRO-2": (
+        _case("llama", 4, L(dp=1, tp=4, pp=2, stage=2, gas=2, micro=2, schedule="zb-h1", policy="every_block"),
+              L(dp=4, tp=1, pp=1, stage=0, gas=1, micro=1)), "ok"),
 }
 
 

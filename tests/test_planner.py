@@ -200,6 +200,7 @@ def test_pipeline_micro_batches_in_flight_follow_the_schedule():
     assert cost.in_flight("1f1b", 4, 8, 1) == (4, 3, 2, 1)
     assert cost.in_flight("gpipe", 4, 8, 1) == (8, 8, 8, 8)
     assert cost.in_flight("1f1b", 4, 2, 1)[0] == 2  # never more than there are micro-batches
+    assert cost.in_flight("zb-h1", 4, 8, 1) == (4, 4, 4, 4)  # activations live until W: 1F1B's first stage's
 
 
 def test_step_time_terms():

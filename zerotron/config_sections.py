@@ -10,7 +10,7 @@ from typing import Optional
 
 from .errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")  # zerotron/pipe/schedule.py builds each
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # zerotron/pipe/schedule.py builds each
 CHECKPOINT_POLICIES = ("none", "every_block", "every_k", "selective")  # zerotron/checkpointing.py applies each
 
 AUTO = "auto"
@@ -176,7 +176,7 @@ class PipelineConfig:
     """DeepSpeed's "pipeline" section. The PipelineModule decides the stages ("auto" takes its
     num_stages) and the partition; zerotron adds the schedule."""
     stages: int = 1
-    schedule: str = "1f1b"   # "gpipe", "1f1b", or "interleaved" (1F1B over the module's virtual stages)
+    schedule: str = "1f1b"   # "gpipe", "1f1b", "interleaved" (1F1B over the module's virtual stages), "zb-h1"
     partition: str = "best"  # accepted for DeepSpeed configs; PipelineModule(partition_method=...) decides
     seed_layers: bool = False
     activation_checkpoint_interval: int = 0

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from . import preemption
 from .comm import comm_for
+from .config_sections import SCHEDULES
 from .errors import EXIT_PREEMPTED
 from .parallelize import to_pipeline
 
@@ -31,8 +32,8 @@ def add_train_arguments(p: argparse.ArgumentParser):
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: processes / (tp x pp))")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=None, help="pipeline-parallel stages")
-    p.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved"], default=None,
-                   help="pipeline schedule (default 1f1b; interleaved with --virtual-stages)")
+    p.add_argument("--schedule", choices=list(SCHEDULES), default=None,
+                   help="pipeline schedule (default 1f1b; interleaved with --virtual-stages; zb-h1: zero bubble)")
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline stage (interleaved 1F1B)")
     p.add_argument("--sequence-parallel", action="store_true", default=None, help="split norms/residuals along the sequence (with --tp)")
     p.add_argument("--tp-overlap", action="store_true", default=None,

@@ -1,13 +1,17 @@
 """PipelineEngine: `train_batch` runs one global batch through the pipeline stages.
 
-Each rank runs its stage's actions from `schedule.build_schedule` in order. Gradients of every
-micro-batch accumulate without communication; after the last backward they are reduced over the
-data-parallel group (ZeRO 0/1 all at once; ZeRO-2 reduces each backward's gradients as it goes),
+Each rank runs its stage's actions from `schedule.build_schedule` in order: F, B and (zero-bubble
+schedules) W, which runs the weight half of a backward that B split off (pipe/backward.py). The
+receives each action reads are posted ahead (p2p.Inbox), the sends as their tensors exist.
+Gradients of every micro-batch accumulate without communication; after the last backward (or W)
+they are reduced over the data-parallel group (ZeRO 0/1 all at once; ZeRO-2 reduces each
+backward's gradients as it goes, from the hooks that fire where weight gradients are made),
 weights tied across stages get their reduced gradients summed between those stages, and the
 step clips by the global norm over data, tensor and pipeline ranks.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -19,8 +23,10 @@ from ..nested import to_device
 from ..topology import shared_group
 from ..errors import ConfigError
 from ..pipe.module import PipelineModule
-from ..pipe.p2p import P2P, as_tuple, flows
-from ..pipe.schedule import Action, build_schedule, location, theoretical_bubble, virtual_stage
+from ..pipe.backward import backward_input
+from ..pipe.p2p import P2P, Inbox, as_tuple, flows
+from ..pipe.schedule import (Action, build_schedule, location, simulate, splits_backward, theoretical_bubble,
+                             virtual_stage)
 
 
 class PipelineEngine(Engine):
@@ -32,6 +38,10 @@ class PipelineEngine(Engine):
         if config.zerotron.sequence_parallel:
             raise ConfigError("zerotron.sequence_parallel", True, "sequence parallelism is not supported with "
                               "pipeline parallelism yet; turn it off or use one pipeline stage")
+        if config.pipeline.schedule == "zb-h1" and config.zerotron.checkpoint_policy == "selective":
+            raise ConfigError("zerotron.checkpoint_policy", "selective", "the zb-h1 schedule recomputes a "
+                              "checkpointed block twice (for B, then for W), which selective checkpointing does not "
+                              "allow; use every_block or every_k, or the 1f1b schedule")
         chunks = module.num_virtual_stages
         if config.pipeline.schedule == "interleaved" and chunks == 1:
             raise ConfigError("pipeline.schedule", "interleaved", "the interleaved schedule needs "
@@ -104,17 +114,24 @@ class PipelineEngine(Engine):
 
     def pipeline_bubble(self) -> dict:
         """Idle fraction of each stage in the last train_batch, measured over the common window from
-        the first stage's start to the last stage's end (collective over the pipeline group), and
-        the schedule's theoretical bubble."""
+        the first stage's start to the last stage's end (collective over the pipeline group); the
+        schedule's theoretical bubble (equal stages, t_B = 2·t_F, ZB-H1's B and W as long as F);
+        and `replayed`: the schedule replayed on ideal stages (free transfers, nothing between
+        actions) whose every action takes the time it took in that batch. Measured minus replayed
+        is what the engine adds (transfers, waits, host work); replayed minus theory is the stages'
+        own unevenness (a machine where concurrent stages slow each other, uneven layers)."""
         if self._timeline is None:
             raise RuntimeError("pipeline_bubble() reports on the last train_batch: run one first, with "
                                "\"wall_clock_breakdown\": true in the config (timing synchronizes the device)")
-        start, end, busy, micro = self._timeline
-        mine = torch.tensor([start, end, busy], dtype=torch.float64, device=self.device)
-        every = self.pp_comm.all_gather_list(mine)
-        window = max(t[1].item() for t in every) - min(t[0].item() for t in every)
-        return {"measured": [1 - t[2].item() / window for t in every],
-                "theory": theoretical_bubble(self.stages, micro, self.chunks)}
+        (start, end, durations), micro = self._timeline
+        mine = torch.tensor([start, end, *durations], dtype=torch.float64, device=self.device)
+        every = [t.tolist() for t in self.pp_comm.all_gather_list(mine)]  # every stage runs as many actions
+        window = max(t[1] for t in every) - min(t[0] for t in every)
+        schedule = build_schedule(self.schedule_name, self.stages, micro, self.chunks)
+        replayed = simulate(schedule, self.chunks, durations=[t[2:] for t in every])
+        return {"measured": [1 - sum(t[2:]) / window for t in every],
+                "theory": theoretical_bubble(self.stages, micro, self.chunks, self.schedule_name),
+                "replayed": replayed.bubble}
 
     # ---- running a schedule --------------------------------------------------------------------
     def _read(self, data_iter, count: int | None = None) -> list:
@@ -134,60 +151,87 @@ class PipelineEngine(Engine):
         return self.topology.rank_of(stage, self.coords.dp, self.coords.tp)
 
     def _run(self, actions: list[Action], batches: list, train: bool) -> list[torch.Tensor]:
-        inputs, outputs, losses = {}, {}, []
-        last = self.stages * self.chunks - 1
-        clock = self._clock if train else None
-        if clock is not None:
-            clock.start_batch()
-        scale = self.loss_scaler.scale if self.loss_scaler.enabled else 1.0
-        for a in actions:
+        """Run this stage's `actions` over `batches`; the losses (on the last stage). Only the
+        computations are timed: waiting for a receive, and sending, count as idle."""
+        clock = self._clock if train and self._clock is not None else _NO_CLOCK
+        clock.start_batch()
+        run = _Batch(batches, train, self.loss_scaler.scale if self.loss_scaler.enabled else 1.0)
+        run.inbox = Inbox(self.p2p, self._reads(actions), lambda key: _needing_grad(run.outputs.get(key)))
+        if splits_backward(actions):
+            run.weights = [p for p in self.module.parameters() if p.requires_grad]
+        for i, a in enumerate(actions):
             vs = virtual_stage(self.stage, a.chunk, self.stages)
-            key = (a.chunk, a.micro)
             if a.kind == "F":
-                if vs == 0:
-                    x = feed = to_device(batches[a.micro][0], self.device)
-                else:
-                    x = self.p2p.recv_activation(self._peer(vs - 1), vs, with_header=a.micro == 0)
-                    # The received tensors are leaves that collect the gradient to send back; the
-                    # stage gets copies, which its first layer may modify in place (ReLU(inplace=True)).
-                    feed = tuple(t.clone() if t.requires_grad else t for t in x)
-                    x, feed = (x[0], feed[0]) if len(x) == 1 else (x, feed)
-                t0 = clock.begin() if clock else None
-                y = self.module(feed, chunk=a.chunk)
-                if vs == last:
-                    loss = self._loss(y, batches[a.micro][1])
-                    losses.append(loss.detach().float())
-                    outputs[key] = loss
-                else:
-                    outputs[key] = as_tuple(y)
-                    self.p2p.send_activation(outputs[key], self._peer(vs + 1), vs + 1, with_header=a.micro == 0)
-                if train:
-                    inputs[key] = x
-                else:
-                    outputs.pop(key)
-                if clock:
-                    clock.end(t0)
+                self._forward(run, i, a, vs, clock)
+            elif a.kind == "B":
+                self._backward(run, i, a, vs, clock)
             else:
-                x, y = inputs.pop(key), outputs.pop(key)
-                if vs == last:
-                    tensors, grads = [(y / len(batches)).float() * scale], None
-                else:
-                    tensors = [t for t in y if t.requires_grad]
-                    grads = self.p2p.recv_like(tensors, self._peer(vs + 1))
-                t0 = clock.begin() if clock else None
+                with clock.span():
+                    self.states.begin_backward(False)
+                    run.weight_passes.pop((a.chunk, a.micro))()
+                    self.states.end_backward()
+        run.inbox.finish()
+        self.p2p.finish()
+        if run.weight_passes:  # the data-parallel reduction must see every weight gradient
+            raise RuntimeError(f"the schedule left weight passes unrun: {sorted(run.weight_passes)}")
+        if clock is not _NO_CLOCK:
+            self._timeline = clock.finish_batch(), len(batches)
+        return run.losses
+
+    def _forward(self, run: "_Batch", i: int, a: Action, vs: int, clock):
+        key, last = (a.chunk, a.micro), vs == self.stages * self.chunks - 1
+        if vs == 0:
+            x = feed = to_device(run.batches[a.micro][0], self.device)
+        else:
+            x = run.inbox.take(i)
+            # The received tensors are leaves that collect the gradient to send back; the stage gets
+            # copies, which its first layer may modify in place (ReLU(inplace=True)).
+            feed = tuple(t.clone() if t.requires_grad else t for t in x)
+            x, feed = (x[0], feed[0]) if len(x) == 1 else (x, feed)
+        with clock.span():
+            y = self.module(feed, chunk=a.chunk)
+            y = self._loss(y, run.batches[a.micro][1]) if last else as_tuple(y)
+        if run.train:
+            run.inputs[key], run.outputs[key] = x, y
+        if last:
+            run.losses.append(y.detach().float())
+        else:
+            self.p2p.send_activation(y, self._peer(vs + 1), vs + 1, first=a.micro == 0)
+            run.inbox.post_ready()  # the gradient answering this forward can be received now
+
+    def _backward(self, run: "_Batch", i: int, a: Action, vs: int, clock):
+        key = (a.chunk, a.micro)
+        x, y = run.inputs.pop(key), run.outputs.pop(key)
+        if vs == self.stages * self.chunks - 1:
+            tensors, grads = [(y / len(run.batches)).float() * run.scale], None
+        else:
+            tensors, grads = _needing_grad(y), list(run.inbox.take(i))
+        received = list(as_tuple(x)) if vs > 0 else []
+        with clock.span():
+            if run.weights is not None:  # zero bubble: the input's gradient now, the weights' in W
+                back, run.weight_passes[key] = backward_input(tensors, grads, received, run.weights)
+            else:
                 self.states.begin_backward(False)
                 torch.autograd.backward(tensors, grads)
                 self.states.end_backward()
-                if vs > 0:
-                    back = [t.grad if t.grad is not None else torch.zeros_like(t)
-                            for t in as_tuple(x) if t.requires_grad]
-                    self.p2p.send_gradient(back, self._peer(vs - 1))
-                if clock:
-                    clock.end(t0)
-        self.p2p.finish()
-        if clock is not None:
-            self._timeline = clock.finish_batch() + (len(batches),)
-        return losses
+                back = [t.grad for t in received]
+        if vs > 0:
+            self.p2p.send_gradient([g if g is not None else torch.zeros_like(t)
+                                    for t, g in zip(received, back) if t.requires_grad], self._peer(vs - 1))
+
+    def _reads(self, actions: list[Action]) -> list:
+        """What each action receives (see p2p.Inbox): a forward its activation, unless it is the
+        first virtual stage's; a backward its output's gradient, unless it is the last's."""
+        last, reads = self.stages * self.chunks - 1, []
+        for a in actions:
+            vs = virtual_stage(self.stage, a.chunk, self.stages)
+            if a.kind == "F" and vs > 0:
+                reads.append(("act", self._peer(vs - 1), vs, a.micro == 0))
+            elif a.kind == "B" and vs < last:
+                reads.append(("grad", self._peer(vs + 1), (a.chunk, a.micro)))
+            else:
+                reads.append(None)
+        return reads
 
     def _loss(self, output, labels) -> torch.Tensor:
         labels = to_device(labels, self.device)
@@ -212,6 +256,19 @@ class PipelineEngine(Engine):
         return self._mean_over_dp(value)
 
 
+def _needing_grad(outputs) -> list | None:
+    return None if outputs is None else [t for t in outputs if t.requires_grad]
+
+
+class _Batch:
+    """What a stage keeps while it runs one batch's actions."""
+
+    def __init__(self, batches: list, train: bool, scale: float):
+        self.batches, self.train, self.scale = batches, train, scale
+        self.inputs, self.outputs, self.weight_passes, self.losses = {}, {}, {}, []
+        self.inbox, self.weights = None, None  # weights: set when W actions compute their gradients
+
+
 class _StageClock:
     """This stage's busy time in a batch and the batch's window, for pipeline_bubble(). On a GPU each
     computation is timed by device events, and the window starts and ends at a device
@@ -232,19 +289,29 @@ class _StageClock:
             torch.cuda.synchronize()
         self.start, self.spans = time.time(), []
 
-    def begin(self):
-        return self._now()
-
-    def end(self, began):
+    @contextlib.contextmanager
+    def span(self):
+        began = self._now()
+        yield
         self.spans.append((began, self._now()))
 
-    def finish_batch(self) -> tuple[float, float, float]:
+    def finish_batch(self) -> tuple[float, float, list[float]]:
+        """(start, end, seconds each action took, in schedule order)."""
         if self.cuda:
             torch.cuda.synchronize()
-            busy = sum(a.elapsed_time(b) for a, b in self.spans) / 1e3
-        else:
-            busy = sum(b - a for a, b in self.spans)
-        return self.start, time.time(), busy
+            return self.start, time.time(), [a.elapsed_time(b) / 1e3 for a, b in self.spans]
+        return self.start, time.time(), [b - a for a, b in self.spans]
+
+
+class _NoClock:
+    def start_batch(self):
+        pass
+
+    def span(self):
+        return contextlib.nullcontext()
+
+
+_NO_CLOCK = _NoClock()
 
 
 class _Done:

@@ -1,12 +1,21 @@
 """Stage-to-stage transfers: activations forward, their gradients backward.
 
-The first activation message of each batch is a header (dtype, requires-grad flag and shape of
-each tensor, in a fixed int64 layout) followed by the tensors, so a receiver never has to know
-shapes in advance; the batch's other micro-batches keep those shapes and send the tensors alone
-(reading a header is a host sync). A gradient message has exactly the shapes of the activation it
-answers, which the receiver kept. Sends are posted as soon as their tensors exist and waited for
-at the end of the batch; a stage blocks only on receives, and reads a received buffer only after
-its work was waited on (NCCL's rule; zerotron.comm's strict mode enforces it on gloo).
+A receiver must know what it receives (NCCL's receives have a fixed size) but shapes are never
+configured: the first activation message of each batch carries a header (dtype, requires-grad flag
+and shape of each tensor, in a fixed int64 layout) in front of the tensors; the batch's other
+micro-batches keep those shapes and send the tensors alone. A gradient message has exactly the
+shapes of the activation it answers, which the receiver kept.
+
+No header costs a round trip in the common case. The receiver posts the header's receive together
+with buffers shaped as the last batch's tensors, so header and tensors arrive as one message. When
+the shapes changed (a batch of another sequence length), the sender, which knows what the receiver
+expects, fills those buffers with stand-ins and sends the real tensors in a second message, which
+the receiver posts once it has read the header: one extra round trip, only then (and at the very
+first batch, when the receiver posts the header alone).
+
+Receives are posted ahead (`Inbox`) so that a message arrives while the stage computes; sends are
+posted as soon as their tensors exist and waited for at the end of the batch. A received buffer is
+read only after its work was waited on (NCCL's rule; zerotron.comm's strict mode enforces it on gloo).
 """
 from __future__ import annotations
 
@@ -66,62 +75,159 @@ class P2P:
         self.device, self.flows, self.stats = device, flows, stats
         self.rank = dist.get_rank()
         self._sends: list = []
-        self._sent_meta: dict = {}      # receiving virtual stage -> what the last header said
+        self._sent_meta: dict = {}      # receiving virtual stage -> [(dtype, shape)] its buffers expect
         self._received_meta: dict = {}  # receiving virtual stage -> what the last header said
 
     def _post(self, kind: str, src: int, dst: int, ops):
+        if not ops:
+            return _NOTHING
         comm = self.flows[(kind, src, dst)]
         return comm.batch_p2p([dist.P2POp(op, t, dst if op is dist.isend else src, group=comm.group)
                                for op, t in ops])
 
-    def send_activation(self, tensors: tuple, dst: int, vstage: int, with_header: bool):
-        """`with_header`: the first activation of a batch says its dtypes and shapes; the others
-        of the batch must keep them (reading a header is a host sync: one per batch, not per
-        micro-batch)."""
-        meta = [(t.dtype, t.requires_grad, tuple(t.shape)) for t in tensors]
-        ops = []
-        if with_header:
-            self._sent_meta[vstage] = meta
-            ops.append((dist.isend, encode_header(tensors, self.device)))
-        elif self._sent_meta.get(vstage) != meta:
-            raise ValueError(f"a pipeline stage's output changed within a batch: {_describe(meta)} after "
-                             f"{_describe(self._sent_meta.get(vstage, []))}; every micro-batch of a batch must "
-                             "have the same shapes (pad the batch), as in DeepSpeed's pipelines")
-        self._send("act", dst, ops, tensors)
+    # ---- sending ----------------------------------------------------------------------------
+    def send_activation(self, tensors: tuple, dst: int, vstage: int, first: bool):
+        """`first`: the first activation of a batch for `vstage`, which says its dtypes and shapes;
+        the others of the batch must keep them."""
+        meta = [(t.dtype, tuple(t.shape)) for t in tensors]
+        if not first:
+            if self._sent_meta.get(vstage) != meta:
+                raise ValueError(f"a pipeline stage's output changed within a batch: {_describe(meta)} after "
+                                 f"{_describe(self._sent_meta.get(vstage, []))}; every micro-batch of a batch must "
+                                 "have the same shapes (pad the batch), as in DeepSpeed's pipelines")
+            self._send("act", dst, tensors)
+            return
+        expected, self._sent_meta[vstage] = self._sent_meta.get(vstage), meta
+        header = encode_header(tensors, self.device)
+        if expected == meta:  # the receiver's buffers fit: header and tensors in one message
+            self._send("act", dst, tensors, header)
+            return
+        # The receiver posted the header alone (first batch) or with buffers of the old shapes:
+        # fill those, then send the tensors as a message of their own.
+        stand_ins = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in expected or []]
+        self._send("act", dst, stand_ins, header)
+        self._send("act", dst, tensors)
 
     def send_gradient(self, tensors, dst: int):
         """Tensors whose shapes the receiver knows (the gradients of what it sent)."""
-        self._send("grad", dst, [], tensors)
+        self._send("grad", dst, tensors)
 
-    def _send(self, kind, dst, ops, tensors):
-        ops = ops + [(dist.isend, t.contiguous()) for t in tensors]
+    def _send(self, kind, dst, tensors, header=None):
+        ops = ([] if header is None else [(dist.isend, header)]) + [(dist.isend, t.contiguous()) for t in tensors]
         for t in tensors:
             self.stats._count("p2p", t)
         # a send's buffer may be reused only once it completed: waited for at the end of the batch
         self._sends.append(self._post(kind, self.rank, dst, ops))
 
-    def recv_activation(self, src: int, vstage: int, with_header: bool) -> tuple:
-        if with_header:
-            header = torch.empty(HEADER_NUMEL, dtype=torch.int64, device=self.device)
-            self._post("act", src, self.rank, [(dist.irecv, header)]).wait()
-            self._received_meta[vstage] = decode_header(header)  # only after the wait: before it, nothing is there
-        meta = self._received_meta[vstage]
-        tensors = tuple(torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in meta)
-        self._post("act", src, self.rank, [(dist.irecv, t) for t in tensors]).wait()
-        for t, (_, requires_grad, _) in zip(tensors, meta):
-            t.requires_grad_(requires_grad)
-        return tensors
+    # ---- receiving --------------------------------------------------------------------------
+    def post_activation(self, src: int, vstage: int, first: bool) -> "Incoming":
+        """Post the receive of an activation for `vstage`; its wait() returns the tensors."""
+        known = self._received_meta.get(vstage)
+        if not first:
+            buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in known]
+            return Incoming(self._post("act", src, self.rank, [(dist.irecv, t) for t in buffers]), buffers,
+                            [rg for _, rg, _ in known])
+        header = torch.empty(HEADER_NUMEL, dtype=torch.int64, device=self.device)
+        guess = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in known or []]
+        work = self._post("act", src, self.rank, [(dist.irecv, header)] + [(dist.irecv, t) for t in guess])
+        return _HeaderedIncoming(self, src, vstage, work, header, guess)
 
-    def recv_like(self, like: list[torch.Tensor], src: int) -> list[torch.Tensor]:
-        tensors = [torch.empty_like(t) for t in like]
-        self._post("grad", src, self.rank, [(dist.irecv, t) for t in tensors]).wait()
-        return tensors
+    def post_gradient(self, like: list[torch.Tensor], src: int) -> "Incoming":
+        """Post the receive of the gradients of `like` (what this stage sent)."""
+        buffers = [torch.empty_like(t) for t in like]
+        return Incoming(self._post("grad", src, self.rank, [(dist.irecv, t) for t in buffers]), buffers)
 
     def finish(self):
         """Wait for every send of the batch."""
         for w in self._sends:
             w.wait()
         self._sends = []
+
+
+class Incoming:
+    """A posted receive. wait() returns its tensors: before it, they hold nothing (NCCL's rule)."""
+
+    def __init__(self, work, buffers: list, requires_grad: list | None = None):
+        self.work, self.buffers, self.requires_grad = work, buffers, requires_grad
+
+    def wait(self) -> tuple:
+        self.work.wait()
+        for t, flag in zip(self.buffers, self.requires_grad or []):
+            t.requires_grad_(flag)
+        return tuple(self.buffers)
+
+
+class _HeaderedIncoming(Incoming):
+    """The first activation of a batch: a header, and buffers shaped as the last batch's tensors."""
+
+    def __init__(self, p2p: P2P, src: int, vstage: int, work, header, guess: list):
+        super().__init__(work, guess)
+        self.p2p, self.src, self.vstage, self.header = p2p, src, vstage, header
+
+    def wait(self) -> tuple:
+        self.work.wait()
+        meta = decode_header(self.header)  # only after the wait: before it, nothing is there
+        self.p2p._received_meta[self.vstage] = meta
+        self.requires_grad = [rg for _, rg, _ in meta]
+        if [(t.dtype, tuple(t.shape)) for t in self.buffers] != [(d, s) for d, _, s in meta]:
+            # new shapes (or the first batch): what arrived were stand-ins; the tensors follow
+            self.buffers = [torch.empty(shape, dtype=dtype, device=self.p2p.device) for dtype, _, shape in meta]
+            self.work = self.p2p._post("act", self.src, self.p2p.rank, [(dist.irecv, t) for t in self.buffers])
+        return super().wait()
+
+
+class Inbox:
+    """One batch's receives on one stage, posted ahead. `reads[i]` says what action i reads:
+    ("act", src rank, virtual stage, first of the batch) or ("grad", src rank, key of the forward
+    it answers), or None. For each incoming flow the next message the schedule reads is posted as
+    soon as it is knowable (an activation: at once; a gradient: once `like(key)` gives the tensors
+    it answers, i.e. after their forward), so it arrives while the stage computes. One receive per
+    flow is outstanding at a time: a flow's messages arrive in order anyway, and buffers are not
+    held for micro-batches far ahead."""
+
+    def __init__(self, p2p: P2P, reads: list, like):
+        self.p2p, self.reads, self.like = p2p, reads, like
+        self.queues: dict = {}
+        for i, r in enumerate(reads):
+            if r is not None:
+                self.queues.setdefault(r[:2], []).append(i)
+        self.heads = {flow: 0 for flow in self.queues}  # per flow: position of the next read
+        self.posted: dict = {}  # action index -> Incoming
+        self.post_ready()
+
+    def post_ready(self):
+        for flow, queue in self.queues.items():
+            if self.heads[flow] == len(queue) or queue[self.heads[flow]] in self.posted:
+                continue
+            i = queue[self.heads[flow]]
+            kind, src, what, *first = self.reads[i]
+            if kind == "act":
+                self.posted[i] = self.p2p.post_activation(src, what, first[0])
+            elif (tensors := self.like(what)) is not None:
+                self.posted[i] = self.p2p.post_gradient(tensors, src)
+
+    def take(self, i: int) -> tuple:
+        """The tensors action i reads (waiting for them if they are not there yet)."""
+        flow = self.reads[i][:2]
+        if self.queues[flow][self.heads[flow]] != i:
+            raise RuntimeError(f"action {i} reads out of its flow's order")  # schedules never do
+        self.post_ready()
+        tensors = self.posted.pop(i).wait()
+        self.heads[flow] += 1
+        self.post_ready()
+        return tensors
+
+    def finish(self):
+        if self.posted or any(self.heads[f] != len(q) for f, q in self.queues.items()):
+            raise RuntimeError("a pipeline batch ended with receives it did not read")
+
+
+class _Nothing:
+    def wait(self):
+        return True
+
+
+_NOTHING = _Nothing()
 
 
 def flows(topology, stages_with_chunks: int) -> list[tuple[str, int, int]]:
@@ -133,4 +239,4 @@ def flows(topology, stages_with_chunks: int) -> list[tuple[str, int, int]]:
 
 
 def _describe(meta) -> str:
-    return ", ".join(f"{str(d).removeprefix('torch.')}{list(shape)}" for d, _, shape in meta) or "nothing"
+    return ", ".join(f"{str(m[0]).removeprefix('torch.')}{list(m[-1])}" for m in meta) or "nothing"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ..pipe.schedule import build_schedule
+from ..pipe.schedule import build_schedule, splits_backward
 from .activations import activation_bytes, bytes_per_activation
 from .hardware import GIB, Hardware
 from .memory import model_state_bytes
@@ -79,8 +79,9 @@ def in_flight(schedule: str, stages: int, micro_batches: int, chunks: int) -> tu
     peaks = []
     for actions in build_schedule(schedule, stages, micro_batches, chunks):
         alive = peak = 0
+        frees = "W" if splits_backward(actions) else "B"  # zero bubble: activations live until W
         for a in actions:
-            alive += 1 if a.kind == "F" else -1
+            alive += 1 if a.kind == "F" else -1 if a.kind == frees else 0
             peak = max(peak, alive)
         peaks.append(peak)
     return tuple(peaks)
