@@ -110,6 +110,23 @@ def test_deepspeed_zero3_regathers_what_it_released_over_one_nic_per_gpu():
     assert one_nic / release == pytest.approx(hw.gpus_per_node, rel=1e-3)
 
 
+def test_torchtitans_op_level_checkpointing_recomputes_every_second_matmul():
+    """op_sac: torchtitan's policy ("Saves output of all compute ops, except every second mm") runs
+    k, o and the MLP's up projection of a Llama block again: 11% more FLOPs for Llama 2 13B at 4096."""
+    shape, seq, hw = ModelShape(40, 5120, 40, 40, 13824, 32000), 4096, hardware("a100-80")
+    plain, op = (step_time(shape, Layout(dp=64, zero=3, micro_batch=2, checkpoint=c), seq, hw)["compute"]
+                 for c in ("none", "op_sac"))
+    d, f = shape.hidden, shape.ffn
+    extra = 2 * shape.layers * (d * d + d * d + d * f)  # k, o, up
+    assert op / plain == pytest.approx(1 + extra / shape.flops_per_token(seq))
+    assert op / plain == pytest.approx(1.113, abs=0.002)
+    # its memory: the block input, q, v, gate and down outputs, the attention's output and log-sum-exp
+    from zerotron.planner.activations import activation_bytes
+    kept = activation_bytes(shape, 1, seq, "op_sac", dtype="bf16", layers=1, first_stage=False, last_stage=False)
+    rotary = 4 * seq * (d // shape.heads)
+    assert kept - rotary == seq * (2 * (d + d + d + f + d + d) + 4 * shape.heads)
+
+
 def test_zerotrons_own_layouts_are_costed_as_before():
     """The engine-property fields default to zerotron's engine: none of them is on in a plain Layout."""
     L = Layout(dp=8)

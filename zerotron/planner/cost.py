@@ -32,7 +32,7 @@ class Layout:
     zero: int = 1
     micro_batch: int = 1
     grad_accum: int = 1              # micro-batches per step on each data-parallel rank
-    checkpoint: str = "none"         # none | selective | every_block
+    checkpoint: str = "none"         # none | selective | every_block | every_k | op_sac (torchtitan's)
     offload: str = "none"            # none | optimizer | optimizer+param
     schedule: str = "1f1b"           # gpipe | 1f1b | interleaved (pp > 1)
     chunks: int = 1                  # virtual stages per rank (interleaved)
@@ -203,11 +203,13 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
         + 12 * shape.layers * shape.hidden * seq
     # every_k checkpoints one block in CHECKPOINT_EVERY (the config's default checkpoint_every, and
     # activation_bytes'): those blocks' forwards run again.
-    recomputed = {"none": 0.0, "every_block": 1.0, "selective": 0.0,
+    recomputed = {"none": 0.0, "every_block": 1.0, "selective": 0.0, "op_sac": 0.0,
                   "every_k": -(-shape.layers // CHECKPOINT_EVERY) / shape.layers}[L.checkpoint]
     recompute = block_flops / 3 * recomputed
     if L.checkpoint == "selective":  # the attention's score and softmax recomputed: 4·L·d·s per token
         recompute = 4 * shape.layers * shape.hidden * seq
+    if L.checkpoint == "op_sac":  # torchtitan's op-level policy: every second matmul of a block again
+        recompute = 2 * shape.layers * sum(shape.linears()[1::2])
     width = shape.hidden / L.tp
     rate = hw.peak_flops * hw.efficiency * width / (width + hw.knee)
     micro_compute = tokens_micro * (fpt + recompute) / (L.tp * L.pp) / rate
