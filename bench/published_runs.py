@@ -75,11 +75,18 @@ def layout(dp: int, tp: int, pp: int, micro_batch: int, global_batch: int, *, ze
 # attention scores: the fused scale-mask-softmax kernel and attention dropout (Megatron's default
 # --attention-dropout 0.1, kept by the BLOOM and Azure scripts) read and write them in device memory.
 SCORES_IN_HBM = dict(flash_attention=False)
-# DeepSpeed ZeRO-3 (0.3 to 0.6): hooks on every sub-module release its parameters after its forward
-# (unless reused within stage3_max_reuse_distance), so a checkpointed block's recomputed forward
-# gathers them again; and its collectives move one NIC's worth per GPU, not the node's pooled NICs
-# (inferred: Narayanan's Table 2 iterations stay flat while compute halves, at 21-23 GB/s per GPU).
+# DeepSpeed ZeRO-3 (0.3 to 0.6): hooks on every sub-module release its parameters after each use
+# unless the sub-module runs again within stage3_max_reuse_distance elements (zerotron/planner/
+# reuse.py): a checkpointed block's recomputed forward gathers it again, and its backward gathers
+# again the linears not reused within that distance. The distance is each run's (its
+# stage3_max_reuse_distance field): DeepSpeed's default, 1e9, for Narayanan's runs, whose config is
+# not published; 3e9 on Azure (both recipes).
+# pooled_nics=False is NOT a property of DeepSpeed: NCCL builds the rings for DeepSpeed and FSDP
+# alike. It is a value FITTED to Narayanan's six ZeRO-3 rows (Table 2), whose iterations stay flat
+# while compute halves, as if each GPU moved one HDR NIC's worth (21-23 GB/s); the Azure rows reuse
+# it. bench/planner_published.py reports those six rows apart from the others.
 DEEPSPEED_ZERO3 = dict(flash_attention=False, zero3_regather=True, pooled_nics=False)
+DEEPSPEED_DEFAULT_REUSE = 1e9  # stage3_max_reuse_distance's default in DeepSpeed 0.3.13 (stage3.py)
 
 
 def narayanan_chunks(layers: int, pp: int) -> int:
@@ -155,9 +162,13 @@ def narayanan_table2() -> list[Run]:
                         CHUNKS_NOTE.format(v=v), "full recomputation", MEGATRON_DDP], "Megatron-LM 2021 (PTD-P)"))
     for gpus, mb, x in ((384, 4, 144), (768, 2, 88), (1536, 1, 44)):
         out.append(Run(f"GPT-3 175B ZeRO-3 {gpus}", f"{NARAYANAN}, Table 2 (DeepSpeed ZeRO-3)", shape, SEQ_GPT,
-                       "a100-80", gpus, layout(gpus, 1, 1, mb, 1536, zero=3, **DEEPSPEED_ZERO3),
+                       "a100-80", gpus, layout(gpus, 1, 1, mb, 1536, zero=3, **DEEPSPEED_ZERO3,
+                                               stage3_max_reuse_distance=DEEPSPEED_DEFAULT_REUSE),
                        c1(x, 96, 12288),  # C1 with l = 96, h = 12288
-                       f"{x} TFLOP/s/GPU (C1)", ["DeepSpeed ZeRO-3, no model parallelism; full recomputation"],
+                       f"{x} TFLOP/s/GPU (C1)", ["DeepSpeed ZeRO-3, no model parallelism; full recomputation",
+                                                 "stage3_max_reuse_distance 1e9 assumed (DeepSpeed's default; "
+                                                 "config not published)",
+                                                 "pooled_nics=False fitted to this table's six ZeRO-3 rows"],
                        "DeepSpeed ZeRO-3 2021"))
     return out
 

@@ -11,8 +11,8 @@ and every layout detail the source does not give is stated as an assumption in t
 """
 from __future__ import annotations
 
-from bench.published_runs import (DEEPSPEED_ZERO3, SCORES_IN_HBM, SEQ_GPT, Run, c1, gpt, layout,
-                                  narayanan_chunks)
+from bench.published_runs import (DEEPSPEED_DEFAULT_REUSE, DEEPSPEED_ZERO3, SCORES_IN_HBM, SEQ_GPT, Run, c1,
+                                  gpt, layout, narayanan_chunks)
 from zerotron.planner.model import ARCHITECTURES, ModelShape
 
 NARAYANAN_T2 = "Narayanan et al. SC21, arXiv:2104.04473, Table 2"
@@ -21,8 +21,8 @@ MCORE = ("NVIDIA/Megatron-LM README.md 'Performance Benchmarking', images/model_
 TITAN_A100 = "pytorch/torchtitan docs/performance.md (commit 3faaa1a0d, Aug 2024)"
 TITAN_H100 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 TITAN_ASYNC = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
-DS_AZURE = ("deepspeedai/DeepSpeed docs/_posts/2022-07-26-deepspeed-azure.md (recipe: deepspeedai/"
-            "Megatron-DeepSpeed examples_deepspeed/azure/run-1t.sh)")
+DS_AZURE = ("deepspeedai/DeepSpeed docs/_posts/2022-07-26-deepspeed-azure.md (recipes: deepspeedai/"
+            "Megatron-DeepSpeed examples_deepspeed/azure/run-175b.sh, run-1t.sh)")
 # Meta's Grand Teton H100s (torchtitan's benchmarks): 96 GB of HBM2e at 2.4 TB/s, 400 Gb/s per GPU
 # between hosts (the h100 preset's), run at 500 W. Their peak is "between SXM and NVL, and we don't
 # know its exact value" (the source's footnote): the SXM figure stays, an upper bound.
@@ -52,9 +52,13 @@ def narayanan_530b() -> list[Run]:
                         "full recomputation", "plain data parallelism (ZeRO-0)"], "Megatron-LM 2021 (PTD-P)"))
     for gpus, mb, batch, x in ((640, 4, 2560, 138), (1120, 2, 2240, 98), (2240, 1, 2240, 48)):
         out.append(Run(f"GPT 530B ZeRO-3 {gpus}", NARAYANAN_T2 + " (DeepSpeed ZeRO-3)", shape, SEQ_GPT,
-                       "a100-80", gpus, layout(gpus, 1, 1, mb, batch, zero=3, **DEEPSPEED_ZERO3),
+                       "a100-80", gpus, layout(gpus, 1, 1, mb, batch, zero=3, **DEEPSPEED_ZERO3,
+                                               stage3_max_reuse_distance=DEEPSPEED_DEFAULT_REUSE),
                        c1(x, 105, 20480),  # C1 with l = 105, h = 20480
-                       f"{x} TFLOP/s/GPU (C1)", ["DeepSpeed ZeRO-3, no model parallelism; full recomputation"],
+                       f"{x} TFLOP/s/GPU (C1)", ["DeepSpeed ZeRO-3, no model parallelism; full recomputation",
+                                                 "stage3_max_reuse_distance 1e9 assumed (DeepSpeed's default; "
+                                                 "config not published)",
+                                                 "pooled_nics=False fitted to Table 2's six ZeRO-3 rows"],
                        "DeepSpeed ZeRO-3 2021"))
     return out
 
@@ -136,19 +140,30 @@ def torchtitan_h100() -> list[Run]:
 
 
 def deepspeed_azure() -> list[Run]:
-    """DeepSpeed 0.6.2 ZeRO-3 with the optimizer offloaded to the host, no model parallelism, fp16,
-    on NDm A100 v4 (8 x A100 80 GB, one 200 Gb/s HDR NIC per GPU: the a100-80 preset; 1.7 TB host)."""
+    """DeepSpeed 0.6.2 ZeRO-3, no model parallelism, fp16, on NDm A100 v4 (8 x A100 80 GB, one
+    200 Gb/s HDR NIC per GPU: the a100-80 preset; 1.7 TB host). Both recipes set
+    stage3_max_reuse_distance 3e9; the optimizer is offloaded where the recipe says so:
+    run-175b.sh sets OFFLOAD_DEVICE="none", run-1t.sh "cpu" (its README: "For the 1T model, we have
+    also enabled the CPU-offload feature"); the 2T model has no recipe."""
     out = []
-    for name, (l, h, heads), s, gpus, mb, x in (("175B", (96, 12288, 96), 512, 256, 32, 204.49),
-                                                ("1T", (128, 25600, 160), 1024, 1024, 8, 165.36),
-                                                ("2T", (160, 32768, 128), 1024, 1024, 8, 157.0)):
-        lay = layout(gpus, 1, 1, mb, gpus * mb, zero=3, offload="optimizer", **DEEPSPEED_ZERO3)
+    for name, (l, h, heads), s, gpus, mb, x, offload, why in (
+            ("175B", (96, 12288, 96), 512, 256, 32, 204.49, "none",
+             "no offload: run-175b.sh's OFFLOAD_DEVICE=\"none\" (the recipe runs micro batch 4 at seq 1024; the "
+             "post's peak run, micro batch 32 at seq 512, is assumed to keep its offload setting)"),
+            ("1T", (128, 25600, 160), 1024, 1024, 8, 165.36, "optimizer",
+             "optimizer offload to CPU: run-1t.sh's OFFLOAD_DEVICE=\"cpu\", --cpu-optimizer"),
+            ("2T", (160, 32768, 128), 1024, 1024, 8, 157.0, "optimizer",
+             "optimizer offload to CPU assumed as for 1T (no 2T recipe; the post: 'the activation and "
+             "optimizer states are allocated in the main memory')")):
+        lay = layout(gpus, 1, 1, mb, gpus * mb, zero=3, offload=offload, **DEEPSPEED_ZERO3,
+                     stage3_max_reuse_distance=3e9)
         out.append(Run(f"DeepSpeed Azure ZeRO-3 {name}", DS_AZURE, gpt(l, h, heads, vocab=50_304), s, "a100-80", gpus,
                        lay, c1(x, l, h, s=s, v=50_304),  # C1 (the post's formula) with its s and V = 50,304
                        f"{x} TFLOP/s/GPU (C1)",
-                       ["ZeRO-3 + optimizer offload to CPU (the post: 'activation and optimizer states are "
-                        "allocated in the main memory')", "activation checkpointing, fp16 (the recipe)",
-                        "gradient accumulation 1 assumed (the recipe's)",
+                       [why, "stage3_max_reuse_distance 3e9 (both recipes)",
+                        "activation checkpointing, fp16 (the recipes)",
+                        "gradient accumulation 1 assumed (the recipes')",
+                        "pooled_nics=False: the value fitted to Narayanan's Table 2, not measured here",
                         "GPT-2 vocabulary padded to 50,304 assumed: under 0.3% of C1"],
                        "DeepSpeed ZeRO-3 2022 (Azure)", {"host_gib": 1700}))
     return out
