@@ -11,8 +11,8 @@ and every layout detail the source does not give is stated as an assumption in t
 """
 from __future__ import annotations
 
-from bench.published_runs import (DEEPSPEED_DEFAULT_REUSE, DEEPSPEED_ZERO3, SCORES_IN_HBM, SEQ_GPT, Run, c1,
-                                  gpt, layout, narayanan_chunks)
+from bench.published_runs import (DEEPSPEED_DEFAULT_REUSE, DEEPSPEED_ZERO3, OP_SAC_NOTE, SCORES_IN_HBM, SEQ_GPT,
+                                  Run, c1, gpt, layout, narayanan_chunks)
 from zerotron.planner.model import ARCHITECTURES, ModelShape
 
 NARAYANAN_T2 = "Narayanan et al. SC21, arXiv:2104.04473, Table 2"
@@ -97,15 +97,16 @@ def torchtitan_more() -> list[Run]:
                layout(64, 1, 1, 1, 64, zero=3, checkpoint="every_k"), 2904, "2904 tok/s/GPU, MFU 56.8% (C6)",
                ["FSDP2 = ZeRO-3", layer_note, "seq 8192 (train_configs/llama3_8b.toml)"], "torchtitan FSDP2")]
     for name, ckpt, x, mfu in (("no AC", "none", 2162, 61.1), ("AC every 2nd layer", "every_k", 1914, 54.1),
-                               ("selective op AC", "selective", 1904, 53.8)):
+                               ("selective op AC", "op_sac", 1904, 53.8)):
         out.append(Run(f"torchtitan Llama 2 13B, {name}", TITAN_A100, l2_13, 4096, "a100-80", 64,
                        layout(64, 1, 1, 2, 128, zero=3, checkpoint=ckpt), x, f"{x} tok/s/GPU, MFU {mfu}% (C6)",
                        ["FSDP2 = ZeRO-3", "local batch 2, seq 4096 (train_configs/llama2_13b.toml)"]
-                       + ([layer_note] if ckpt == "every_k" else []), "torchtitan FSDP2"))
-    for mb, ckpt, x, mfu in ((1, "selective", 355, 50.8), (2, "every_block", 353, 50.5)):
+                       + ([layer_note] if ckpt == "every_k" else [OP_SAC_NOTE] if ckpt == "op_sac" else []),
+                       "torchtitan FSDP2"))
+    for mb, ckpt, x, mfu in ((1, "op_sac", 355, 50.8), (2, "every_block", 353, 50.5)):
         out.append(Run(f"torchtitan Llama 2 70B, local batch {mb}", TITAN_A100, l2_70, 4096, "a100-80", 64,
                        layout(64, 1, 1, mb, 64 * mb, zero=3, checkpoint=ckpt), x, f"{x} tok/s/GPU, MFU {mfu}% (C6)",
-                       ["FSDP2 = ZeRO-3", "selective op AC" if ckpt == "selective" else "full AC", "seq 4096"],
+                       ["FSDP2 = ZeRO-3", OP_SAC_NOTE if ckpt == "op_sac" else "full AC", "seq 4096"],
                        "torchtitan FSDP2"))
     return out
 
@@ -117,18 +118,21 @@ def torchtitan_h100() -> list[Run]:
     for gpus, eager, compiled in ((8, 5762, 6667), (128, 5605, 6514)):
         for how, x in (("", eager), (", compiled", compiled)):
             out.append(Run(f"torchtitan H100 Llama 3.1 8B FSDP {gpus}{how}", TITAN_H100, l3_8, 8192, "h100", gpus,
-                           layout(gpus, 1, 1, 2, 2 * gpus, zero=3, checkpoint="selective"), x, f"{x} TPS/GPU (C6)",
-                           ["FSDP2 = ZeRO-3", "local batch 2, selective AC ('op': train_configs/llama3_8b.toml)",
+                           layout(gpus, 1, 1, 2, 2 * gpus, zero=3, checkpoint="op_sac"), x, f"{x} TPS/GPU (C6)",
+                           ["FSDP2 = ZeRO-3", "local batch 2, selective AC ('op': train_configs/llama3_8b.toml at "
+                            "9dec370)", OP_SAC_NOTE + "; the same policy at 9dec370",
                             "torch.compile" if how else "eager", GT_NOTE], "torchtitan FSDP2 (H100)", GRAND_TETON))
     for size, shape, gpus, mb, ckpt, (vanilla, asyncx) in (
-            ("70B", l3_70, 256, 16, "every_block", (597.3, 652.4)), ("8B", l3_8, 64, 12, "selective", (4378, 4809.4))):
+            ("70B", l3_70, 256, 16, "every_block", (597.3, 652.4)), ("8B", l3_8, 64, 12, "op_sac", (4378, 4809.4))):
         for how, x in (("", vanilla), (", async TP", asyncx)):
             out.append(Run(f"torchtitan H100 Llama 3.1 {size} FSDP+TP8{how}", TITAN_ASYNC, shape, 8192, "h100", gpus,
                            layout(gpus // 8, 8, 1, mb, gpus // 8 * mb, zero=3, checkpoint=ckpt, sp=True,
                                   tp_overlap=bool(how)), x,
                            f"{x} tokens/sec (per GPU) (C6)",
                            ["FSDP2 = ZeRO-3 over the data-parallel ranks", f"local batch {mb}",
-                            "full AC" if ckpt == "every_block" else "per-op SAC", "torch.compile, bf16",
+                            "full AC" if ckpt == "every_block" else OP_SAC_NOTE + "; the same policy at 820504e "
+                            "(its 'per op SAC'); the TP all-gathers it recomputes under sequence parallelism are "
+                            "not modelled", "torch.compile, bf16",
                             "seq 8192 (train_configs)", GT_NOTE], "torchtitan FSDP2 (H100)", GRAND_TETON))
     out.append(Run("torchtitan H100 Llama 3.1 405B FSDP16+TP8", "pytorch/torchtitan docs/performance.md (commit "
                    "3faaa1a0d)", l3_405, 8192, "h100", 128, layout(16, 8, 1, 2, 32, zero=3, sp=True),
