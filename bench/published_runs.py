@@ -113,7 +113,15 @@ class Run:
 
 
 NARAYANAN = "Narayanan et al. SC21, arXiv:2104.04473"
-NARAYANAN_T1 = f"{NARAYANAN}, Table 1 (DP/MBS: bigscience-workshop/bigscience experiments/meg-notes.md)"
+NARAYANAN_T1 = f"{NARAYANAN}, Table 1 (micro batch: bigscience-workshop/bigscience experiments/meg-notes.md)"
+# The SC21 text (arXiv v5) read for Table 1 gives tensor- and pipeline-parallel sizes, GPUs and batch;
+# DP is GPUs / (TP·PP). Micro batches appear only in BigScience's notes, which transcribe an earlier
+# version of the table (arXiv v2, one "model parallel size" column, from which BigScience derived TP
+# and PP themselves: "So for example for 76B it says MP=32, which means 8 * 4"); their split agrees
+# with SC21's columns. The v2 table itself was not read.
+NARAYANAN_T1_NOTE = ("TP/PP from Table 1 (SC21 text), DP = GPUs / (TP·PP); micro batch {mb} only in BigScience's "
+                     "meg-notes.md (its transcription of arXiv v2's table, which had one model-parallel column and "
+                     "from which BigScience derived TP/PP themselves); NVIDIA's SC21 table gives no micro batch")
 KORTHIKANTI = ("Korthikanti et al. 2022, arXiv:2205.05198: configurations Table 3, MFU Table 5, interleaving §6 "
                "(read from a text copy of the paper)")
 BLOOM = "bigscience-workshop/bigscience train/tr11-176B-ml/README.md + tr11-176B-ml.slurm"
@@ -139,7 +147,7 @@ def narayanan_table1() -> list[Run]:
     out = []
     for label, heads, h, l, tp, pp, dp, mb, gbs, x in rows:
         v = narayanan_chunks(l, pp)
-        notes = ["full recomputation (eq. 3 assumes it)", MEGATRON_DDP]
+        notes = ["full recomputation (eq. 3 assumes it)", MEGATRON_DDP, NARAYANAN_T1_NOTE.format(mb=mb)]
         if pp > 1:
             notes.append(CHUNKS_NOTE.format(v=v) + ("" if v == 2 else f" (2 does not divide {l // pp} layers/stage)"))
         out.append(Run(f"Megatron GPT-{label}", NARAYANAN_T1, gpt(l, h, heads), SEQ_GPT, "a100-80", tp * pp * dp,
