@@ -23,11 +23,15 @@ def rows():
 def test_published_runs_stay_within_the_documented_bounds(rows):
     s = published.summarize(rows)
     assert s["runs"] == 62
-    assert s["median_abs_pct_error"] <= 9.5  # docs/planner.md: 8.7% (the goal: 10%)
-    assert s["mean_abs_pct_error"] <= 12.0   # 10.8%
-    assert all(0.6 <= r["ratio"] <= 1.45 for r in rows), [(r["name"], r["ratio"]) for r in rows]  # 0.66-1.37
+    assert s["median_abs_pct_error"] <= 9.5  # docs/planner.md: 7.5% (the goal: 10%)
+    assert s["mean_abs_pct_error"] <= 12.0   # 10.3%
+    assert all(0.6 <= r["ratio"] <= 1.45 for r in rows), [(r["name"], r["ratio"]) for r in rows]  # 0.66-1.34
     assert set(s["beyond_25_pct"]) <= EXPLAINED, set(s["beyond_25_pct"]) - EXPLAINED
     assert s["per_set"]["first 29"]["median_abs_pct"] <= 7.2  # the first comparison's median, before this work
+    # pooled_nics=False is fitted to Narayanan's six DeepSpeed ZeRO-3 rows: the bound that tests the
+    # planner leaves them out
+    assert s["fitted"]["runs"] == 6 and s["not_fitted"]["runs"] == 56
+    assert s["not_fitted"]["median_abs_pct"] <= 9.0  # 8.1%
 
 
 def test_megatron_core_shapes_count_the_flops_megatron_counts(rows):
