@@ -75,11 +75,18 @@ def layout(dp: int, tp: int, pp: int, micro_batch: int, global_batch: int, *, ze
 # attention scores: the fused scale-mask-softmax kernel and attention dropout (Megatron's default
 # --attention-dropout 0.1, kept by the BLOOM and Azure scripts) read and write them in device memory.
 SCORES_IN_HBM = dict(flash_attention=False)
-# DeepSpeed ZeRO-3 (0.3 to 0.6): hooks on every sub-module release its parameters after its forward
-# (unless reused within stage3_max_reuse_distance), so a checkpointed block's recomputed forward
-# gathers them again; and its collectives move one NIC's worth per GPU, not the node's pooled NICs
-# (inferred: Narayanan's Table 2 iterations stay flat while compute halves, at 21-23 GB/s per GPU).
+# DeepSpeed ZeRO-3 (0.3 to 0.6): hooks on every sub-module release its parameters after each use
+# unless the sub-module runs again within stage3_max_reuse_distance elements (zerotron/planner/
+# reuse.py): a checkpointed block's recomputed forward gathers it again, and its backward gathers
+# again the linears not reused within that distance. The distance is each run's (its
+# stage3_max_reuse_distance field): DeepSpeed's default, 1e9, for Narayanan's runs, whose config is
+# not published; 3e9 on Azure (both recipes).
+# pooled_nics=False is NOT a property of DeepSpeed: NCCL builds the rings for DeepSpeed and FSDP
+# alike. It is a value FITTED to Narayanan's six ZeRO-3 rows (Table 2), whose iterations stay flat
+# while compute halves, as if each GPU moved one HDR NIC's worth (21-23 GB/s); the Azure rows reuse
+# it. bench/planner_published.py reports those six rows apart from the others.
 DEEPSPEED_ZERO3 = dict(flash_attention=False, zero3_regather=True, pooled_nics=False)
+DEEPSPEED_DEFAULT_REUSE = 1e9  # stage3_max_reuse_distance's default in DeepSpeed 0.3.13 (stage3.py)
 
 
 def narayanan_chunks(layers: int, pp: int) -> int:
@@ -106,9 +113,17 @@ class Run:
 
 
 NARAYANAN = "Narayanan et al. SC21, arXiv:2104.04473"
-NARAYANAN_T1 = f"{NARAYANAN}, Table 1 (DP/MBS: bigscience-workshop/bigscience experiments/meg-notes.md)"
-KORTHIKANTI = ("Korthikanti et al. 2022, arXiv:2205.05198 (MFU: NVIDIA/Megatron-LM README.md, 2022; "
-               "configs: Tables 3, 5 via a secondary summary)")
+NARAYANAN_T1 = f"{NARAYANAN}, Table 1 (micro batch: bigscience-workshop/bigscience experiments/meg-notes.md)"
+# The SC21 text (arXiv v5) read for Table 1 gives tensor- and pipeline-parallel sizes, GPUs and batch;
+# DP is GPUs / (TP·PP). Micro batches appear only in BigScience's notes, which transcribe an earlier
+# version of the table (arXiv v2, one "model parallel size" column, from which BigScience derived TP
+# and PP themselves: "So for example for 76B it says MP=32, which means 8 * 4"); their split agrees
+# with SC21's columns. The v2 table itself was not read.
+NARAYANAN_T1_NOTE = ("TP/PP from Table 1 (SC21 text), DP = GPUs / (TP·PP); micro batch {mb} only in BigScience's "
+                     "meg-notes.md (its transcription of arXiv v2's table, which had one model-parallel column and "
+                     "from which BigScience derived TP/PP themselves); NVIDIA's SC21 table gives no micro batch")
+KORTHIKANTI = ("Korthikanti et al. 2022, arXiv:2205.05198: configurations Table 3, MFU Table 5, interleaving §6 "
+               "(read from a text copy of the paper)")
 BLOOM = "bigscience-workshop/bigscience train/tr11-176B-ml/README.md + tr11-176B-ml.slurm"
 MOSAIC = "mosaicml/llm-foundry scripts/train/benchmarking/README.md (shapes: scripts/train/yamls/pretrain/mpt-*.yaml)"
 TITAN = "pytorch/torchtitan docs/performance.md"
@@ -132,7 +147,7 @@ def narayanan_table1() -> list[Run]:
     out = []
     for label, heads, h, l, tp, pp, dp, mb, gbs, x in rows:
         v = narayanan_chunks(l, pp)
-        notes = ["full recomputation (eq. 3 assumes it)", MEGATRON_DDP]
+        notes = ["full recomputation (eq. 3 assumes it)", MEGATRON_DDP, NARAYANAN_T1_NOTE.format(mb=mb)]
         if pp > 1:
             notes.append(CHUNKS_NOTE.format(v=v) + ("" if v == 2 else f" (2 does not divide {l // pp} layers/stage)"))
         out.append(Run(f"Megatron GPT-{label}", NARAYANAN_T1, gpt(l, h, heads), SEQ_GPT, "a100-80", tp * pp * dp,
@@ -155,15 +170,22 @@ def narayanan_table2() -> list[Run]:
                         CHUNKS_NOTE.format(v=v), "full recomputation", MEGATRON_DDP], "Megatron-LM 2021 (PTD-P)"))
     for gpus, mb, x in ((384, 4, 144), (768, 2, 88), (1536, 1, 44)):
         out.append(Run(f"GPT-3 175B ZeRO-3 {gpus}", f"{NARAYANAN}, Table 2 (DeepSpeed ZeRO-3)", shape, SEQ_GPT,
-                       "a100-80", gpus, layout(gpus, 1, 1, mb, 1536, zero=3, **DEEPSPEED_ZERO3),
+                       "a100-80", gpus, layout(gpus, 1, 1, mb, 1536, zero=3, **DEEPSPEED_ZERO3,
+                                               stage3_max_reuse_distance=DEEPSPEED_DEFAULT_REUSE),
                        c1(x, 96, 12288),  # C1 with l = 96, h = 12288
-                       f"{x} TFLOP/s/GPU (C1)", ["DeepSpeed ZeRO-3, no model parallelism; full recomputation"],
+                       f"{x} TFLOP/s/GPU (C1)", ["DeepSpeed ZeRO-3, no model parallelism; full recomputation",
+                                                 "stage3_max_reuse_distance 1e9 assumed (DeepSpeed's default; "
+                                                 "config not published)",
+                                                 "pooled_nics=False fitted to this table's six ZeRO-3 rows"],
                        "DeepSpeed ZeRO-3 2021"))
     return out
 
 
 def korthikanti() -> list[Run]:
-    """Sequence parallelism + selective recomputation, data-parallel size 1."""
+    """Sequence parallelism + selective recomputation, data-parallel size 1. Table 3: (label, layers,
+    hidden, heads, pipeline size, global batch, micro batch) with TP 8; §6: interleaved with 3 stages
+    for 175B and 530B, s = 2048, V = 51,200; Table 5: MFU (its iteration times give the same
+    tokens/s within 0.4%: 1.10, 13.75, 37.83, 71.49 s)."""
     rows = [("22B", 48, 6144, 64, 1, 4, 4, 1, 0.415),
             ("175B", 96, 12288, 96, 8, 64, 1, 3, 0.514),
             ("530B", 105, 20480, 128, 35, 280, 1, 3, 0.560),
@@ -171,12 +193,12 @@ def korthikanti() -> list[Run]:
     out = []
     for label, l, h, heads, pp, gbs, mb, v, mfu in rows:
         notes = ["sequence parallelism + selective recomputation", MEGATRON_DDP]
-        notes.append("interleaved, 3 virtual stages per rank" if v > 1 else
-                     "interleaving not stated (only for 175B/530B); 1F1B" if pp > 1 else "no pipeline")
+        notes.append("interleaved, 3 virtual stages per rank (§6)" if v > 1 else
+                     "interleaving not stated (§6 names only 175B/530B); 1F1B" if pp > 1 else "no pipeline")
         out.append(Run(f"Korthikanti GPT-{label}", KORTHIKANTI, gpt(l, h, heads), SEQ_GPT, "a100-80", 8 * pp,
                        layout(1, 8, pp, mb, gbs, zero=0, checkpoint="selective", chunks=v, sp=True, **SCORES_IN_HBM),
                        # C2: MFU · 312e12 / (72·l·h²·(1 + s/6h + V/12hl))
-                       c2(mfu, l, h), f"MFU {mfu:.1%} (C2)", notes, "Megatron-LM 2022 (SP + selective)"))
+                       c2(mfu, l, h), f"MFU {mfu:.1%} (Table 5; C2)", notes, "Megatron-LM 2022 (SP + selective)"))
     return out
 
 
@@ -208,12 +230,17 @@ def mosaic() -> list[Run]:
     ]
 
 
+OP_SAC_NOTE = ("selective op AC = torchtitan's op-level policy, checkpoint 'op_sac': every second matmul of a "
+               "block recomputed (parallelize_llama.py at 3faaa1a0d: 'Saves output of all compute ops, except "
+               "every second mm')")
+
+
 def torchtitan() -> list[Run]:
     """FSDP2 only (= ZeRO-3) on 64 A100-80GB, local batch 1 x 8192 tokens; tokens/s per GPU as reported (C6)."""
     return [
         Run("torchtitan Llama 3 8B", TITAN, ARCHITECTURES["llama3-8b"], 8192, "a100-80", 64,
-            layout(64, 1, 1, 1, 64, zero=3, checkpoint="selective"), 2973, "2973 tok/s/GPU, MFU 58.2% (C6)",
-            ["FSDP2 = ZeRO-3", "selective op AC modelled as the planner's 'selective'", "seq 8192 inferred"], "torchtitan FSDP2"),
+            layout(64, 1, 1, 1, 64, zero=3, checkpoint="op_sac"), 2973, "2973 tok/s/GPU, MFU 58.2% (C6)",
+            ["FSDP2 = ZeRO-3", OP_SAC_NOTE, "seq 8192 inferred"], "torchtitan FSDP2"),
         Run("torchtitan Llama 3 70B", TITAN, ARCHITECTURES["llama3-70b"], 8192, "a100-80", 64,
             layout(64, 1, 1, 1, 64, zero=3), 331, "331 tok/s/GPU, MFU 51.7% (C6)",
             ["FSDP2 = ZeRO-3", "full AC", "seq 8192 inferred"], "torchtitan FSDP2"),
@@ -223,11 +250,11 @@ def torchtitan() -> list[Run]:
 def llama3() -> list[Run]:
     """Table 4, stages 1 and 2 (8K sequences, no activation checkpointing)."""
     shape, out = ARCHITECTURES["llama3-405b"], []
-    for stage, dp, per_dp, x in ((1, 64, 32, 430), (2, 128, 16, 400)):
+    for stage, dp, per_dp, x, mfu in ((1, 64, 32, 430, 43), (2, 128, 16, 400, 41)):
         out.append(Run(f"Llama 3 405B stage {stage}", LLAMA3, shape, 8192, "h100", 8 * 16 * dp,
                        layout(dp, 8, 16, 1, dp * per_dp, zero=1, checkpoint="none", chunks=2),
                        # C4: X / (6N + 12·l·h·s), N = 405.9e9 (all parameters), l = 126, h = 16384, s = 8192
-                       c4(x, shape, 8192), f"{x} TFLOP/s/GPU, BF16 MFU {x // 10}% (C4)",
+                       c4(x, shape, 8192), f"{x} TFLOP/s/GPU, BF16 MFU {mfu}% (C4)",
                        ["FSDP with PP in the paper: modelled as ZeRO-1 (the planner's engine does not run ZeRO-3 "
                         "with pipelines)", CHUNKS_NOTE.format(v=2), "micro batch 1 assumed (not given)",
                         "sequence parallelism not stated: off", "no activation checkpointing (paper)",
@@ -237,7 +264,9 @@ def llama3() -> list[Run]:
 
 SKIPPED = [
     ("MT-NLG 530B (Smith et al., arXiv:2201.11990)", "second-hand only (cli99/llm-analysis); micro batch unknown"),
-    ("Korthikanti 530B on 2240 GPUs (MFU 54.2%)", "global batch and micro batch not given"),
+    ("Korthikanti 530B on 2240 GPUs (MFU 54.2%)",
+     "§6.3 gives it (Table 3's 530B layout with 8-way data parallelism, batch 2240, 39.15 s per iteration); "
+     "not yet added, so that the 62 runs compared so far stay the same set"),
     ("OPT-175B (arXiv:2205.01068)", "layout not fully known (FSDP + TP8 assumed), FLOP convention not stated"),
     ("Llama 3 405B long context (seq 131,072)", "context parallelism: not modelled by the planner"),
     ("torchtitan Llama 3.1 405B on 512 H100 (3D, 4D tables)", "Float8 linears; context parallelism"),

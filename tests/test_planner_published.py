@@ -7,6 +7,7 @@ from bench import planner_published as published
 from zerotron.planner import ModelShape
 from zerotron.planner.cost import Layout, _group_link, _ring, score_traffic_s, step_time
 from zerotron.planner.hardware import hardware
+from zerotron.planner.reuse import gathered
 
 # docs/planner.md explains each of these; any other run beyond 25% is a regression.
 EXPLAINED = {"torchtitan H100 Llama 3.1 8B FSDP 8", "torchtitan H100 Llama 3.1 8B FSDP 128",
@@ -22,11 +23,15 @@ def rows():
 def test_published_runs_stay_within_the_documented_bounds(rows):
     s = published.summarize(rows)
     assert s["runs"] == 62
-    assert s["median_abs_pct_error"] <= 9.5  # docs/planner.md: 8.7% (the issue's goal: 10%)
-    assert s["mean_abs_pct_error"] <= 12.0   # 10.8%
-    assert all(0.6 <= r["ratio"] <= 1.45 for r in rows), [(r["name"], r["ratio"]) for r in rows]  # 0.66-1.37
+    assert s["median_abs_pct_error"] <= 9.5  # docs/planner.md: 7.5% (the issue's goal: 10%)
+    assert s["mean_abs_pct_error"] <= 12.0   # 10.3%
+    assert all(0.6 <= r["ratio"] <= 1.45 for r in rows), [(r["name"], r["ratio"]) for r in rows]  # 0.66-1.34
     assert set(s["beyond_25_pct"]) <= EXPLAINED, set(s["beyond_25_pct"]) - EXPLAINED
     assert s["per_set"]["first 29"]["median_abs_pct"] <= 7.2  # the first comparison's median, before this work
+    # pooled_nics=False is fitted to Narayanan's six DeepSpeed ZeRO-3 rows: the bound that tests the
+    # planner leaves them out
+    assert s["fitted"]["runs"] == 6 and s["not_fitted"]["runs"] == 56
+    assert s["not_fitted"]["median_abs_pct"] <= 9.0  # 8.1%
 
 
 def test_megatron_core_shapes_count_the_flops_megatron_counts(rows):
@@ -71,19 +76,59 @@ def test_overlapped_tensor_parallelism_shows_only_what_the_gemms_cannot_hide():
     assert hidden["tensor_parallel"] == pytest.approx(plain["tensor_parallel"] - plain["compute"])
 
 
-def test_deepspeed_zero3_regathers_for_recomputation_over_one_nic_per_gpu():
+def test_deepspeed_releases_per_sub_module_within_the_reuse_distance():
+    """reuse.py against DeepSpeed's rule (a sub-module's parameters stay gathered if it runs again
+    within stage3_max_reuse_distance elements of the sub-modules between), on GPT-3 175B's linears."""
+    shape = ModelShape(96, 12288, 96, 96, 4 * 12288, 51_200, tied=True, gated=False)
+    h2 = 12288 ** 2
+    linears = shape.linears(fused_qkv=True)
+    assert linears == (3 * h2, h2, 4 * h2, 4 * h2)  # query_key_value, dense, dense_h_to_4h, dense_4h_to_h
+    block, root, every = sum(linears), 51_200 * 12288, (True,) * 96
+    # after a block's recomputed forward its linears come back after 18h², 16h², 8h² and 0 elements:
+    # with 1e9 the first three are gathered again for the backward
+    forward, backward = gathered(linears, 96, every, 1e9, root)
+    assert forward[0] == block and backward[0] == block + 8 * h2
+    # with 3e9 (the Azure recipes) 18h² = 2.7e9 is within: the backward reuses the recomputed forward's,
+    # and the last block (9h² and the root between its forward and its recomputation) is never released
+    forward, backward = gathered(linears, 96, every, 3e9, root)
+    assert backward[0] == block and backward[-1] == 0
+    # without recomputation a block's backward comes after every later block's: gathered again
+    assert gathered(linears, 96, (False,) * 96, 3e9, root)[1][0] == block
+
+
+def test_deepspeed_zero3_regathers_what_it_released_over_one_nic_per_gpu():
     shape, seq = _gpt3_like(), 2048
     # compute and latency made free, so the step shows the ZeRO-3 traffic's bandwidth term itself
     hw = hardware("a100-80").with_overrides(peak_tflops=1e12, inter_latency_us=0, intra_latency_us=0)
-    base = dict(dp=32, zero=3, micro_batch=1, grad_accum=1, checkpoint="every_block")
-    pooled, regather, one_nic = (step_time(shape, Layout(**base, **extra), seq, hw)["data_parallel"]
-                                 for extra in ({}, {"zero3_regather": True}, {"pooled_nics": False}))
-    blocks = sum(n for where, n, _ in shape.tensors() if where == "block")  # the embedding is not recomputed
+    base = dict(dp=32, zero=3, micro_batch=1, grad_accum=1, checkpoint="every_block", zero3_regather=True)
+    release, keep, one_nic = (step_time(shape, Layout(**base, **extra), seq, hw)["data_parallel"]
+                              for extra in ({"stage3_max_reuse_distance": 0}, {"stage3_max_reuse_distance": 1e15},
+                                            {"stage3_max_reuse_distance": 0, "pooled_nics": False}))
+    # released after every use, each block is gathered for its recomputed forward (12d²) and then its
+    # backward (all but the last linear, reused at once: 8d²); kept, neither
+    d2 = shape.hidden ** 2
     bw, lat = _group_link(hw, 32, hw.gpus_per_node)
     assert bw == pytest.approx(hw.inter_gbps * hw.gpus_per_node)  # a group with 8 GPUs per node: 8 NICs
-    assert regather - pooled == pytest.approx(_ring(2 * blocks, 32, bw, lat, 1, shape.layers), rel=1e-3)
+    assert release - keep == pytest.approx(_ring(2 * 20 * d2 * shape.layers, 32, bw, lat, 1), rel=1e-3)
     # each GPU's traffic through its own NIC: 8x as long
-    assert one_nic / pooled == pytest.approx(hw.gpus_per_node, rel=1e-3)
+    assert one_nic / release == pytest.approx(hw.gpus_per_node, rel=1e-3)
+
+
+def test_torchtitans_op_level_checkpointing_recomputes_every_second_matmul():
+    """op_sac: torchtitan's policy ("Saves output of all compute ops, except every second mm") runs
+    k, o and the MLP's up projection of a Llama block again: 11% more FLOPs for Llama 2 13B at 4096."""
+    shape, seq, hw = ModelShape(40, 5120, 40, 40, 13824, 32000), 4096, hardware("a100-80")
+    plain, op = (step_time(shape, Layout(dp=64, zero=3, micro_batch=2, checkpoint=c), seq, hw)["compute"]
+                 for c in ("none", "op_sac"))
+    d, f = shape.hidden, shape.ffn
+    extra = 2 * shape.layers * (d * d + d * d + d * f)  # k, o, up
+    assert op / plain == pytest.approx(1 + extra / shape.flops_per_token(seq))
+    assert op / plain == pytest.approx(1.113, abs=0.002)
+    # its memory: the block input, q, v, gate and down outputs, the attention's output and log-sum-exp
+    from zerotron.planner.activations import activation_bytes
+    kept = activation_bytes(shape, 1, seq, "op_sac", dtype="bf16", layers=1, first_stage=False, last_stage=False)
+    rotary = 4 * seq * (d // shape.heads)
+    assert kept - rotary == seq * (2 * (d + d + d + f + d + d) + 4 * shape.heads)
 
 
 def test_zerotrons_own_layouts_are_costed_as_before():

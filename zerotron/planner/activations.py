@@ -20,10 +20,17 @@ Checkpointing: a checkpointed block keeps only its input (a·d per token, split 
 `partition_activations` or sequence parallelism); `selective` keeps the block input and every
 matmul output (q, k, v before rotary and repetition, the two row projections' partial sums, gate
 and up) and recomputes the rest.
+
+`op_sac` is not zerotron's: torchtitan's selective op checkpointing ("Saves output of all compute
+ops, except every second mm", parallelize_llama.py) keeps the block input, the outputs of the
+first, third, ... matmul (q, v, gate and down in a Llama block), the attention's output and its
+log-sum-exp. This is that policy's inventory, not checked against a run as zerotron's policies are.
 """
 from __future__ import annotations
 
-from ..config_sections import CHECKPOINT_POLICIES as POLICIES
+from ..config_sections import CHECKPOINT_POLICIES
+
+POLICIES = CHECKPOINT_POLICIES + ("op_sac",)  # zerotron's, and torchtitan's op-level policy (cost.py)
 from .memory import ModelShape
 
 
@@ -48,6 +55,16 @@ def selective_bytes_per_token(shape: ModelShape, dtype: str = "fp32", tp: int = 
     return a * ((d + 2 * kv + (2 if shape.gated else 1) * f) / tp + 2 * d)  # column outputs split, row outputs whole (before all-reduce)
 
 
+def op_sac_bytes_per_token(shape: ModelShape, dtype: str = "fp32", tp: int = 1) -> float:
+    """What a block under torchtitan's op-level policy keeps per token besides its input: every
+    other matmul output from the first (column outputs split by t, row outputs whole), the
+    attention's output and its log-sum-exp (fp32)."""
+    a, d, f = bytes_per_activation(dtype), shape.hidden, shape.ffn
+    kv = d // shape.heads * shape.kv_heads
+    outputs = [d / tp, kv / tp, kv / tp, d] + ([f / tp, f / tp, d] if shape.gated else [f / tp, d])
+    return a * (sum(outputs[0::2]) + d / tp) + 4 * shape.heads / tp
+
+
 def activation_bytes(shape: ModelShape, micro_batch: int, seq: int, policy: str = "none", every: int = 2, *,
                      dtype: str = "fp32", tp: int = 1, sp: bool = False, partition_activations: bool = False,
                      layers: int | None = None, first_stage: bool = True, last_stage: bool = True) -> int:
@@ -64,7 +81,8 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq: int, policy: str 
     per_block = {"none": [full] * layers,
                  "every_block": [kept_input] * layers,
                  "every_k": [kept_input if i % every == 0 else full for i in range(layers)],
-                 "selective": [kept_input + selective_bytes_per_token(shape, dtype, tp)] * layers}[policy]
+                 "selective": [kept_input + selective_bytes_per_token(shape, dtype, tp)] * layers,
+                 "op_sac": [kept_input + op_sac_bytes_per_token(shape, dtype, tp)] * layers}[policy]
     total = tokens * sum(per_block)
     if layers:
         total += 4 * seq * (d // shape.heads)  # rotary cos and sin, shared by the blocks (and kept as checkpoint inputs)

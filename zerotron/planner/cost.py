@@ -16,9 +16,10 @@ from .hardware import GIB, Hardware
 from .memory import model_state_bytes
 from .model import ModelShape
 from .overlap import added_time, grad_buckets, kept_units, prefetch_depth, timeline
+from .reuse import gathered
 
 
-STAGE3_MAX_REUSE_DISTANCE = 1e9  # DeepSpeed's default, which the engine applies (zero/stage3.py)
+STAGE3_MAX_REUSE_DISTANCE = 1e9  # the config's default (config_sections.py), which zero/stage3.py applies
 CHECKPOINT_EVERY = 2  # the every_k policy's k: the config's checkpoint_every default
 
 
@@ -31,7 +32,7 @@ class Layout:
     zero: int = 1
     micro_batch: int = 1
     grad_accum: int = 1              # micro-batches per step on each data-parallel rank
-    checkpoint: str = "none"         # none | selective | every_block
+    checkpoint: str = "none"         # none | selective | every_block | every_k | op_sac (torchtitan's)
     offload: str = "none"            # none | optimizer | optimizer+param
     schedule: str = "1f1b"           # gpipe | 1f1b | interleaved (pp > 1)
     chunks: int = 1                  # virtual stages per rank (interleaved)
@@ -40,8 +41,11 @@ class Layout:
     # How the engine runs the layout (zerotron's engine is the default; published engines differ):
     tp_overlap: bool = False         # TP collectives pipelined with the GEMMs (Megatron-Core, async TP)
     flash_attention: bool = True     # False: the s x s attention scores go through device memory
-    zero3_regather: bool = False     # ZeRO-3 gathers a checkpointed block again for its recomputed forward
+    zero3_regather: bool = False     # ZeRO-3 releases per sub-module (DeepSpeed, reuse.py): recomputation regathers
     pooled_nics: bool = True         # False: each GPU's data-parallel traffic leaves through its own NIC
+    # ZeRO-3's stage3_max_reuse_distance (elements): zerotron's engine measures it per layer, DeepSpeed's
+    # (zero3_regather) per sub-module
+    stage3_max_reuse_distance: float = STAGE3_MAX_REUSE_DISTANCE
     # zerotron's own options (overlap.py plays them out):
     stage3_prefetch: int = 50_000_000   # ZeRO-3: elements gathered ahead of use (stage3_prefetch_bucket_size)
     # ZeRO-3's stage3_max_live_parameters: no cap by default (a config for the layout raises it until it does
@@ -70,6 +74,8 @@ class Layout:
             parts.append("tp-halves")
         if self.zero == 3 and self.stage3_prefetch != 50_000_000:
             parts.append(f"prefetch:{self.stage3_prefetch:g}")
+        if self.zero == 3 and self.stage3_max_reuse_distance != STAGE3_MAX_REUSE_DISTANCE:
+            parts.append(f"reuse:{self.stage3_max_reuse_distance:g}")
         return " ".join(parts)
 
 
@@ -198,11 +204,13 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
         + 12 * shape.layers * shape.hidden * seq
     # every_k checkpoints one block in CHECKPOINT_EVERY (the config's default checkpoint_every, and
     # activation_bytes'): those blocks' forwards run again.
-    recomputed = {"none": 0.0, "every_block": 1.0, "selective": 0.0,
+    recomputed = {"none": 0.0, "every_block": 1.0, "selective": 0.0, "op_sac": 0.0,
                   "every_k": -(-shape.layers // CHECKPOINT_EVERY) / shape.layers}[L.checkpoint]
     recompute = block_flops / 3 * recomputed
     if L.checkpoint == "selective":  # the attention's score and softmax recomputed: 4·L·d·s per token
         recompute = 4 * shape.layers * shape.hidden * seq
+    if L.checkpoint == "op_sac":  # torchtitan's op-level policy: every second matmul of a block again
+        recompute = 2 * shape.layers * sum(shape.linears()[1::2])
     width = shape.hidden / L.tp
     rate = hw.peak_flops * hw.efficiency * width / (width + hw.knee)
     micro_compute = tokens_micro * (fpt + recompute) / (L.tp * L.pp) / rate
@@ -241,7 +249,7 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
             exposed = (m if L.zero == 2 else 1) * added_time(finish, backward, sum(costs), hw.overlap)
     else:                # ZeRO-3: each layer gathered for its forward and its backward (prefetched), its
         # gradients reduce-scattered after its backward (overlap.py)
-        exposed = m * _stage3(shape, L, seq, hw, b, tokens_micro, rate, recompute, recomputed, dp_bw, dp_lat)
+        exposed = m * _stage3(shape, L, seq, hw, b, tokens_micro, rate, recompute, dp_bw, dp_lat)
     gather_after_step = 0.0
     if L.zero in (1, 2):  # the step's all-gather, bucket by bucket
         costs = [_ring(b * n, L.dp, dp_bw, dp_lat, 1) for n, _ in buckets]
@@ -292,32 +300,45 @@ def _tensor_parallel(shape: ModelShape, L: Layout, seq: int, hw: Hardware, a: in
 
 
 def _stage3(shape: ModelShape, L: Layout, seq: int, hw: Hardware, b: int, tokens: int, rate: float,
-            recompute: float, recomputed: float, bw: float, lat: float) -> float:
+            recompute: float, bw: float, lat: float) -> float:
     """What ZeRO-3's collectives add to one micro-batch: the root unit (embedding, norm, head)
     gathered as forward starts, each layer's unit gathered `depth` units ahead
     (stage3_prefetch_bucket_size) for its forward and again for its backward unless it is kept
-    (stage3_max_reuse_distance), each unit's gradients reduce-scattered after its backward with
-    one reduction in flight (zero/stage3.py). `zero3_regather` (other engines): a recomputed block is
-    gathered once more for its recomputed forward."""
+    (stage3_max_reuse_distance, per layer), each unit's gradients reduce-scattered after its
+    backward with one reduction in flight (zero/stage3.py). `zero3_regather` (DeepSpeed): what each
+    block's forward and backward gather follows DeepSpeed's release per sub-module (reuse.py): a
+    checkpointed block's recomputed forward gathers it again, and its backward gathers again the
+    linears not reused within the distance."""
     layer = sum(n for where, n, _ in shape.tensors() if where == "block") // shape.layers // L.tp
     root = int(shape.parameters // L.tp) - shape.layers * layer
-    unit, whole = (_ring(b * n, L.dp, bw, lat, 1) for n in (layer, root))
-    if L.offload == "optimizer+param":  # each gather first brings the shard from host memory
-        unit += b * layer / L.dp / (hw.pcie_gbps * 1e9)
+    whole = _ring(b * root, L.dp, bw, lat, 1)
+
+    def gather(elements: float) -> float:
+        if not elements:
+            return 0.0
+        host = b * elements / L.dp / (hw.pcie_gbps * 1e9) if L.offload == "optimizer+param" else 0.0
+        return _ring(b * elements, L.dp, bw, lat, 1) + host  # (offloaded: the shard first crosses PCIe)
+    unit = gather(layer)
     depth = prefetch_depth(L.stage3_prefetch, layer, root, L.stage3_max_live)
-    kept = kept_units(shape.layers, layer, STAGE3_MAX_REUSE_DISTANCE)
     block = tokens * _block_flops(shape, seq)["attention"] / L.tp / rate + \
         tokens * _block_flops(shape, seq)["mlp"] / L.tp / rate
     head = tokens * 2 * shape.vocab * shape.hidden / L.tp / rate
     again = tokens * recompute / shape.layers / L.tp / rate  # a checkpointed block's forward in backward
     n = shape.layers
-    regather = recomputed * unit if L.zero3_regather else 0.0
-    gathers = [(0.0 if i >= n - kept else unit) + regather for i in reversed(range(n))]
-    forward = timeline([0.0] + [block] * n + [head], pre=[whole] + [unit] * n + [0.0], ahead=depth)
+    if L.zero3_regather:  # Megatron's blocks (query_key_value one linear), the engine published with it
+        ckpt = tuple(L.checkpoint == "every_block" or (L.checkpoint == "every_k" and i % CHECKPOINT_EVERY == 0)
+                     for i in range(n))
+        linears = tuple(e // L.tp for e in shape.linears(fused_qkv=True))
+        first, second = gathered(linears, n, ckpt, L.stage3_max_reuse_distance, root)
+        forwards, gathers = [gather(e) for e in first], [gather(e) for e in reversed(second)]
+    else:
+        kept = kept_units(n, layer, L.stage3_max_reuse_distance)
+        forwards, gathers = [unit] * n, [0.0 if i >= n - kept else unit for i in reversed(range(n))]
+    forward = timeline([0.0] + [block] * n + [head], pre=[whole] + forwards + [0.0], ahead=depth)
     backward = timeline([2 * head] + [2 * block + again] * n + [0.0], pre=[0.0] + gathers + [0.0],
                         post=[0.0] + [unit] * n + [whole], ahead=depth, in_flight=1)
     compute = 3 * (n * block + head) + n * again
-    comm = whole + n * unit + sum(gathers) + n * unit + whole
+    comm = whole + sum(forwards) + sum(gathers) + n * unit + whole
     return added_time(forward + backward, compute, comm, hw.overlap)
 
 

@@ -99,6 +99,14 @@ class ModelShape:
             out.append(("head", self.vocab * d, True))
         return tuple(out)
 
+    def linears(self, fused_qkv: bool = False) -> tuple[int, ...]:
+        """Elements of each of a block's matrices, in the order its forward multiplies by them: q, k,
+        v (one query_key_value matrix when `fused_qkv`, as Megatron's attention has it), the output
+        projection, then the MLP's (gate, up, down; or up, down)."""
+        d, kv = self.hidden, self.hidden // self.heads * self.kv_heads
+        attention = (d * d + 2 * d * kv,) if fused_qkv else (d * d, d * kv, d * kv)
+        return attention + (d * d,) + (d * self.ffn,) * (3 if self.gated else 2)
+
     @property
     def tensors_per_block(self) -> int:
         return 6 + (3 if self.gated else 2)
