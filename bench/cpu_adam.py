@@ -9,13 +9,13 @@ One process, every system on all cores. The workload is the host side of ZeRO-Of
 gradient each step (--grads of them, in turn, assigned before the clock starts), AdamW; `flat`: one master
 shard of --numel elements; `gpt`: one tensor per parameter of GPT --gpt-size (tied, --vocab).
 
-Systems: zt (zerotron.ops.adam.CPUAdam, bf16 copy fused via copy_out), torch_foreach, torch_fused (the
-baseline) and ds (DeepSpeedCPUAdam; skipped with the reason when it does not load); the peers copy to bf16
-after the step. Modes, alternating in rounds: `step`, `step+bf16`, and `offload`: the whole host side of an
+Systems: zt (zerotron.ops.adam.CPUAdam, bf16 copy fused via copy_out), zt_bf16 (the same, reading bf16
+gradients in offload mode, as zerotron's engine sends them), torch_foreach, torch_fused (the baseline) and ds
+(DeepSpeedCPUAdam; skipped with the reason when it does not load); the peers copy to bf16 after the step. Modes, alternating in rounds: `step`, `step+bf16`, and `offload`: the whole host side of an
 offloaded bf16 step with clipping, each system as its engine does it, the gradients' norms taken on the
-device by both (zerotron: bf16 gradients read where they arrived, then unscale, clip, Adam and the bf16 copy
-in one pass per chunk; the peers as DeepSpeed: fp32 gradients, one unscale-and-clip pass, the step, the
-copy). Check: after
+device by both (zerotron: fp32 gradients (zt) or bf16 ones (zt_bf16) read where they arrived, then
+unscale, clip, Adam and the bf16 copy in one pass per chunk; the peers as DeepSpeed: fp32 gradients, one
+unscale-and-clip pass, the step, the copy). Check: after
 the warm-up and at the end, one more step+bf16 step; masters against torch_fused's, each bf16 output
 against its own master rounded.
 Details: bench/README.md. Results: bench/results/cpu_adam.json.
@@ -44,7 +44,8 @@ ADAMW = common.ADAMW
 BASELINE = "torch_fused"
 MODES = ("step", "step+bf16", "offload")
 CLIP = 1.0  # gradient clipping of the offload mode: the benchmark's gradients have norms of ~4-40
-ALL_SYSTEMS = ("zt", "torch_foreach", "torch_fused", "ds")
+ALL_SYSTEMS = ("zt", "zt_bf16", "torch_foreach", "torch_fused", "ds")
+ZEROTRON = ("zt", "zt_bf16")
 
 
 def parse_numel(text: str) -> int:
@@ -67,6 +68,7 @@ def parse_args():
     p.add_argument("--grads", type=int, default=3, help="distinct random gradients, used in turn")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--systems", default=",".join(ALL_SYSTEMS))
+    p.add_argument("--zt-chunk", default=None, help="CPUAdam's chunk_numel (default: its own, 2^19)")
     p.add_argument("--no-deepspeed", action="store_true")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args()
@@ -97,17 +99,18 @@ class System:
     the device gets back) and a host gradient buffer per master (where the gradients arrive)."""
 
     def __init__(self, name: str, init: list[torch.Tensor], grads: list[list[torch.Tensor]], clip_coefs: list,
-                 ds_cls=None):
+                 ds_cls=None, zt_chunk: int | None = None):
         self.name, self.grads, self.clip_coefs, self.n = name, grads, clip_coefs, 0
         self.params = [torch.nn.Parameter(t.clone()) for t in init]
         self.bf16 = [torch.empty_like(t, dtype=torch.bfloat16) for t in init]
-        # offload: zerotron's gradients arrive in bf16 in the buffer the bf16 weights leave from (its
-        # staging buffer); DeepSpeed's arrive in fp32 (the device converts them before the copy)
-        self.host_grads = self.bf16 if name == "zt" else [torch.empty_like(t) for t in init]
+        # offload: DeepSpeed's gradients arrive in fp32 (the device converts them before the copy),
+        # and so do zt's (the same input); zerotron's engine sends them in bf16, into the buffer the
+        # bf16 weights leave from (its staging buffer): zt_bf16
+        self.host_grads = self.bf16 if name == "zt_bf16" else [torch.empty_like(t) for t in init]
         kw = dict(lr=ADAMW["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"], weight_decay=ADAMW["weight_decay"])
-        if name == "zt":
+        if name in ZEROTRON:
             from zerotron.ops.adam import CPUAdam
-            self.opt = CPUAdam(self.params, **kw)
+            self.opt = CPUAdam(self.params, **kw, **({"chunk_numel": zt_chunk} if zt_chunk else {}))
         elif name == "torch_foreach":
             self.opt = torch.optim.AdamW(self.params, foreach=True, **kw)
         elif name == "torch_fused":
@@ -124,12 +127,12 @@ class System:
         if mode != "offload":
             for p, g in zip(self.params, grads):
                 p.grad = g
-            if self.name == "zt":
+            if self.name in ZEROTRON:
                 self.opt.grad_in = {}
                 self.opt.copy_out = dict(zip(self.params, self.bf16)) if mode == "step+bf16" else {}
             return
         torch._foreach_copy_(self.host_grads, grads)
-        if self.name == "zt":
+        if self.name in ZEROTRON:
             for p in self.params:
                 p.grad = None
             self.opt.grad_in = dict(zip(self.params, self.host_grads))
@@ -140,7 +143,7 @@ class System:
 
     def step(self, mode: str) -> None:
         coef = self.clip_coefs[self.n % len(self.grads)]
-        if mode == "offload" and self.name == "zt":  # unscale/clip, Adam and the bf16 copy in one pass
+        if mode == "offload" and self.name in ZEROTRON:  # unscale/clip, Adam and the bf16 copy in one pass
             self.opt.grad_multipliers = (coef,)
             self.opt.step()
             self.opt.grad_multipliers = ()
@@ -148,7 +151,7 @@ class System:
             if mode == "offload":  # DeepSpeed's host side: unscale and clip in one pass, the step, the copy
                 torch._foreach_mul_(self.host_grads, coef)
             self.opt.step()
-            if mode in ("step+bf16", "offload") and self.name != "zt":
+            if mode in ("step+bf16", "offload") and self.name not in ZEROTRON:
                 if len(self.params) == 1:
                     self.bf16[0].copy_(self.params[0])
                 else:
@@ -218,7 +221,8 @@ def run_case(label: str, shapes, args, names: list[str], ds_cls) -> dict:
     print(f"\n== {label}: {numel:,} elements in {len(shapes)} tensor(s) ==", flush=True)
     init, grads = make_tensors(shapes, args.grads)
     coefs = clip_coefficients(grads)
-    systems = {n: System(n, init, grads, coefs, ds_cls) for n in names}
+    chunk = parse_numel(args.zt_chunk) if args.zt_chunk else None
+    systems = {n: System(n, init, grads, coefs, ds_cls, chunk) for n in names}
     del init
     entries = [(n, m) for n in names for m in MODES]
     for n, m in entries:
@@ -243,9 +247,10 @@ def run_case(label: str, shapes, args, names: list[str], ds_cls) -> dict:
         rows.append({"system": n, "mode": m, "median_ms": med, "elements_per_s": numel / (med / 1e3),
                      "min_ms": min(ms[(n, m)]), "ms": ms[(n, m)], "round_ms": round_ms[(n, m)]})
     med = {(r["system"], r["mode"]): r["median_ms"] for r in rows}
-    pairs = [{"pair": f"zt/{peer}", "mode": m, "ratio": med[("zt", m)] / med[(peer, m)],
-              "paired": statistics.median(a / b for a, b in zip(round_ms[("zt", m)], round_ms[(peer, m)]))}
-             for peer in (names if "zt" in names else []) if peer != "zt" for m in MODES]
+    pairs = [{"pair": f"{zt}/{peer}", "mode": m, "ratio": med[(zt, m)] / med[(peer, m)],
+              "paired": statistics.median(a / b for a, b in zip(round_ms[(zt, m)], round_ms[(peer, m)]))}
+             for zt in ZEROTRON if zt in names for peer in names if peer not in ZEROTRON
+             for m in (MODES if zt == "zt" else ("offload",))]
 
     print(f"\n{label}: {numel:,} elements, {len(shapes)} tensor(s), {args.threads} threads")
     common.print_table([{**r, "meps": r["elements_per_s"] / 1e6} for r in rows],

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import time
 from collections import defaultdict
 from functools import cached_property
 
@@ -86,6 +87,12 @@ def shutdown() -> None:
     dog = watchdog.current()
     if dog is not None:
         dog.stop()
+    # A gloo worker thread drops a finished operation's tensors a moment after wait() returned.
+    # A tensor that only the operation still held (a view made for it) then needs the GIL for its
+    # Python object; if that moment falls in interpreter finalization, the thread is killed
+    # mid-destructor and the job aborts. The groups live on in the engine's objects past
+    # destroy_process_group, so give those threads their moment while Python still runs.
+    time.sleep(0.05)
     if dist.is_initialized():
         forget_groups()
         _comms.clear()
