@@ -139,9 +139,10 @@ def pinned_bytes(n: int) -> int:
 
 
 def offload_host_bytes(psi: int) -> int:
-    """Host memory of zerotron's optimizer offload (world of one): fp32 masters, fp32 gradients and a
-    bf16 staging buffer (zerotron/zero/offload.py, each pinned), plus AdamW's two fp32 moments."""
-    return 2 * pinned_bytes(4 * psi) + pinned_bytes(2 * psi) + 8 * psi
+    """Host memory of zerotron's optimizer offload (world of one): fp32 masters and a bf16 staging
+    buffer, where the gradients arrive and the weights leave from (zerotron/zero/offload.py, each
+    pinned), plus AdamW's two fp32 moments; CPU Adam keeps no fp32 gradients."""
+    return pinned_bytes(4 * psi) + pinned_bytes(2 * psi) + 8 * psi
 
 
 def states_bytes_without_offload(psi: int) -> tuple[int, int]:
@@ -526,7 +527,7 @@ def offload_model_cfg(args, dev, result):
         "gpu_states_without_offload_gib": gib(persistent), "gpu_states_step_peak_without_offload_gib": gib(step_peak),
         "fits_gpu_without_offload": None if gpu_total is None else persistent < gpu_total,
         "gpu_states_with_offload_gib": gib(4 * psi),
-        "host_with_offload_gib": gib(host), "host_with_offload_unrounded_gib": gib(18 * psi),
+        "host_with_offload_gib": gib(host), "host_with_offload_unrounded_gib": gib(14 * psi),
         "fits_host_with_offload": host <= host_budget}
     if args.offload_layers == "auto":
         layers = full.n_layer if a["fits_host_with_offload"] else pick_layers(fixed, per_layer, full.n_layer,
