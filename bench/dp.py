@@ -41,6 +41,8 @@ def main():
     p = common.base_parser(__doc__.splitlines()[0])
     p.add_argument("--clip", type=float, default=0.0, help="gradient clipping max norm for every system (0: off)")
     p.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out even when installed")
+    p.add_argument("--bucket-sizes", default="", help="more zerotron systems, one per reduce_bucket_size "
+                   "(elements, comma-separated, e.g. 1.7e6): zerotron_bucket_<size>")
     args = p.parse_args()
     rank, world, log, cfg = common.start(args)
     per_rank = args.batch // world
@@ -55,6 +57,12 @@ def main():
         common.build_gpt(cfg), per_rank, args.clip, zero_optimization={"stage": 0, "reduce_bucket_size": 5e8})
     memory["zerotron_one_bucket"] = common.measure_after_first_step(engine.optimizer, engine.module.parameters)
     optimizers["zerotron_one_bucket"] = optimizers["zerotron"]
+    for size in filter(None, args.bucket_sizes.split(",")):
+        name = f"zerotron_bucket_{size}"
+        engine, systems[name] = common.zerotron_step(
+            common.build_gpt(cfg), per_rank, args.clip, zero_optimization={"stage": 0, "reduce_bucket_size": float(size)})
+        memory[name] = common.measure_after_first_step(engine.optimizer, engine.module.parameters)
+        optimizers[name] = optimizers["zerotron"]
     systems["ddp_fused"], memory["ddp_fused"] = ddp_system(cfg, fused=True, clip=args.clip)
     optimizers["ddp_fused"] = "torch AdamW fused=True"
     systems["ddp_default"], memory["ddp_default"] = ddp_system(cfg, fused=None, clip=args.clip)
@@ -74,9 +82,12 @@ def main():
                  zt_paired=common.paired_ratio(res, "zerotron", name), state_mb=mem["total"] / 2**20, memory=mem,
                  optimizer=optimizers[name])
     overlap = common.pair(res, "zerotron", "zerotron_one_bucket")
+    by_size = {name: common.pair(res, name, "zerotron_one_bucket") for name in systems if name.startswith("zerotron_bucket_")}
     if rank == 0:
         print(f"\nbuckets: zerotron / zerotron_one_bucket step time {overlap['ratio']:.3f} (ratio of medians), "
               f"{overlap['paired']:.3f} (paired)")
+        for name, pr in by_size.items():
+            print(f"buckets: {name} / zerotron_one_bucket {pr['ratio']:.3f} (ratio of medians), {pr['paired']:.3f} (paired)")
         print()
         common.print_table(rows, [
             ("system", "system", "{}"), ("median_ms", "median ms", "{:.1f}"), ("zt_ratio", "zerotron/x", "{:.3f}"),
@@ -89,7 +100,8 @@ def main():
             print(f"  {r['system']:<12} {r['optimizer']}; MiB: {mem}")
     common.finish("dp", args, {"model": common.model_json(args, cfg, dtype="fp32"),
                                "adamw": {**common.ADAMW, "betas": list(common.ADAMW["betas"])},
-                               "notes": notes, "results": rows, "buckets_vs_one_bucket": overlap}, rank)
+                               "notes": notes, "results": rows, "buckets_vs_one_bucket": overlap,
+                               "bucket_sizes_vs_one_bucket": by_size}, rank)
 
 
 if __name__ == "__main__":
