@@ -32,10 +32,10 @@ HANDED_IN = {
 }
 
 
-def _train_handed_in(how, tp, stage, gas):
+def _train_handed_in(how, tp, stage, gas, overlap=False):
     world = dist.get_world_size()
     model = make_model(**MODEL)
-    extra = {"tensor_parallel": {"autotp_size": tp}, "zero_optimization": {"stage": stage,
+    extra = {"tensor_parallel": {"autotp_size": tp, "tp_overlap_comm": overlap}, "zero_optimization": {"stage": stage,
                                                                           "stage3_param_persistence_threshold": 0}}
     config = ds_config(2, gas, **extra)
     kwargs = {}
@@ -60,11 +60,11 @@ def _train_handed_in(how, tp, stage, gas):
 
 
 @pytest.mark.parametrize("how", list(HANDED_IN))
-@pytest.mark.parametrize("world,tp,stage,gas", [(2, 2, 0, 1), (4, 2, 3, 2)])
-def test_every_way_of_handing_in_parameters_trains_the_whole_model(how, world, tp, stage, gas):
+@pytest.mark.parametrize("world,tp,stage,gas,overlap", [(2, 2, 0, 1, False), (4, 2, 3, 2, False), (2, 2, 1, 2, True)])
+def test_every_way_of_handing_in_parameters_trains_the_whole_model(how, world, tp, stage, gas, overlap):
     ref_losses, ref_state = reference_training(global_batches(STEPS, 2 * gas * (world // tp)),
                                                groups=param_groups if HANDED_IN[how] else None, **MODEL)
-    for losses, state, _ in run_ranks(_train_handed_in, world, how, tp, stage, gas):
+    for losses, state, _ in run_ranks(_train_handed_in, world, how, tp, stage, gas, overlap):
         assert_losses_close(losses, ref_losses, rtol=1e-5)
         assert max_weight_diff(state, ref_state) < 1e-5
 

@@ -91,9 +91,10 @@ def shutdown() -> None:
     # A tensor that only the operation still held (a view made for it) then needs the GIL for its
     # Python object; if that moment falls in interpreter finalization, the thread is killed
     # mid-destructor and the job aborts. The groups live on in the engine's objects past
-    # destroy_process_group, so give those threads their moment while Python still runs.
-    time.sleep(0.05)
+    # destroy_process_group, so give those threads their moment while Python still runs. (A timing
+    # mitigation, not a guarantee: 0 aborts in 64 runs of a script that aborted in 4 of ~20 without it.)
     if dist.is_initialized():
+        time.sleep(0.05)
         forget_groups()
         _comms.clear()
         try:

@@ -152,6 +152,7 @@ def split_batch(module: nn.Module, region, comm: Comm, name: str) -> None:
                 raise RuntimeError(f"tensor_parallel.tp_overlap_comm: {name} ({type(module).__name__}) must return its "
                                    "row-parallel layer's output unchanged to run in two halves; leave it out of the "
                                    "plan's \"region\" entries")
+            h.exit_in = None  # y's graph holds h: keeping y here too would be a cycle kept past the step
             outs.append(_ExitHalf.apply(y, comm, h, sequence))
         return _Join.apply(*outs, halves, comm, sequence)
 

@@ -58,7 +58,7 @@ def backward_input(outputs: list[torch.Tensor], grads: list | None, inputs: list
         for h in handles:
             h.remove()
     groups = [(nodes, [graph.weight_of[w] for w in reach], [recorded.get(n, ()) for n in nodes])
-              for nodes, reach in graph.groups()]
+              for nodes, reach in reversed(graph.groups())]  # the weights backward reaches first, first
     return _per_input(inputs, got), partial(_weight_pass, groups)
 
 
