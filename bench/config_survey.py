@@ -153,7 +153,7 @@ def deepspeed_verdict(raw: dict, dp: int):
 def warned_keys(texts):
     out = []
     for t in texts:
-        m = re.match(r"zerotron ignores unknown config keys: (.*)", t)
+        m = re.match(r"zerotron ignores these top-level config sections, which are neither DeepSpeed.s nor zerotron.s: (.*)", t)
         n = re.match(r"zerotron does not implement these DeepSpeed features and ignores their keys: (.*)", t)
         if m:
             out += [f"unknown key {k.strip()}" for k in m.group(1).split(",")]

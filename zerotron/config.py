@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Optional
@@ -17,8 +16,9 @@ from .config_deepspeed import deepspeed_features, deepspeed_names
 from .config_resolve import _parse, _parse_json, resolve_auto  # noqa: F401 (resolve_auto: public here)
 from .config_sections import (AUTO, ActivationCheckpointingConfig, BF16Config, FP16Config, MonitorConfig,  # noqa: F401
                               OptimizerConfig, PipelineConfig, SchedulerConfig, TensorParallelConfig,
-                              ZeroConfig, ZerotronConfig, IntOrInf, _check, _is_auto)
+                              WandbConfig, ZeroConfig, ZerotronConfig, IntOrInf, _check, _is_auto)
 from .errors import ConfigError
+from .log import warn
 
 
 @dataclass(eq=True)
@@ -50,7 +50,7 @@ class Config(Mapping):
     zerotron: ZerotronConfig = field(default_factory=ZerotronConfig)
     tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
     csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
-    wandb: MonitorConfig = field(default_factory=MonitorConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     raw: dict = field(default_factory=dict, repr=False)
     world_size: int = 1
 
@@ -133,10 +133,13 @@ class Config(Mapping):
         self.tensor_parallel.validate("tensor_parallel")
         self.pipeline.validate("pipeline")
         self.zerotron.validate("zerotron")
-        model_parallel = self.tensor_parallel.autotp_size * self.pipeline.stages
-        _check(self.world_size % model_parallel == 0, "tensor_parallel.autotp_size", self.tensor_parallel.autotp_size,
-               f"tensor ({self.tensor_parallel.autotp_size}) x pipeline ({self.pipeline.stages}) parallel size must "
-               f"divide the number of processes ({self.world_size})")
+        tp, pp = self.tensor_parallel.autotp_size, self.pipeline.stages
+        if self.world_size % (tp * pp):
+            # blame the size the user set (the pipeline's when both are)
+            key, value = ("tensor_parallel.autotp_size", tp) if pp == 1 else ("pipeline.stages", pp)
+            product = f"tensor ({tp}) x pipeline ({pp}) parallel size" if tp > 1 and pp > 1 else "it"
+            raise ConfigError(key, value, f"{product} must divide the number of processes ({self.world_size}); "
+                                          f"use a divisor of {self.world_size} or launch a multiple of {tp * pp} processes")
         _check(not (self.fp16.enabled and self.bf16.enabled), "fp16.enabled", True,
                "fp16 and bf16 are both enabled; enable at most one of them")
         _check(self.gradient_clipping >= 0, "gradient_clipping", self.gradient_clipping,
@@ -147,8 +150,8 @@ class Config(Mapping):
         self.fp16.validate("fp16")
         self.zero_optimization.validate("zero_optimization")
         if self.zerotron.sequence_parallel and self.tensor_parallel.autotp_size == 1:
-            warnings.warn("zerotron.sequence_parallel has no effect without tensor parallelism "
-                          "(tensor_parallel.autotp_size > 1)", stacklevel=3)
+            warn("zerotron.sequence_parallel has no effect without tensor parallelism "
+                 "(tensor_parallel.autotp_size > 1)")
         _check(not self.wandb.enabled, "wandb.enabled", True,
                "zerotron does not log to Weights & Biases; use 'tensorboard' or 'csv_monitor'")
         if self.optimizer is not None:

@@ -4,9 +4,9 @@ plain tables and the two passes `Config.load` makes over the raw JSON before par
 from __future__ import annotations
 
 import copy
-import warnings
 
 from .errors import ConfigError
+from .log import warn
 
 # DeepSpeed features zerotron does not implement whose keys can be ignored without training a
 # different model than asked (they change speed, memory or tooling, or the script must call
@@ -29,6 +29,8 @@ _NOT_IMPLEMENTED = {
     "amp": "apex AMP (the model runs in its dtype, use the 'fp16' or 'bf16' section)",
     "data_types": "data_types (gradients accumulate in the model dtype, the optimizer sees fp32)",
     "expert_parallel": "expert parallelism",
+    "comet": "Comet logging (use 'tensorboard' or 'csv_monitor')",
+    "datastates_ckpt": "DataStates checkpointing",
 }
 _NOT_IMPLEMENTED_IN = {
     "zero_optimization": {k: "ZeRO++ / MiCS / ZenFlow and other DeepSpeed ZeRO options" for k in (
@@ -47,7 +49,31 @@ _NOT_IMPLEMENTED_IN = {
              "check_grad_overflow": "bf16 overflow checks (see zerotron.max_nonfinite_steps)"},
     "fp16": {"fp16_master_weights_and_grads": "fp16 master weights and gradients (zerotron keeps them in fp32)"},
     "optimizer": {"legacy_fusion": "legacy optimizer fusion"},
+    "zero_optimization.offload_optimizer": {"super_offload": "SuperOffload (for superchips)"},
+    # AutoTP's inference and kernel-injection options, and its own partition specs: zerotron splits
+    # by the model's plan (parallelize/registry.py), which gives the same math
+    "tensor_parallel": {k: "AutoTP's inference, kernel-injection and custom partition options" for k in (
+        "dtype", "injection_policy_tuple", "keep_module_on_host", "kernel_inject", "replace_with_kernel_inject",
+        "partition_config", "preset_model", "tensor_parallel", "tp", "vocab_parallel_lm_head",
+        "vocab_parallel_ce_backend")},
 }
+# Every top-level key DeepSpeed 0.19.8 reads (its DeepSpeedConfig, the optimizer, scheduler,
+# profiler and autotuning configs): an unknown top-level key that is one of these is a DeepSpeed
+# feature zerotron ignores (a warning); one that is none of these but close to a key is a typo (an error).
+DEEPSPEED_TOP_LEVEL = frozenset({
+    "activation_checkpointing", "aio", "amp", "autotuning", "bf16", "bfloat16", "checkpoint", "comet",
+    "comms_logger", "communication_data_type", "compile", "compression_training", "csv_monitor",
+    "curriculum_learning", "data_efficiency", "data_types", "dataloader_drop_last", "datastates_ckpt",
+    "disable_allgather", "disable_python_gc", "dump_state", "eigenvalue", "elasticity", "expert_parallel",
+    "flops_profiler", "fp16", "gradient_accumulation_dtype", "gradient_accumulation_steps", "gradient_allreduce_op",
+    "gradient_clipping", "gradient_predivide_factor", "graph_harvesting", "hybrid_engine", "log_level",
+    "managed_gradient_accumulation", "memory_breakdown", "nebula", "optimizer", "pipeline", "prescale_gradients",
+    "progressive_layer_drop", "quantize_training", "scheduler", "seq_parallel_communication_data_type",
+    "sequence_parallel_size", "sparse_attention", "sparse_gradients", "steps_per_print", "tensor_parallel",
+    "tensorboard", "timers", "torch_autocast", "train_batch_size", "train_micro_batch_size_per_gpu",
+    "use_data_before_expert_parallelism", "vocabulary_size", "wall_clock_breakdown", "wandb",
+    "weight_quantization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "zero_optimization",
+})
 # DeepSpeed's other names for zero_optimization keys: (alias, zerotron's key).
 _ZERO_ALIASES = [("prefetch_bucket_size", "stage3_prefetch_bucket_size"),
                  ("param_persistence_threshold", "stage3_param_persistence_threshold"),
@@ -83,7 +109,7 @@ def deepspeed_names(raw: dict) -> dict:
                 section = zero.get(new)
                 if section is None or (isinstance(section, dict) and section.get("device", "none") == "none"):
                     zero[new] = {**(section or {}), "device": "cpu"}
-                warnings.warn(f"{p}{old} is deprecated in DeepSpeed; read as {p}{new}.device = \"cpu\"", stacklevel=4)
+                warn(f"{p}{old} is deprecated in DeepSpeed; read as {p}{new}.device = \"cpu\"")
     if "cpu_offload_use_pin_memory" in zero:
         value = zero.pop("cpu_offload_use_pin_memory")
         if not isinstance(value, bool):
@@ -136,13 +162,24 @@ def deepspeed_features(raw: dict) -> dict:
             del out[key]
         elif key in ("sequence_parallel_size", "gradient_allreduce_op", "managed_gradient_accumulation"):
             del out[key]  # the default values, checked above
-    for section, keys in _NOT_IMPLEMENTED_IN.items():
-        if isinstance(out.get(section), dict) and any(k in out[section] for k in keys):
-            out[section] = dict(out[section])
-            for k in [k for k in out[section] if k in keys]:
-                named.append(f"{section}.{k} ({keys[k]})")
-                del out[section][k]
+    for path, keys in _NOT_IMPLEMENTED_IN.items():
+        section = _copied_section(out, path)
+        for k in [k for k in (section or {}) if k in keys]:
+            named.append(f"{path}.{k} ({keys[k]})")
+            del section[k]
     if named:
-        warnings.warn("zerotron does not implement these DeepSpeed features and ignores their keys: "
-                      + "; ".join(named), stacklevel=4)
+        warn("zerotron does not implement these DeepSpeed features and ignores their keys: "
+             + "; ".join(named))
     return out
+
+
+def _copied_section(raw: dict, path: str) -> dict | None:
+    """The (possibly nested) section at a dotted `path`, copied into `raw` along the way so that
+    deleting from it leaves the caller's dict alone; None when absent or not an object."""
+    node = raw
+    for part in path.split("."):
+        if not isinstance(node.get(part), dict):
+            return None
+        node[part] = dict(node[part])
+        node = node[part]
+    return node

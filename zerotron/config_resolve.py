@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import json
 import math
 import typing
-import warnings
 
+from .config_deepspeed import DEEPSPEED_TOP_LEVEL
 from .config_sections import _ACCEPTED_NO_EFFECT, AUTO, IntOrInf, _is_auto
 from .errors import ConfigError
+from .log import warn
 
 def _parse_json(text: str, where: str) -> dict:
     try:
@@ -133,16 +135,39 @@ def _parse(cls, raw: dict, prefix: str):
         raise ConfigError(prefix.rstrip(".") or "config", raw, "expected a JSON object here")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.name not in ("raw", "world_size")}
+    accepted = _ACCEPTED_NO_EFFECT.get(prefix.rstrip("."), set())
     kwargs, unknown = {}, []
     for key, value in raw.items():
-        if key not in names:
-            if not (prefix == "" and key in _ACCEPTED_NO_EFFECT):
-                unknown.append(prefix + key)
-            continue
-        kwargs[key] = _convert(hints[key], value, prefix + key)
-    if unknown:
-        warnings.warn(f"zerotron ignores unknown config keys: {', '.join(unknown)}", stacklevel=3)
+        if key in names:
+            kwargs[key] = _convert(hints[key], value, prefix + key)
+        elif key not in accepted:
+            unknown.append(key)
+    if prefix:
+        for key in unknown:  # inside a section zerotron knows, as DeepSpeed's config models do
+            raise ConfigError(prefix + key, raw[key], _not_a_key(key, prefix.rstrip("."), sorted(names | accepted)))
+    else:
+        _top_level_unknown(unknown, raw, names | accepted)
     return cls(**kwargs)
+
+
+def _not_a_key(key: str, section: str, valid: list[str]) -> str:
+    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if near:
+        return f"{section} has no key '{key}'; did you mean '{near[0]}'? Rename it (or remove it)"
+    return f"{section} has no key '{key}'; remove it (its keys: {', '.join(valid)})"
+
+
+def _top_level_unknown(unknown: list[str], raw: dict, known: set[str]):
+    """A top-level key that is neither zerotron's nor DeepSpeed's but close to one is a typo (an
+    error, as "train_micro_batch_size_per_gpus" would otherwise train with the default batch); the
+    other unknown sections are named in a warning."""
+    for key in unknown:
+        near = difflib.get_close_matches(key, sorted(known | DEEPSPEED_TOP_LEVEL), n=1, cutoff=0.8)
+        if near and key not in DEEPSPEED_TOP_LEVEL:
+            raise ConfigError(key, raw[key], f"not a config key; did you mean '{near[0]}'? Rename it (or remove it)")
+    if unknown:
+        warn(f"zerotron ignores these top-level config sections, which are neither DeepSpeed's nor "
+             f"zerotron's: {', '.join(unknown)}")
 
 
 def _convert(tp, value, key: str):

@@ -4,23 +4,30 @@ typed dataclasses with their defaults and per-section checks, and the names they
 nothing of the modules that implement them."""
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
 from .errors import ConfigError
+from .log import warn
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # zerotron/pipe/schedule.py builds each
 CHECKPOINT_POLICIES = ("none", "every_block", "every_k", "selective")  # zerotron/checkpointing.py applies each
 
 AUTO = "auto"
 
-# DeepSpeed keys we accept but that change nothing about the math here; no warning for them.
+# DeepSpeed keys we accept but that change nothing about the math here, by section ("" is the
+# top level); no warning for them.
 _ACCEPTED_NO_EFFECT = {
-    "memory_breakdown", "dump_state",
-    "zero_force_ds_cpu_optimizer", "dataloader_drop_last", "flops_profiler", "comms_logger",
-    "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "gradient_accumulation_dtype",
-    "log_level", "timers", "seq_parallel_communication_data_type", "use_data_before_expert_parallel_",
+    "": {"memory_breakdown", "dump_state", "zero_force_ds_cpu_optimizer", "dataloader_drop_last", "flops_profiler",
+         "comms_logger", "prescale_gradients", "gradient_predivide_factor", "sparse_gradients",
+         "gradient_accumulation_dtype", "log_level", "timers", "seq_parallel_communication_data_type",
+         "use_data_before_expert_parallelism", "disable_python_gc", "vocabulary_size"},
+    # DeepSpeed computes the norm for its own logging; its flat buffers' alignment
+    "zero_optimization": {"compute_grad_norm", "parameter_alignment"},
+    # threads DeepSpeed's CPU Adam may use (zerotron's uses torch's)
+    "zero_optimization.offload_optimizer": {"cpuadam_cores_perc"},
+    # which torch.utils.checkpoint DeepSpeed's pipeline uses for activation_checkpoint_interval
+    "pipeline": {"use_reentrant"},
 }
 
 def _is_auto(value) -> bool:
@@ -135,8 +142,8 @@ class ZeroConfig:
                    "optimizer offload shards the optimizer: it needs zero_optimization.stage 1, 2 or 3")
         if self.offload_param is not None and self.offload_param.device != "none" and self.stage != 3:
             # DeepSpeed offloads parameters only at stage 3 and ignores the key below it.
-            warnings.warn(f"{p}.offload_param is ignored at zero_optimization.stage {self.stage} (as DeepSpeed "
-                          "ignores it): parameters stay on the device; parameter offload needs stage 3", stacklevel=4)
+            warn(f"{p}.offload_param is ignored at zero_optimization.stage {self.stage} (as DeepSpeed "
+                 "ignores it): parameters stay on the device; parameter offload needs stage 3")
 
 
 @dataclass
@@ -156,6 +163,14 @@ class MonitorConfig:
     enabled: bool = False
     output_path: str = ""
     job_name: str = "DeepSpeedJobName"
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = False
+    team: Optional[str] = None
+    group: Optional[str] = None
+    project: str = "deepspeed"
 
 
 @dataclass

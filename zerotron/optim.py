@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import copy
 import inspect
-import warnings
 
 import torch
 
 from .errors import ConfigError
+from .log import warn
 
 _ADAM_PARAMS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "bias_correction", "adam_w_mode", "torch_adam",
                 "set_grad_none", "fp32_optimizer_states"}
@@ -139,8 +139,8 @@ def validate_optimizer(type_name: str, params: dict, *, zero_stage: int = 0, on_
     if name == "lamb" and params.get("min_coeff", 0.01) > params.get("max_coeff", 10.0):
         raise ConfigError("optimizer.params.min_coeff", params["min_coeff"], "it must not exceed max_coeff")
     if params.get("fp32_optimizer_states", True) is False and name in ("adam", "adamw", "lion", "adagrad"):
-        warnings.warn("optimizer.params.fp32_optimizer_states = false: zerotron keeps optimizer moments in fp32 "
-                      "(more memory than asked; the update is at least as precise)", stacklevel=3)
+        warn("optimizer.params.fp32_optimizer_states = false: zerotron keeps optimizer moments in fp32 "
+             "(more memory than asked; the update is at least as precise)")
 
 
 def build_optimizer(type_name: str, params: dict, model_parameters, on_host: bool = False) -> torch.optim.Optimizer:
@@ -317,14 +317,14 @@ def check_shardable(optimizer: torch.optim.Optimizer, *, stage: int, device=None
         problem = (f"{name} is not elementwise: {detail}, so its update depends on whole-tensor norms or shapes, "
                    "which a flat shard does not have.")
         if allow_untested:
-            warnings.warn(f"{head}{problem} zero_allow_untested_optimizer is set, so it runs anyway: training will "
-                          "differ from one process", stacklevel=3)
+            warn(f"{head}{problem} zero_allow_untested_optimizer is set, so it runs anyway: training will "
+                 "differ from one process")
             return
         raise ValueError(f"{head}{problem} {fix}.")
     problem = f"{name} is not one zerotron knows to be elementwise, and it could not be tested ({detail})."
     if allow_untested:
-        warnings.warn(f"{head}{problem} zero_allow_untested_optimizer is set, so it runs anyway: this is exact only "
-                      "if its update treats every element on its own", stacklevel=3)
+        warn(f"{head}{problem} zero_allow_untested_optimizer is set, so it runs anyway: this is exact only "
+             "if its update treats every element on its own")
         return
     raise ValueError(f"{head}{problem} If its update is elementwise, set \"zero_allow_untested_optimizer\": true in "
                      f"the config to use it anyway; otherwise: {fix}.")
