@@ -71,6 +71,65 @@ def test_any_topology_loads_any_other(tmp_path, save, load):
     assert_losses_close(first + second, straight, rtol=1e-5)
 
 
+# ---- the engine's own dataloader across data-parallel sizes ------------------------------------------------
+SAMPLES, EPOCH_STEPS = 40, 10  # one epoch is 10 steps of GLOBAL_BATCH samples
+
+
+class _Recorded(torch.utils.data.Dataset):
+    """Token sequences that note which of them the process reads."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(5)
+        self.tokens = torch.randint(0, 256, (SAMPLES, 17), generator=g)
+        self.read = []
+
+    def __len__(self):
+        return SAMPLES
+
+    def __getitem__(self, i):
+        self.read.append(i)
+        return self.tokens[i, :-1], self.tokens[i, 1:]
+
+
+def _train_own_data(directory, steps, tp, gas, load):
+    """Train on zerotron.initialize(training_data=...)'s dataloader; (losses, indices this data-parallel
+    rank read, or None on the other tensor-parallel ranks)."""
+    dp = dist.get_world_size() // tp
+    data = _Recorded()
+    config = ds_config(GLOBAL_BATCH // (dp * gas), gas, tensor_parallel={"autotp_size": tp})
+    engine, _, loader, _ = zerotron.initialize(model=make_model(n_layer=2, n_kv_head=4), config=config,
+                                               training_data=data)
+    if load:
+        engine.load_checkpoint(directory)
+    losses = [engine.train_batch().item() for _ in range(steps)]
+    if not load:
+        engine.save_checkpoint(directory)
+    return losses, data.read if engine.coords.tp == 0 else None
+
+
+# (world, tensor-parallel size, accumulation) saving -> loading: the data-parallel size changes
+@pytest.mark.parametrize("save,load", [
+    ((2, 1, 1), (1, 1, 2)),   # dp 2 -> 1
+    ((1, 1, 1), (2, 1, 2)),   # dp 1 -> 2
+    ((2, 1, 1), (4, 1, 1)),   # dp 2 -> 4
+    ((2, 1, 2), (2, 2, 1)),   # dp 2 -> tp 2 (the same world)
+    ((2, 2, 1), (4, 2, 2)),   # tp 2: dp 1 -> 2
+    ((4, 2, 1), (2, 2, 2)),   # tp 2: dp 2 -> 1
+])
+def test_the_engines_dataloader_resumes_on_another_data_parallel_size(tmp_path, save, load):
+    """Every sample of the epoch read exactly once across the restart, whatever the new data-parallel
+    size and accumulation, and the same global batches (so the same losses) as one process straight."""
+    d = str(tmp_path / "ck")
+    straight = run_ranks(_train_own_data, 1, d + "_ref", EPOCH_STEPS + 2, 1, 1, True)[0][0]
+    first = run_ranks(_train_own_data, save[0], d, 3, *save[1:], False, timeout=120)
+    second = run_ranks(_train_own_data, load[0], d, EPOCH_STEPS - 3 + 2, *load[1:], True, timeout=120)
+    assert_losses_close(first[0][0] + second[0][0], straight, rtol=1e-5)
+    next_epoch = 2 * GLOBAL_BATCH * load[1] // load[0]  # what each data-parallel rank read of the next epoch
+    epoch = [i for _, indices in first if indices is not None for i in indices] + \
+            [i for _, indices in second if indices is not None for i in indices[:-next_epoch]]
+    assert sorted(epoch) == list(range(SAMPLES))
+
+
 # ---- safety ---------------------------------------------------------------------------------------------
 def _save_then_crash(directory):
     engine, dp, _ = _engine()

@@ -1,5 +1,7 @@
 """The two commands users run first: `zerotron train` and `zerotron run`."""
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -70,8 +72,13 @@ def test_train_saves_and_resumes_where_it_stopped(tmp_path):
               "--sample-bytes", "0", "--corpus-bytes", "300000", "--config", str(config))
     straight = _zerotron(*common, "--steps", "8")
     first = _zerotron(*common, "--steps", "4", "--save-dir", str(ckpt))
+    shutil.copytree(ckpt, tmp_path / "ck_tp")
     resumed = _zerotron(*common, "--steps", "8", "--save-dir", str(ckpt), "--resume", "--save-every", "2")
-    for out in (straight, first, resumed):
+    # the data-parallel size halves (tensor parallelism over the same 2 processes), the accumulation
+    # doubles: the same global batches from the same data position
+    resumed_tp = _zerotron(*common, "--steps", "8", "--save-dir", str(tmp_path / "ck_tp"), "--resume", "--tp", "2",
+                           "--grad-accum", "2")
+    for out in (straight, first, resumed, resumed_tp):
         assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
 
@@ -79,6 +86,9 @@ def test_train_saves_and_resumes_where_it_stopped(tmp_path):
         line = next(l for l in out.stdout.splitlines() if "validation loss" in l)
         return line.split(" -> ")[1].split(" ")[0]
     assert final(resumed) == final(straight)  # same data order, same state: the same model
+    # (validation differs: each data-parallel rank validates its share) the last step's loss, from the bar
+    last_loss = lambda out: re.findall(r"loss=([0-9.]+)", out.stderr)[-1]
+    assert "dp 1 x tp 2" in resumed_tp.stdout and last_loss(resumed_tp) == last_loss(straight)
     assert sorted(p.name for p in ckpt.iterdir()) == ["global_step4", "global_step6", "global_step8", "latest"]
 
 

@@ -202,7 +202,7 @@ def test_infinite_crosses_epochs():
     assert seq[:10] == s.epoch_indices(0)
     assert seq[10:20] == s.epoch_indices(1)
     assert seq[20:] == s.epoch_indices(2)[:5]
-    assert s.state_dict()["epoch"] == 2 and s.state_dict()["offset"] == 5
+    assert s.state_dict()["epoch"] == 2 and s.state_dict()["position"] == 10  # 5 per rank, over 2 ranks
 
 
 def test_finite_one_epoch_per_iter():
@@ -289,10 +289,52 @@ def test_sampler_argument_errors():
         s.set_position(0, 6)
     with pytest.raises(ValueError, match="epoch"):
         s.set_position(-1, 0)
-    with pytest.raises(ValueError, match="num_replicas"):
-        s.load_state_dict(ResumableDistributedSampler(10, 5, 0).state_dict())
     with pytest.raises(ValueError, match="dataset_len"):
         s.load_state_dict(ResumableDistributedSampler(12, 2, 0).state_dict())
+
+
+def _epoch_from(state, n, world, **kw):
+    """The rest of the epoch after `state`, resumed on `world` replicas, interleaved back into one order."""
+    per_rank = []
+    for r in range(world):
+        s = ResumableDistributedSampler(n, world, r, infinite=False, **kw)
+        s.load_state_dict(state)
+        per_rank.append(list(s))
+    assert len({len(p) for p in per_rank}) == 1, "the ranks must draw equally"
+    return [per_rank[r][i] for i in range(len(per_rank[0])) for r in range(world)]
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2), (2, 4), (4, 2), (3, 2), (2, 3), (4, 3)])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_resume_on_another_number_of_replicas_continues_the_epoch(before, after, drop_last):
+    """A state saved on `before` replicas, resumed on `after`: the rest of the epoch is the global order
+    from the saved position on, nothing seen twice, nothing skipped but the end that drop_last drops
+    (fewer than `after`); the next epoch is the new world's usual split."""
+    n = 103
+    perm = global_perm(n, 7, 0)
+    for consumed_per_rank in (0, 1, 5, n // before - 1):
+        ranks = [ResumableDistributedSampler(n, before, r, seed=7, drop_last=drop_last) for r in range(before)]
+        its = [iter(s) for s in ranks]
+        seen = [i for _ in range(consumed_per_rank) for it in its for i in [next(it)]]
+        state = json.loads(json.dumps(ranks[0].state_dict()))
+        assert state == ranks[-1].state_dict() and state["position"] == len(seen)
+        rest = _epoch_from(state, n, after, seed=7, drop_last=drop_last)
+        whole = seen + rest
+        if drop_last:
+            assert whole == perm[:len(whole)] and n - after < len(whole) <= n
+        else:
+            assert whole[:n] == perm and len(whole) - n < after  # the pad wraps around
+        follower = ResumableDistributedSampler(n, after, 0, seed=7, drop_last=drop_last, infinite=False)
+        follower.load_state_dict(state)
+        list(follower)  # the rest of this epoch
+        assert list(follower) == follower.epoch_indices(1)
+
+
+def test_an_old_state_counted_per_rank_still_loads():
+    s = ResumableDistributedSampler(40, 4, 1, seed=3)
+    s.load_state_dict({"epoch": 1, "offset": 3, "seed": 3, "dataset_len": 40, "num_replicas": 2,
+                       "shuffle": True, "drop_last": True})
+    assert s.state_dict()["position"] == 6 and next(iter(s)) == global_perm(40, 3, 1)[7]
 
 
 def test_sampler_accepts_dataset():

@@ -141,22 +141,28 @@ class TokenWindows(Dataset):
 
 
 class ResumableDistributedSampler(Sampler[int]):
-    """DistributedSampler that can stop anywhere and resume exactly there.
+    """DistributedSampler that can stop anywhere and resume exactly there, under any number of
+    replicas.
 
     Epoch e's global order is a permutation from a torch.Generator seeded with
-    seed + e (identity if not shuffle), truncated (drop_last) or wrap-padded
-    to a multiple of num_replicas; rank r takes positions r, r+R, r+2R, ...
-    That is torch's DistributedSampler split, so the ranks' union is the
-    global order.
+    seed + e (identity if not shuffle); rank r takes positions r, r+R, r+2R, ...
+    and the epoch ends where fewer than R positions remain (drop_last), or is
+    wrap-padded to a multiple of R. From the epoch's start that is torch's
+    DistributedSampler split, so the ranks' union is the global order.
 
     infinite=True (default): one iterator runs forever, moving to the next
     epoch itself. infinite=False: each iter() yields the rest of the current
     epoch, like torch's sampler with set_epoch.
 
-    Position: (epoch, offset) where offset counts the indices this rank's
-    iterator has already handed out in that epoch; it is the same on every
-    rank, so state_dict() holds no rank and one rank's state restores all.
-    A finished epoch is recorded as (epoch + 1, 0).
+    Position: (epoch, position), where position counts the samples of the
+    global order that all ranks together have been handed in that epoch. It
+    is the same on every rank, so state_dict() holds no rank and one rank's
+    state restores all, and it does not depend on R: a sampler with another
+    number of replicas (another data-parallel size) resumes from it by
+    splitting the rest of the epoch, position onwards, over its own ranks.
+    No sample of the epoch is then seen twice or skipped (drop_last drops
+    fewer than R at the end of the epoch, as always). A finished epoch is
+    recorded as (epoch + 1, 0).
 
     Caution: a DataLoader pulls indices ahead of the batches the training
     loop has consumed (prefetching with num_workers > 0), so state_dict()
@@ -175,27 +181,32 @@ class ResumableDistributedSampler(Sampler[int]):
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank must be in [0, {num_replicas - 1}] for num_replicas={num_replicas}, got {rank}")
-        # drop_last rounds down, otherwise up (the remainder is wrap-padded).
-        per_rank = n // num_replicas if drop_last else math.ceil(n / num_replicas)
-        if per_rank == 0:
+        self.dataset_len, self.num_replicas, self.rank = n, num_replicas, rank
+        self.shuffle, self.seed, self.drop_last, self.infinite = shuffle, seed, drop_last, infinite
+        self.num_samples = self._per_rank(0)
+        if self.num_samples == 0:
             # Would make the infinite iterator spin forever yielding nothing.
             raise ValueError(
                 f"dataset of length {n} gives no samples per rank for num_replicas={num_replicas} "
                 f"with drop_last=True; use more data or drop_last=False"
             )
-        self.dataset_len, self.num_replicas, self.rank = n, num_replicas, rank
-        self.shuffle, self.seed, self.drop_last, self.infinite = shuffle, seed, drop_last, infinite
-        self.num_samples = per_rank
-        self.epoch, self.offset = 0, 0
-        self._cache: tuple[int, list[int]] | None = None  # (epoch, this rank's indices)
+        # The current segment of the epoch starts at global position `start` (0, or where a run
+        # with another number of replicas stopped); `offset` counts this rank's indices since then.
+        self.epoch, self.start, self.offset = 0, 0, 0
+        self._cache: tuple[tuple[int, int], list[int]] | None = None  # ((epoch, start), this rank's indices)
 
     def __len__(self) -> int:
         """Samples per rank per epoch (also in infinite mode, where it is the epoch length)."""
         return self.num_samples
 
-    def epoch_indices(self, epoch: int) -> list[int]:
-        """This rank's indices for the given epoch, in order."""
-        if self._cache is not None and self._cache[0] == epoch:
+    def _per_rank(self, start: int) -> int:
+        """This rank's share of the epoch from global position `start` on: the rest split evenly,
+        rounded down (drop_last) or up (the remainder wrap-padded)."""
+        rest = self.dataset_len - start
+        return rest // self.num_replicas if self.drop_last else -(-rest // self.num_replicas)
+
+    def _indices(self, epoch: int, start: int) -> list[int]:
+        if self._cache is not None and self._cache[0] == (epoch, start):
             return self._cache[1]
         if self.shuffle:
             g = torch.Generator()
@@ -203,28 +214,41 @@ class ResumableDistributedSampler(Sampler[int]):
             order = torch.randperm(self.dataset_len, generator=g).tolist()
         else:
             order = list(range(self.dataset_len))
-        total = self.num_samples * self.num_replicas
-        if total <= len(order):
-            order = order[:total]
-        else:
-            # Wrap around (repeating the whole order if the pad is larger).
-            order = (order * math.ceil(total / len(order)))[:total]
-        mine = order[self.rank :: self.num_replicas]
-        self._cache = (epoch, mine)
+        end = start + self._per_rank(start) * self.num_replicas
+        if end > len(order):  # wrap around (repeating the whole order if the pad is larger)
+            order = order * math.ceil(end / len(order))
+        mine = order[start + self.rank:end:self.num_replicas]
+        self._cache = ((epoch, start), mine)
         return mine
+
+    def epoch_indices(self, epoch: int) -> list[int]:
+        """This rank's indices for the given epoch from its start, in order."""
+        return self._indices(epoch, 0)
 
     def __iter__(self):
         start_epoch = self.epoch
         # Read the position from self on every step, so set_position/
         # load_state_dict take effect and the position is always current.
         while self.infinite or self.epoch == start_epoch:
-            index = self.epoch_indices(self.epoch)[self.offset]
+            mine = self._indices(self.epoch, self.start)
+            if self.offset >= len(mine):  # a resumed epoch with nothing left for R replicas
+                self._next_epoch()
+                continue
+            index = mine[self.offset]
             # Advance before yielding: once the caller has the index it counts
             # as yielded, even if the caller never asks for the next one.
             self.offset += 1
-            if self.offset == self.num_samples:
-                self.epoch, self.offset = self.epoch + 1, 0
+            if self.offset == len(mine):
+                self._next_epoch()
             yield index
+
+    def _next_epoch(self) -> None:
+        self.epoch, self.start, self.offset = self.epoch + 1, 0, 0
+
+    @property
+    def position(self) -> int:
+        """Samples of the current epoch's global order handed out over all ranks."""
+        return self.start + self.offset * self.num_replicas
 
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` from its beginning, unless it is already the current
@@ -234,33 +258,40 @@ class ResumableDistributedSampler(Sampler[int]):
             self.set_position(epoch, 0)
 
     def set_position(self, epoch: int, offset: int) -> None:
-        """Resume so the next index yielded is number `offset` of `epoch`."""
+        """Resume so the next index yielded is number `offset` of `epoch` (counted per rank)."""
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
         if not 0 <= offset <= self.num_samples:
             raise ValueError(f"offset must be in [0, {self.num_samples}] (samples per rank per epoch), got {offset}")
         if offset == self.num_samples:
             epoch, offset = epoch + 1, 0  # a finished epoch, recorded as usual
-        self.epoch, self.offset = int(epoch), int(offset)
+        self.epoch, self.start, self.offset = int(epoch), 0, int(offset)
 
     def state_dict(self) -> dict:
         """JSON-serialisable position plus the settings that fix the order."""
-        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed,
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
                 "dataset_len": self.dataset_len, "num_replicas": self.num_replicas,
                 "shuffle": self.shuffle, "drop_last": self.drop_last}
 
     def load_state_dict(self, sd: dict) -> None:
-        # A different length/world size/shuffle/drop_last would give a
-        # different order, so "resume" would silently replay or skip data.
-        for key in ("dataset_len", "num_replicas", "shuffle", "drop_last"):
+        """Resume where `sd` was taken, with this sampler's number of replicas (which may differ)."""
+        # A different length/shuffle/drop_last would give a different order, so "resume" would
+        # silently replay or skip data.
+        for key in ("dataset_len", "shuffle", "drop_last"):
             if key in sd and sd[key] != getattr(self, key):
                 raise ValueError(
                     f"sampler state has {key}={sd[key]!r} but this sampler has {getattr(self, key)!r}; "
-                    f"resume with the same data and world size"
+                    f"resume with the same data and settings"
                 )
         self.seed = int(sd["seed"])
         self._cache = None  # the seed may have changed
-        self.set_position(int(sd["epoch"]), int(sd["offset"]))
+        # Older states counted per rank (offset) over num_replicas ranks.
+        position = sd["position"] if "position" in sd else int(sd["offset"]) * int(sd.get("num_replicas", 1))
+        if not 0 <= int(position) < self.dataset_len:
+            raise ValueError(f"sampler state has position {position}, outside an epoch of {self.dataset_len} samples")
+        # The rest of the epoch from `position` on, split over this sampler's replicas (empty when
+        # fewer than num_replicas samples are left and drop_last drops them).
+        self.epoch, self.start, self.offset = int(sd["epoch"]), int(position), 0
 
 
 def corpus_loaders(seq_len: int, micro_batch: int, num_replicas: int, rank: int, seed: int = 0,
