@@ -82,9 +82,21 @@ def _reference():
 
 
 def _platform() -> dict:
-    """What the exact replays depend on besides the code: torch's build and the CPU kernels it picks."""
+    """What the exact replays depend on besides the code: torch's build and the CPU kernels it picks.
+    torch's capability level (AVX512) does not fix MKL's and oneDNN's: they dispatch on the CPU's
+    own extensions (AMX, AVX512-FP16, VNNI, ...), and two AVX512 machines differing only there
+    rounded step 2 of the reference differently (8.6e-8 relative)."""
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "machine": platform.machine()}
+            "machine": platform.machine(), "cpu_extensions": _cpu_extensions()}
+
+
+def _cpu_extensions() -> str:
+    """The vector and matrix extensions the CPU reports (Linux), which MKL and oneDNN dispatch on."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].splitlines()[0].split()
+    except (OSError, IndexError):
+        return platform.processor()
+    return " ".join(sorted(f for f in flags if f.startswith(("avx", "amx", "fma"))))
 
 
 def _golden() -> dict:
