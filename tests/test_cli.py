@@ -124,3 +124,50 @@ def test_hugging_face_example_fine_tunes_and_saves(tmp_path):
 def test_run_names_a_missing_script():
     out = _zerotron("run", "-n", "2", "no_such_script.py")
     assert out.returncode == 2 and "no such script" in out.stderr
+
+
+# ---- an error zerotron raises in a launched job: its message once, no traceback ------------------------------
+BAD_SCRIPT = """
+import torch, zerotron
+zerotron.initialize(model=torch.nn.Linear(4, 4), config={"train_micro_batch_size_per_gpu": 1,
+                                                         "zero_optimization": {"stgae": 2}})
+"""
+TYPO = "config key 'zero_optimization.stgae' = 2: zero_optimization has no key 'stgae'; did you mean 'stage'?"
+
+
+def test_a_config_error_in_a_launched_script_is_one_message(tmp_path):
+    script = tmp_path / "bad.py"
+    script.write_text(BAD_SCRIPT)
+    out = _zerotron("run", "-n", "2", str(script))
+    assert out.returncode == 1
+    assert out.stderr.count(TYPO) == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    debug = subprocess.run([sys.executable, "-m", "zerotron.cli", "run", "-n", "2", str(script)], cwd=ROOT,
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "ZEROTRON_DEBUG": "1"},
+                           capture_output=True, text=True, timeout=120)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "bad.py" in debug.stderr
+
+
+def test_under_plain_torchrun_rank_0_prints_it_and_torchruns_table_names_it(tmp_path):
+    script = tmp_path / "bad.py"
+    script.write_text(BAD_SCRIPT)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert 'bad.py", line' not in out.stderr, out.stderr  # no worker traceback
+    assert sum(line.startswith(f"zerotron: {TYPO}") for line in out.stderr.splitlines()) == 1  # rank 0 printed it
+    assert f"traceback : zerotron: {TYPO}" in out.stderr  # ... and in torchrun's root cause
+
+
+def test_train_prints_a_worker_side_config_error_once():
+    out = _zerotron("train", "--model", "tiny", "--tp", "3", "--steps", "1")
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("zerotron: config key 'tensor_parallel.autotp_size' = 3: the model's attention "
+                                  "heads (4) must be divisible by it; choose a size that divides it"), out.stderr
+
+
+def test_train_names_more_pipeline_stages_than_layers_before_launching():
+    out = _zerotron("train", "--model", "tiny", "--pp", "4", "--steps", "1")
+    assert out.returncode == 1 and out.stderr.strip() == (
+        "--pp 4: the tiny GPT has 2 layers and each pipeline stage needs at least one; use at most 2 stages in all, "
+        "or a larger --model"), out.stderr

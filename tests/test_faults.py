@@ -228,7 +228,7 @@ engine.step()
 def test_out_of_vocabulary_tokens_stop_the_job_with_their_name(tmp_path):
     out, seconds = _run_job(tmp_path, BAD_TOKENS_JOB.format(tests=str(ROOT / "tests")))
     assert out.returncode != 0 and seconds < 60
-    assert ("BadBatchError: bad input at step 0: token id 300 on rank(s) [1] is outside the vocabulary [0, 256)"
+    assert ("zerotron: bad input at step 0: token id 300 on rank(s) [1] is outside the vocabulary [0, 256)"
             in out.stderr)
 
 

@@ -14,13 +14,17 @@ import torch.distributed as dist
 from .comm import init_distributed, launched_by_torchrun, local_device
 from .config import Config, resolve_auto
 from .engine import Engine
-from .errors import BadBatchError, CollectiveMismatch, ConfigError, NonFiniteError
+from .errors import BadBatchError, CollectiveMismatch, ConfigError, NonFiniteError, ZerotronError
 from .topology import Topology
-from . import checkpointing, hf, watchdog  # noqa: E402  (zerotron.checkpointing / zerotron.hf as DeepSpeed users expect)
+from . import checkpointing, error_report, hf, watchdog  # noqa: E402  (zerotron.checkpointing / zerotron.hf as DeepSpeed users expect)
 
 __version__ = "0.1.0"
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "Config", "ConfigError", "Engine",
-           "Topology", "resolve_auto", "BadBatchError", "CollectiveMismatch", "NonFiniteError", "__version__"]
+           "Topology", "resolve_auto", "BadBatchError", "CollectiveMismatch", "NonFiniteError", "ZerotronError",
+           "__version__"]
+
+if launched_by_torchrun():  # a worker of a launched job: zerotron's errors print as one message, not N tracebacks
+    error_report.install()
 
 
 def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,

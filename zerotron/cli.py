@@ -9,6 +9,9 @@ import sys
 
 import torch
 
+from .error_report import report
+from .errors import ConfigError, ZerotronError
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zerotron", description="zerotron: distributed training for PyTorch")
@@ -33,8 +36,6 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, FileNotFoundError, RuntimeError) as e:
             print(f"zerotron: {e}", file=sys.stderr)
             return 2
-    from .checkpoint import CheckpointError
-    from .errors import ConfigError
     try:
         if args.command == "train":
             return _train(args, argv if argv is not None else sys.argv[1:])
@@ -43,12 +44,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {convert_checkpoint(args.checkpoint, args.out, args.dtype, int(args.max_shard_size))}")
             return 0
         return _run(args)
-    except (CheckpointError, FileNotFoundError) as e:
+    except FileNotFoundError as e:
         print(f"zerotron: {e}", file=sys.stderr)
         return 1
-    except ConfigError as e:
-        print(f"zerotron: {e}", file=sys.stderr)
-        return 2
+    except ZerotronError as e:
+        report(e)  # once for the whole job when launched (error_report.py)
+        return 2 if isinstance(e, ConfigError) else 1
 
 
 # ---- zerotron train ---------------------------------------------------------------------------
@@ -63,8 +64,9 @@ def _train(args, argv: list[str]) -> int:
         train(args)
         return 0
     from .config import Config
-    from .train import adopt_config_layout, build_config, world_size_of
+    from .train import adopt_config_layout, build_config, check_model_layout, world_size_of
     adopt_config_layout(args)
+    check_model_layout(args)
     nproc = world_size_of(args, default_nproc())
     Config.load(build_config(args, torch.cuda.is_available()), world_size=nproc,  # fail fast, before launching
                 pipeline_stages=args.pp)
@@ -123,19 +125,31 @@ def _run(args) -> int:
 def _torchrun(argv: list[str]) -> int:
     """Run torchrun's agent in this process. Exit status: 0; or the first failed worker's status
     when it is zerotron's (EXIT_PREEMPTED after a checkpoint on SIGTERM, EXIT_FAULT after a
-    collective timeout); EXIT_PREEMPTED when this launcher is signalled itself; else 1."""
+    collective timeout, or an error zerotron raised, whose message is then printed once);
+    EXIT_PREEMPTED when this launcher is signalled itself; else 1."""
+    import logging
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    from .error_report import LAUNCHER_ENV, debugging, reported_message
     from .errors import EXIT_FAULT, EXIT_PREEMPTED
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, _nproc_of(argv)))))
+    os.environ[LAUNCHER_ENV] = "1"  # the workers leave reporting zerotron's errors to this process
+    if not debugging():  # "sending SIGTERM to ..." per worker, error files copied: the failure below says what matters
+        for name in ("api", "errors.error_handler"):
+            logging.getLogger(f"torch.distributed.elastic.multiprocessing.{name}").setLevel(logging.CRITICAL)
     try:
         torchrun_main(argv)
     except ChildFailedError as e:
-        code = e.get_first_failure()[1].exitcode  # the root cause; torchrun then stops the others
-        print(f"zerotron: a worker process failed (exit status {code}): {e}", file=sys.stderr)
-        return code if code in (EXIT_FAULT, EXIT_PREEMPTED) else 1
+        failure = e.get_first_failure()[1]  # the root cause; torchrun then stops the others
+        message = reported_message(failure)
+        if message and not debugging():
+            print(message, file=sys.stderr)
+            return failure.exitcode if failure.exitcode > 0 else 1
+        print(f"zerotron: a worker process failed (exit status {failure.exitcode}): {e}", file=sys.stderr)
+        return failure.exitcode if failure.exitcode in (EXIT_FAULT, EXIT_PREEMPTED) else 1
     except SignalException as e:  # SIGTERM/SIGINT to the launcher: torchrun passed it on to the workers
         print(f"zerotron: stopped by signal {e.sigval}; the workers checkpointed if they had a --save-dir",
               file=sys.stderr)

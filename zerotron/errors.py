@@ -1,8 +1,16 @@
 """Errors zerotron raises for bad input: each names the problem and the fix."""
 
 
-class ConfigError(ValueError):
+class ZerotronError(Exception):
+    """An error whose message says all a user needs: in a launched job it is reported as that
+    message alone, without a traceback (error_report.py). `same_on_every_rank`: raised alike by every
+    rank (from the config and the model alone), so rank 0 speaks for all."""
+    same_on_every_rank = False
+
+
+class ConfigError(ZerotronError, ValueError):
     """A config value is wrong. The message names the key, the value and the fix."""
+    same_on_every_rank = True
 
     def __init__(self, key: str, value, fix: str):
         self.key, self.value, self.fix = key, value, fix
@@ -14,14 +22,14 @@ EXIT_FAULT = 70       # EX_SOFTWARE: a collective timed out, or another rank sto
 EXIT_PREEMPTED = 75   # EX_TEMPFAIL: SIGTERM/SIGINT; a checkpoint was saved; run again with --resume
 
 
-class CollectiveMismatch(RuntimeError):
+class CollectiveMismatch(ZerotronError, RuntimeError):
     """Ranks called different collectives at the same point (collective checks, a debug mode)."""
 
 
-class NonFiniteError(FloatingPointError):
+class NonFiniteError(ZerotronError, FloatingPointError):
     """Too many consecutive steps had NaN/Inf gradients: training stops instead of going on with garbage."""
 
 
-class BadBatchError(ValueError):
+class BadBatchError(ZerotronError, ValueError):
     """A batch the model cannot take (token ids outside the vocabulary, an empty batch): named
     before the forward runs, so nothing is corrupted."""

@@ -123,6 +123,19 @@ def world_size_of(args, default: int) -> int:
     return world if args.nproc or world % model_parallel == 0 else model_parallel
 
 
+def check_model_layout(args) -> None:
+    """The reference GPT's own limit on the layout, named before any process starts: every pipeline
+    stage (and model chunk) needs at least one of its layers."""
+    from .models.gpt import SIZES
+    if args.model not in SIZES:
+        raise SystemExit(f"--model {args.model}: not a reference GPT size; choose one of {', '.join(SIZES)}")
+    layers, chunks = SIZES[args.model].n_layer, (args.pp or 1) * args.virtual_stages
+    if chunks > layers:
+        asked = f"--pp {args.pp or 1}" + (f" x --virtual-stages {args.virtual_stages}" if args.virtual_stages > 1 else "")
+        raise SystemExit(f"{asked}: the {args.model} GPT has {layers} layers and each pipeline stage needs at least "
+                         f"one; use at most {layers} stages in all, or a larger --model")
+
+
 def _peak_flops() -> float | None:
     if not torch.cuda.is_available():
         return None

@@ -9,13 +9,15 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ZerotronError
+
 FORMAT = "zerotron-checkpoint"
 VERSION = 1
 META = "meta.json"
 LATEST = "latest"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(ZerotronError, RuntimeError):
     """A checkpoint that cannot be loaded as asked: the message names the file and the problem."""
 
 
