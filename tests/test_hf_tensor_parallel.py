@@ -1,7 +1,9 @@
 """Every causal-LM family of the installed Transformers that ships a tensor-parallel plan, under
 TP 2 and TP 2 x ZeRO-3 (4 ranks: data 2 x tensor 2), against single-process training: each family
 matches (losses within 1e-5 relative, weights within 1e-5) or is refused with a ConfigError before
-training. `python tests/test_hf_tensor_parallel.py` prints the table."""
+training. A family that cannot be built tiny or trained by plain PyTorch (a new family whose config
+the generic rules of hf_families.py do not fit yet) is no finding about zerotron: it is counted and
+named apart ("unbuilt"). `python tests/test_hf_tensor_parallel.py` prints the table."""
 import sys
 import time
 from collections import Counter
@@ -79,10 +81,14 @@ def sweep(names=None) -> dict:
         start = time.monotonic()
         try:
             ref_losses, ref_weights = _reference(cls_name)
-            out[family] = {layout: _split(cls_name, stage, ref_losses, ref_weights)
-                           for layout, stage in LAYOUTS.items()}
-        except Exception as e:  # noqa: BLE001 - a family that breaks the sweep is a finding, not a crash
-            out[family] = {layout: ("FAIL", f"{type(e).__name__}: {str(e)[:300]}") for layout in LAYOUTS}
+        except Exception as e:  # noqa: BLE001 - the tiny model or plain PyTorch failed: not zerotron's
+            out[family] = {layout: ("unbuilt", f"{type(e).__name__}: {str(e)[:300]}") for layout in LAYOUTS}
+        else:
+            try:
+                out[family] = {layout: _split(cls_name, stage, ref_losses, ref_weights)
+                               for layout, stage in LAYOUTS.items()}
+            except Exception as e:  # noqa: BLE001 - a family that breaks the sweep is a finding, not a crash
+                out[family] = {layout: ("FAIL", f"{type(e).__name__}: {str(e)[:300]}") for layout in LAYOUTS}
         out[family]["seconds"] = round(time.monotonic() - start, 2)
         if dist.get_rank() == 0:
             print(f"[sweep] {family}: {out[family]['tp2'][0]} / {out[family]['tp2_zero3'][0]} "
@@ -98,8 +104,10 @@ def _table(results: dict) -> str:
         note = next((r[layout][1] for layout in LAYOUTS if r[layout][0] != "ok"), r["tp2"][1])
         lines.append(f"{family:24s} {cells} {note[:160]}")
     counts = {layout: Counter(r[layout][0] for r in results.values()) for layout in LAYOUTS}
+    unbuilt = sorted(f for f, r in results.items() if r["tp2"][0] == "unbuilt")
     lines.append(f"{len(results)} families; " + "; ".join(
-        f"{layout}: {c['ok']} match, {c['refused']} refused, {c['FAIL']} failed" for layout, c in counts.items()))
+        f"{layout}: {c['ok']} match, {c['refused']} refused, {c['FAIL']} failed" for layout, c in counts.items())
+        + f"; {len(unbuilt)} cannot be built tiny{' (' + ', '.join(unbuilt) + ')' if unbuilt else ''}")
     return "\n".join(lines)
 
 
@@ -112,6 +120,8 @@ def test_every_transformers_family_matches_or_is_refused_under_tensor_parallelis
     assert not failed, "\n" + _table(failed)
     matched = sum(r["tp2"][0] == "ok" for r in results[0].values())
     assert matched >= len(results[0]) // 2, _table(results[0])  # the sweep is not vacuous
+    unbuilt = sum(r["tp2"][0] == "unbuilt" for r in results[0].values())
+    assert unbuilt <= len(results[0]) // 10, _table(results[0])  # hf_families.py still fits nearly every family
 
 
 def _verdicts(results: dict) -> dict:
