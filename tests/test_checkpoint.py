@@ -229,8 +229,20 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
         run_ranks(_load_other_model, 2, str(d))
 
 
+def _load_and_log(directory):
+    import logging
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("zerotron").addHandler(handler)
+    return _load(directory), records
+
+
 def test_no_latest_means_nothing_to_load(tmp_path):
-    assert run_ranks(_load, 1, str(tmp_path))[0] == (None, 0)
+    (result, log), = run_ranks(_load_and_log, 1, str(tmp_path))
+    assert result == (None, 0) and f"{tmp_path} has no 'latest' file" in log[-1]
+    (result, log), = run_ranks(_load_and_log, 1, str(tmp_path / "missing"))
+    assert result == (None, 0) and f"{tmp_path / 'missing'} does not exist: nothing to load" in log[-1]
 
 
 # ---- export ----------------------------------------------------------------------------------------------
@@ -269,7 +281,11 @@ def test_convert_command_line(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads((tmp_path / "out" / "zerotron_source.json").read_text())["dtype"] == "bf16"
-    bad = subprocess.run([sys.executable, "-m", "zerotron.cli", "convert", str(tmp_path / "nothing"),
+    missing = subprocess.run([sys.executable, "-m", "zerotron.cli", "convert", str(tmp_path / "nothing"),
+                              str(tmp_path / "o2")], capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1 and "nothing does not exist" in missing.stderr
+    (tmp_path / "empty").mkdir()
+    bad = subprocess.run([sys.executable, "-m", "zerotron.cli", "convert", str(tmp_path / "empty"),
                           str(tmp_path / "o2")], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "neither a checkpoint" in bad.stderr
 

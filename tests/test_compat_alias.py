@@ -365,6 +365,25 @@ def test_asking_for_the_alias_beside_an_installed_deepspeed_warns_that_it_is_sha
     assert result is True and "ShadowWarning" in out.stderr
 
 
+def test_a_directory_named_deepspeed_is_no_installed_deepspeed(tmp_path):
+    """examples/deepspeed/ (no __init__.py) in the working directory is a namespace package, not a
+    DeepSpeed to warn about."""
+    (tmp_path / "deepspeed").mkdir()
+    (tmp_path / "deepspeed" / "script.py").write_text("")
+    code = """
+        import json, warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import zerotron
+            zerotron.as_deepspeed()
+            import deepspeed
+        print(json.dumps({"alias": deepspeed is zerotron, "warnings": [str(w.message) for w in caught
+                                                                        if "deepspeed" in str(w.message).lower()]}))
+    """
+    result, _ = _python(code, cwd=str(tmp_path), PYTHONPATH=str(tmp_path))
+    assert result == {"alias": True, "warnings": []}
+
+
 # ---- zerotron run --as-deepspeed ----------------------------------------------------------------------
 
 def test_zerotron_run_as_deepspeed_aliases_deepspeed_in_the_workers(tmp_path):

@@ -76,6 +76,12 @@ def test_estimate_command():
     shape = ModelShape.of_gpt(__import__("zerotron.models.gpt", fromlist=["config_for"]).config_for("7b"))
     # stage 3 in bf16: 14Ψ/N (the paper's 16Ψ/N without a bf16 parameter shard beside the masters)
     assert device[3] == pytest.approx(14 * shape.parameters / 8 / 2**30, rel=0.01)
+    # ... and the table says why its params column is near 0 at stage 3 and its grads are 6 B/param at stage 0
+    assert "ZeRO 3 params: only those under the persistence threshold" in out.stdout
+    assert "ZeRO 0 grads: the model's bf16 gradients (2 B/param) and the fp32 gradients" in out.stdout
+    fp32 = subprocess.run([sys.executable, "-m", "zerotron.cli", "estimate", "--model", "7b", "--precision", "fp32"],
+                          capture_output=True, text=True, timeout=60)
+    assert "ZeRO 0 grads" not in fp32.stdout and "ZeRO 3 params" not in fp32.stdout
 
 
 def _saved_for_backward(model, tokens, targets, forward=None) -> int:
@@ -288,6 +294,33 @@ def test_plan_command_writes_a_config_that_trains(tmp_path):
     assert train.returncode == 0, train.stderr[-3000:]
     assert "model states: predicted" in train.stderr  # the engine's start-up prediction next to the measurement
     assert config["train_batch_size"] == 8
+
+
+@pytest.mark.parametrize("model,gpus,batch", [("125m", 1, 8), ("1.3b", 8, 64)])
+def test_a_plan_lists_no_two_layouts_a_user_cannot_tell_apart(model, gpus, batch):
+    """At one data-parallel rank, ZeRO-2 shards gradients over one rank (ZeRO-1) and there is nothing
+    to overlap a parameter gather with: such rows would repeat others, memory and speed alike."""
+    from collections import Counter
+    from zerotron.planner import hardware
+    from zerotron.planner.search import plan
+    candidates = plan(ModelShape.parse(model), gpus, hardware.hardware("h100"), 4096, batch)
+    def shown(c):  # what a row of the table says, but the ZeRO stage and its options
+        L = c.layout
+        return (round(c.memory["total"] / 2**20), round(c.memory.get("host", 0) / 2**20), round(c.tokens_per_s),
+                L.dp, L.tp, L.pp, L.micro_batch, L.checkpoint, L.offload, L.schedule, L.chunks)
+    repeated = [k for k, n in Counter(map(shown, candidates)).items() if n > 1]
+    assert not repeated, [c.layout.describe() for c in candidates if shown(c) == repeated[0]]
+
+
+def test_plot_without_matplotlib_is_refused_before_the_plan_is_written(tmp_path, monkeypatch, capsys):
+    import sys
+    from zerotron.cli import main
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    out = tmp_path / "p.json"
+    code = main(["plan", "--model", "125m", "--gpus", "1", "--global-batch", "8", "--out", str(out),
+                 "--plot", str(tmp_path / "p.png")])
+    assert code == 2 and not out.exists()
+    assert "pip install 'zerotron[plot]'" in capsys.readouterr().err
 
 
 def test_plan_command_says_when_nothing_fits(tmp_path):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 
 import torch
@@ -188,7 +189,8 @@ def train(args) -> None:
     if args.resume:
         path, client = engine.load_checkpoint(args.save_dir)
         if path is None:
-            say(f"--resume: no checkpoint in {args.save_dir} yet; starting from scratch")
+            yet = "" if os.path.isdir(args.save_dir) else " (the directory does not exist yet)"
+            say(f"--resume: no checkpoint in {args.save_dir}{yet}; starting from scratch")
         else:  # the same data order: the sampler continues where the saved run was
             loader.sampler.load_state_dict(client["sampler"])
             first_step = engine.global_steps

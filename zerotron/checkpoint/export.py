@@ -28,6 +28,8 @@ def convert(checkpoint, out, dtype: str = "fp32", max_shard_size: int = 5 * 2**3
     directory = Path(checkpoint)
     if not (directory / META).exists():
         tag = resolve_tag(directory, None)
+        if not directory.exists():
+            raise FileNotFoundError(f"{directory} does not exist: pass a checkpoint directory or a save directory")
         if tag is None:
             raise FileNotFoundError(f"{directory} is neither a checkpoint (no {META}) nor a save directory with "
                                     "a 'latest' file")

@@ -99,7 +99,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     root = Path(load_dir)
     tag = resolve_tag(root, tag)
     if tag is None:
-        logger.warning(f"no '{LATEST}' file in {root}: nothing to load (pass tag= to pick a checkpoint)")
+        why = "does not exist" if not root.exists() else f"has no '{LATEST}' file (pass tag= to pick a checkpoint)"
+        logger.warning(f"{root} {why}: nothing to load")
         return None, None
     directory = root / tag
     if not directory.is_dir():

@@ -305,7 +305,9 @@ def _installed_deepspeed():
             spec = finder.find_spec("deepspeed", None)
         except Exception:  # noqa: BLE001  (a foreign finder's trouble is not ours)
             continue
-        if spec is not None:
+        # A directory named deepspeed without an __init__.py (examples/deepspeed/ when run from a
+        # checkout) is only a namespace package: no DeepSpeed is installed there.
+        if spec is not None and spec.origin not in (None, "namespace"):
             versions = [d.version for d in importlib.metadata.distributions(name="deepspeed")
                         if not isinstance(d, DeepSpeedDistribution)]
             return spec, versions[0] if versions else None

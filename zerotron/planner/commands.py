@@ -66,8 +66,10 @@ def estimate(args) -> int:
 
 def plan_command(args) -> int:
     from .model import ModelShape
-    from .report import plot, table
+    from .report import plot, pyplot, table
     from .search import deepspeed_config, plan
+    if args.plot:
+        pyplot()  # matplotlib is there, before the search and the config it writes
     shape = ModelShape.parse(args.model)
     overrides = {k: getattr(args, k) for k in HARDWARE_FIELDS}
     hw = hardware(args.hardware, **overrides, gpus_per_node=args.gpus_per_node)

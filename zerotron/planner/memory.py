@@ -110,4 +110,12 @@ def estimate_table(shape: ModelShape, dp: int, tp: int, pp: int, dtype: str, off
                      f"  {r['optimizer'] / gib:>9.2f}  {device / gib:>10.2f}  {r.get('host', 0) / gib:>8.2f}")
     lines.append("per rank, largest pipeline stage; model states only (--seq adds activations; "
                  "`zerotron plan` costs everything)")
+    if dtype != "fp32":
+        b = 2
+        lines.append(f"ZeRO 0 grads: the model's {dtype} gradients ({b} B/param) and the fp32 gradients of the fp32 "
+                     f"masters they are copied into for the step (4 B/param)")
+        if not (offload_optimizer or offload_param):
+            lines.append(f"ZeRO 3 params: only those under the persistence threshold ({persistence_threshold:,} "
+                         f"elements) stay whole; the others have no {dtype} shard: each gather casts the fp32 "
+                         f"master shard (under masters)")
     return "\n".join(lines)

@@ -32,14 +32,21 @@ def table(candidates: list[Candidate], hw: Hardware, top: int = 10, rejected: in
     return "\n".join(lines)
 
 
-def plot(candidates: list[Candidate], path: str, hw: Hardware, top: int = 6, title: str = "") -> None:
-    """Stacked bars: each top candidate's memory per GPU by part, with the usable limit."""
+def pyplot():
+    """matplotlib.pyplot drawing to files, or a RuntimeError with the fix (call it before the work)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise RuntimeError("--plot needs matplotlib: pip install 'zerotron[plot]'") from e
+    except ImportError:
+        raise RuntimeError("--plot draws with matplotlib, which is not installed: pip install 'zerotron[plot]' "
+                           "(or matplotlib), or leave --plot out") from None
+    return plt
+
+
+def plot(candidates: list[Candidate], path: str, hw: Hardware, top: int = 6, title: str = "") -> None:
+    """Stacked bars: each top candidate's memory per GPU by part, with the usable limit."""
+    plt = pyplot()
     chosen = [c for c in candidates if c.rejected is None][:top] or candidates[:top]
     fig, ax = plt.subplots(figsize=(11, 5))
     labels = [f"#{i}\n" + "\n".join(c.layout.describe().split())

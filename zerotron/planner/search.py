@@ -48,8 +48,8 @@ def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, global_batch: int,
                     break
                 accum = per_rank // micro
                 for zero in zero_stages:
-                    if pp > 1 and zero == 3:
-                        continue
+                    if (pp > 1 and zero == 3) or (dp == 1 and zero == 2):
+                        continue  # (one data-parallel rank: stage 2's gradient shard is stage 1's whole gradient)
                     offloads = ["none"] + (["optimizer"] if offload and zero > 0 else []) + \
                                (["optimizer+param"] if offload and zero == 3 else [])
                     schedules = [("1f1b", 1)] if pp == 1 else [("1f1b", 1)] + (
@@ -60,7 +60,7 @@ def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, global_batch: int,
                                 yield Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=micro, grad_accum=accum,
                                              checkpoint=ckpt, offload=off, schedule=schedule, chunks=chunks,
                                              sequence_parallel=tp > 1 and pp == 1,
-                                             overlap_param_gather=zero in (1, 2) and pp == 1)
+                                             overlap_param_gather=zero in (1, 2) and pp == 1 and dp > 1)
 
 
 def plan(shape: ModelShape, gpus: int, hw: Hardware, seq: int, global_batch: int, dtype: str = "bf16",
