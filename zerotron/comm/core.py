@@ -1,4 +1,4 @@
-"""Process-group setup and the collectives the engine issues, with byte counters.
+"""The collectives the engine issues, with byte counters, and strict mode (NCCL's rules on gloo).
 
 Every collective goes through `Comm`, so there is one place that counts their bytes and registers
 them with the watchdog (zerotron/watchdog.py), which turns a hang into a message naming the
@@ -7,8 +7,6 @@ releases; the names are resolved once here.
 """
 from __future__ import annotations
 
-import atexit
-import datetime
 import os
 import time
 from collections import defaultdict
@@ -18,97 +16,10 @@ import torch
 import torch.distributed as dist
 
 from .. import watchdog
-from ..timeouts import DEFAULT_TIMEOUT, group_timeout, request
-from ..topology import forget_groups
 
 # torch 2.13 deprecates *_into_tensor / *_tensor in favour of *_single; older releases lack the latter.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def launched_by_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-
-
-def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
-                     verbose: bool = True, timeout: datetime.timedelta = DEFAULT_TIMEOUT, init_method: str | None = None,
-                     dist_init_required: bool | None = None, config=None, rank: int = -1, world_size: int = -1) -> None:
-    """Join the process group: DeepSpeed's signature and argument order.
-
-    By default from the launcher's environment (RANK, WORLD_SIZE, ...); with `init_method` (e.g.
-    "tcp://host:port") and `rank`/`world_size`, from those. Without either, a plain process becomes
-    a world of one, so every code path is the same. `timeout` bounds every collective: the default
-    group's, every group zerotron creates, and the watchdog's. `auto_mpi_discovery`,
-    `distributed_port`, `verbose` and `config` are accepted for DeepSpeed's callers (zerotron does
-    no MPI discovery: launch with torchrun or `zerotron run`).
-    """
-    request(timeout)
-    if dist.is_initialized():  # the script (or accelerate, the Trainer) made the group: still tear it down cleanly
-        use_local_device()
-        _shutdown_at_exit()
-        return
-    if dist_init_required is False:
-        raise RuntimeError("init_distributed(dist_init_required=False) but no process group exists: initialize "
-                           "torch.distributed first, or leave dist_init_required unset")
-    timeout = group_timeout()
-    backend = dist_backend or default_backend()
-    if "nccl" in backend:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    explicit = {"rank": rank, "world_size": world_size} if rank >= 0 and world_size > 0 else {}
-    if launched_by_torchrun() and init_method is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        dist.init_process_group(backend, store=_attempt_store(timeout), rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
-    elif launched_by_torchrun() or init_method is not None:
-        dist.init_process_group(backend, init_method=init_method, timeout=timeout, **explicit)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    _shutdown_at_exit()
-
-
-def _shutdown_at_exit() -> None:
-    global _shutdown_registered
-    if not _shutdown_registered:
-        atexit.register(shutdown)
-        _shutdown_registered = True
-
-
-_shutdown_registered = False
-
-
-def shutdown() -> None:
-    """At interpreter exit, for scripts that never call destroy_process_group (most DeepSpeed
-    scripts): stop the watchdog, then tear the process groups down in order, while Python still
-    runs. Left to interpreter finalization, a group's threads could be destroyed mid-flight and
-    abort a finished job (SIGABRT, "terminate called without an active exception")."""
-    dog = watchdog.current()
-    if dog is not None:
-        dog.stop()
-    # A gloo worker thread drops a finished operation's tensors a moment after wait() returned.
-    # A tensor that only the operation still held (a view made for it) then needs the GIL for its
-    # Python object; if that moment falls in interpreter finalization, the thread is killed
-    # mid-destructor and the job aborts. The groups live on in the engine's objects past
-    # destroy_process_group, so give those threads their moment while Python still runs. (A timing
-    # mitigation, not a guarantee: 0 aborts in 64 runs of a script that aborted in 4 of ~20 without it.)
-    if dist.is_initialized():
-        time.sleep(0.05)
-        forget_groups()
-        _comms.clear()
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 (a peer already gone: nothing left to tear down)
-            pass
-
-
-def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
-    """torchrun's key-value store, namespaced by restart attempt. After an elastic restart the new
-    workers must not read the dead ones' entries: torch 2.13 does not separate them, and gloo then
-    tries to connect to the dead workers' addresses and fails."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"zerotron/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def local_device() -> torch.device:
@@ -119,13 +30,45 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def use_local_device() -> None:
-    """A script that called dist.init_process_group("nccl") itself did not pick its GPU: every rank
-    would use cuda:0. Take LOCAL_RANK's, as init_distributed does."""
-    if "nccl" in str(dist.get_backend()) and "LOCAL_RANK" in os.environ:
-        local = int(os.environ["LOCAL_RANK"])
-        if torch.cuda.current_device() != local and local < torch.cuda.device_count():
-            torch.cuda.set_device(local)
+# Strict mode: a group's first operation is a rendezvous of exactly its ranks, as NCCL's lazy
+# communicator creation is (see comm/groups.py); waiting longer than this fails fast with the group named.
+STRICT_FIRST_OPERATION_WAIT_S = 20.0
+_first_done: dict = {}  # "world": the default group they belong to; group key -> True
+
+
+def _group_key(group) -> str:
+    return "world" if group is None or group is dist.group.WORLD else str(group.group_name)
+
+
+def forget_first_operations() -> None:
+    _first_done.clear()
+
+
+def _first_operation(comm: "Comm") -> None:
+    if comm.first_operation_done:
+        return
+    comm.first_operation_done = True
+    if _first_done.get("world") is not dist.group.WORLD:  # a new job in this process
+        _first_done.clear()
+        _first_done["world"] = dist.group.WORLD
+    key = _group_key(comm.group)
+    if key in _first_done:
+        return
+    _first_done[key] = True
+    if comm.size == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    counter = f"zerotron/strict/first_operation/{key}"
+    store.add(counter, 1)
+    deadline = time.monotonic() + STRICT_FIRST_OPERATION_WAIT_S
+    while store.add(counter, 0) < comm.size:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"strict mode: the first operation on group {comm.name}{comm.ranks} waited "
+                f"{STRICT_FIRST_OPERATION_WAIT_S:g} s for the group's other ranks to reach their first operation on it. "
+                "On NCCL that operation creates the group's communicator and blocks until every rank of the group "
+                "arrives: this order of operations would hang. Connect groups where they are made (comm.groups.cached_groups).")
+        time.sleep(0.001)
 
 
 class Comm:
@@ -140,6 +83,7 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.bytes = defaultdict(int)
         self.name = name or ("world" if group is None else "group")
+        self.first_operation_done = False  # (strict mode: see _first_operation)
 
     @cached_property
     def ranks(self) -> list[int]:
@@ -160,6 +104,7 @@ class Comm:
     # NCCL's outputs are valid only then: code that reads a buffer before waiting reads stale values.
     def _issue(self, op: str, call, tensors: tuple, outputs: tuple, async_op: bool, in_place: bool = False):
         if strict():
+            _first_operation(self)
             for t in tensors:
                 check_device(t, op, self)
         deferred = strict() and async_op and outputs
@@ -231,6 +176,7 @@ class Comm:
         """Post point-to-point sends and receives together. Returns one work for the whole batch,
         as NCCL coalesces them (gloo gives one per operation): waiting on it waits for every one."""
         if strict():
+            _first_operation(self)
             for o in ops:
                 check_device(o.tensor, "p2p", self)
         deferred = []

@@ -17,10 +17,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..comm import Comm, comm_for
+from ..comm import Comm, shared_group
 from .engine import Engine
 from ..nested import to_device
-from ..topology import shared_group
 from ..errors import ConfigError
 from ..pipe.module import PipelineModule
 from ..pipe.backward import backward_input
@@ -54,8 +53,7 @@ class PipelineEngine(Engine):
         links = _StageLinks(module, topology)  # the process groups between stages, made first
         self.pp_comm, self.tie_groups = links.pp_comm, links.tie_groups  # (tie_groups: filled by tie_weights)
         super().__init__(module, config, topology, isolate=links.tie_weights, **kwargs)
-        self.p2p = P2P(self.device, links.flow_comms, links.pp_comm)
-        comm_for(None, "world").barrier()  # NCCL: the first point-to-point call must not be the group's first operation
+        self.p2p = P2P(self.device, links.flow_comms, links.pp_comm)  # (each flow's group was connected as it was made)
         self.schedule_name = config.pipeline.schedule
         self._timeline = None
         self._clock = _StageClock(self.device) if config.wall_clock_breakdown else None
