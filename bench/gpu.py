@@ -53,8 +53,8 @@ ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 T0 = float(os.environ.get("ZT_GPU_BENCH_T0", time.time()))
 
 # Seconds each part may take on the GPU (capped by what is left of --time-budget).
-JOB_LIMITS = {"correct": 150, "mfu": 150, "ckpt": 120, "offload": 240, "offload_off": 100}
-JOB_LIMITS_SMOKE = {"correct": 150, "mfu": 90, "ckpt": 90, "offload": 90, "offload_off": 90}
+JOB_LIMITS = {"correct": 150, "mfu": 150, "ckpt": 120, "offload": 240, "offload_off": 100, "sanitized": 120}
+JOB_LIMITS_SMOKE = {"correct": 150, "mfu": 90, "ckpt": 90, "offload": 90, "offload_off": 90, "sanitized": 90}
 MIN_JOB_S = 20       # a part gets at least this much time, or is skipped
 GRACE_S = 20         # beyond a child's own deadline before it is killed
 
@@ -75,8 +75,9 @@ GPU = {"seq": 2048, "mfu_model": "1.3b", "micro_batch": 8, "warmup": 3, "steps":
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (gloo, world of one), a few steps")
-    p.add_argument("--parts", default="correct,mfu,ckpt,offload",
-                   help="comma-separated: correct (bench/gpu_checks.py), mfu, ckpt, offload")
+    p.add_argument("--parts", default="correct,mfu,ckpt,offload,sanitized",
+                   help="comma-separated, run in this order of importance: correct (bench/gpu_checks.py), mfu, ckpt, "
+                        "offload, sanitized (the ZeRO/offload parity again under TORCH_CUDA_SANITIZER=1: stream races)")
     p.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run (default 480; smoke 360)")
     p.add_argument("--out", type=Path, default=None,
                    help="result JSON (default bench/results/gpu.json; smoke: bench/results/gpu_smoke.json)")
@@ -123,7 +124,7 @@ def parse_args(argv=None):
     args.parts = [s for s in args.parts.split(",") if s]
     args.systems = [s for s in args.systems.split(",") if s]
     args.ckpt_policies = [s for s in args.ckpt_policies.split(",") if s]
-    for name, allowed in (("parts", ("correct", "mfu", "ckpt", "offload")), ("systems", ("zerotron", "plain", "plain_autocast")),
+    for name, allowed in (("parts", ("correct", "mfu", "ckpt", "offload", "sanitized")), ("systems", ("zerotron", "plain", "plain_autocast")),
                           ("ckpt_policies", ("none", "every_block", "every_k", "selective"))):
         bad = [v for v in getattr(args, name) if v not in allowed]
         if bad:
@@ -194,6 +195,8 @@ def parent_main(args) -> int:
     jobs = [j for j in ("correct", "mfu", "ckpt") if j in args.parts]
     if "offload" in args.parts:
         jobs += ["offload"] + ([] if args.no_oom_demo else ["offload_off"])
+    if "sanitized" in args.parts:
+        jobs.append("sanitized")
     limits = JOB_LIMITS_SMOKE if args.smoke else JOB_LIMITS
     log(f"bench/gpu.py ({payload['mode']}): parts {', '.join(jobs)}; time budget {args.time_budget:.0f}s; "
         f"results -> {out}")
@@ -226,7 +229,10 @@ def parent_main(args) -> int:
 def run_child(job: str, limit: float, extra: list[str], smoke: bool, argv: list[str]) -> dict:
     """Run one part in a fresh process (a world of one: no launcher variables), at most `limit` seconds."""
     env = common.child_env(**({"CUDA_VISIBLE_DEVICES": ""} if smoke else {}),  # smoke: the CPU path, even on a GPU
-                           **({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if job == "correct" else {}))  # deterministic
+                           **({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if job == "correct" else {}),  # deterministic
+                           # torch's CUDA sanitizer: a kernel reading memory another stream writes unsynchronized
+                           # raises (offload's side streams, ZeRO-3's gathers); set before torch is imported
+                           **({"TORCH_CUDA_SANITIZER": "1"} if job == "sanitized" and not smoke else {}))
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="zt_gpu_bench_") as tmp:
         result_file = Path(tmp) / "result.json"
@@ -691,7 +697,7 @@ def job_offload_off(args, dev, result, save):
 
 
 JOBS = {"correct": gpu_checks.job_correct, "mfu": job_mfu, "ckpt": job_ckpt, "offload": job_offload,
-        "offload_off": job_offload_off}
+        "offload_off": job_offload_off, "sanitized": gpu_checks.job_sanitized}
 
 
 def child_main(args) -> int:
@@ -742,6 +748,11 @@ def summarize(payload: dict) -> list[str]:
                      + (f", failing {bad}" if bad else ""))
         for key in ("overflow", "checkpoint_round_trip", "host_syncs", "launch_blocking_rerun"):
             lines.append(f"    {key}: {json.dumps(correct.get(key), default=str)[:200]}")
+    sanitized = jobs.get("sanitized", {})
+    if sanitized:
+        lines.append(f"[4] under TORCH_CUDA_SANITIZER=1: {'no race found' if sanitized.get('all_ok') else 'FAILED'}; "
+                     f"{json.dumps({k: v.get('ok') for k, v in sanitized.get('zero_parity', {}).items()})[:300]}"
+                     + (f"; {sanitized['error']}" if sanitized.get("error") else ""))
     dev = next((r["device"] for r in jobs.values() if r.get("device")), {})
     if dev:
         memory = f", {dev['total_memory_gib']:.1f} GiB, CUDA {dev.get('cuda')}" if "total_memory_gib" in dev else ""

@@ -29,7 +29,8 @@ def test_smoke_run_prints_and_writes_every_part(tmp_path):
 
     result = json.loads(out.read_text())
     jobs = result["jobs"]
-    assert set(jobs) == {"correct", "mfu", "ckpt", "offload", "offload_off"}
+    assert set(jobs) == {"correct", "mfu", "ckpt", "offload", "offload_off", "sanitized"}
+    assert jobs["sanitized"]["all_ok"] and list(jobs["sanitized"]["zero_parity"]) == ["offload_param_zero3"]
     correct = jobs["correct"]
     assert correct["all_ok"], correct
     assert len(correct["zero_parity"]) == 11 and all(v["ok"] for v in correct["zero_parity"].values())
@@ -103,3 +104,27 @@ def test_offload_plan_for_13b_on_the_h200_machine():
     layers = gpu.pick_layers(fixed, per_layer, cfg.n_layer, (128 - 16) * GiB)
     assert layers == 27
     assert gpu.offload_host_bytes(fixed + layers * per_layer) < 112 * GiB
+
+
+def test_the_self_check_verdict_reads_every_nested_check():
+    from bench.gpu_checks import all_passed
+    passing = {"zero_parity": {"zero2_gas1": {"ok": True}}, "overflow": {"fp16": {"ok": True}, "bf16": {"ok": True}},
+               "launch_blocking_rerun": {"skipped": "CUDA only"}, "host_syncs": {"ok": True, "count": 1}}
+    assert all_passed(passing)
+    failing = {**passing, "overflow": {"fp16": {"ok": False, "loss_scale": [65536.0, 65536.0]}, "bf16": {"ok": True}}}
+    assert not all_passed(failing)  # a real overflow bug is not "all checks passed"
+    assert not all_passed({**passing, "checkpoint_round_trip": {"ok": False}})
+
+
+def test_the_overflow_check_expects_what_the_engines_scaler_does():
+    """One fp16 overflow at the default hysteresis (2) spends the grace and keeps the scale; at
+    hysteresis 1 it halves it: the check's expectation is the engine's scaler's."""
+    from bench.gpu_checks import scale_after_one_overflow
+    from zerotron.config_sections import FP16Config
+    from zerotron.precision import LossScaler
+    for hysteresis in (1, 2, 3):
+        scaler = LossScaler(FP16Config(enabled=True, hysteresis=hysteresis))
+        before = scaler.scale
+        scaler.update(True)
+        assert scaler.scale == scale_after_one_overflow(before, hysteresis)
+    assert scale_after_one_overflow(65536.0, FP16Config().hysteresis) == 65536.0  # the default: no halving
