@@ -10,9 +10,13 @@ events, into pinned buffers of exactly the size needed. On a CPU-only machine "h
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+
 import torch
 
 from ..comm import host_buffer
+from ..log import logger
 
 HOST = torch.device("cpu")
 
@@ -20,22 +24,79 @@ HOST = torch.device("cpu")
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A host buffer of exactly `numel` elements, page-locked when `pin` (torch's pinned allocator
     rounds every block up to a power of two: up to twice the memory for large buffers)."""
-    t = torch.zeros(numel, dtype=dtype, device=HOST)
-    if pin and t.numel():
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if not (pin and nbytes):
+        return host_buffer(torch.zeros(numel, dtype=dtype, device=HOST))
+    memory = _PinnedMemory(nbytes)
+    if memory.registered:
+        return host_buffer(torch.frombuffer(memory, dtype=dtype, count=numel))
+    try:  # torch's allocator: pinned, rounded up
+        return host_buffer(torch.zeros(numel, dtype=dtype, device=HOST, pin_memory=True))
+    except RuntimeError as e:  # page-locked memory refused (a memlock limit): slower copies, still correct
+        logger.warning(f"offload: {nbytes / 2**30:.2f} GiB of page-locked host memory refused ({e}); this buffer "
+                       "is pageable, so copies into it wait for the GPU")
+        return host_buffer(torch.zeros(numel, dtype=dtype, device=HOST))
+
+
+def _cudart():
+    """The CUDA runtime's Python binding (a stand-in in tests, to count registrations on a CPU)."""
+    return torch.cuda.cudart()
+
+
+def can_pin() -> bool:
+    """Page-locked host memory needs a GPU driver."""
+    return torch.cuda.is_available()
+
+
+class _PinnedMemory(bytearray):
+    """Host memory registered with the CUDA driver (page-locked) for exactly as long as it exists:
+    the tensors made from it (torch.frombuffer) keep it alive, and when the last of them goes the
+    registration is undone before the memory is freed, so a later allocation at the same address
+    is never taken for pinned and no engine leaves pinned memory behind."""
+
+    def __init__(self, nbytes: int):
+        super().__init__(nbytes)  # zeroed
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self))
         try:
-            status = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-            registered = int(getattr(status, "value", status)) == 0
+            status = _cudart().cudaHostRegister(self.address, nbytes, 0)
+            self.registered = int(getattr(status, "value", status)) == 0
         except Exception:  # noqa: BLE001 (no cudart binding in this build)
-            registered = False
-        if not registered:  # fall back to torch's pinned allocator (rounded up, but pinned)
-            t = torch.zeros(numel, dtype=dtype, device=HOST, pin_memory=True)
-    return host_buffer(t)
+            self.registered = False
+
+    def __del__(self):
+        if getattr(self, "registered", False):
+            self.registered = False
+            _cudart().cudaHostUnregister(self.address)
+
+
+class Uploads:
+    """Host-to-device copies that feed a collective (ZeRO-3 offload_param: each gather's shard comes
+    from host memory). On a GPU they run on a side stream, after what compute has queued, and the
+    collective is issued from that stream, so it waits for the copy while compute goes on: the next
+    unit's copy over PCIe overlaps the current unit's work. Elsewhere, the current stream."""
+
+    def __init__(self):
+        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+
+    @contextlib.contextmanager
+    def issue(self):
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            yield
 
 
 class HostBuffers:
     def __init__(self, numel: int, model_dtype: torch.dtype, pin_memory: bool):
         self.cuda = torch.cuda.is_available()
-        self.pin = pin_memory and self.cuda  # pinning needs a GPU driver
+        # Pinned whatever pin_memory says (DeepSpeed's default is false): a device-to-host copy into
+        # pageable memory makes the autograd thread wait for the GPU to drain, in the middle of backward.
+        self.pin = can_pin()
+        if self.pin and not pin_memory:
+            logger.info("offload_optimizer.pin_memory is false; zerotron page-locks its host buffers on GPUs anyway "
+                        "(copies into pageable memory would stall backward): see docs/offload.md")
         self.masters = host_empty(numel, torch.float32, self.pin)
         self.staging = host_empty(numel, model_dtype, self.pin)
         # Gradients arrive in the model dtype, into the staging buffer: the weights it brought to
@@ -91,10 +152,23 @@ class HostBuffers:
             self.grads.copy_(self.incoming)
         return self.grads
 
+    def stage_weights(self, from_masters: bool = False) -> None:
+        """After a step: the staging buffer holds the updated weights in the model dtype. An
+        optimizer that copies out (CPUAdam) wrote them there during its step; otherwise, or when
+        the masters changed without a step (`from_masters`: a checkpoint was loaded), one pass
+        casts the masters."""
+        if from_masters or not self.optimizer_copies_out:
+            self._cast_masters()
+        self.staging_has_weights = True
+
+    def _cast_masters(self) -> None:
+        """The one full pass over the host shard: fp32 masters into the model-dtype staging buffer."""
+        self.staging.copy_(self.masters)
+
     def weights_in(self, bucket, destination: torch.Tensor):
         """Bring a bucket's updated shard back into device memory, in the model dtype."""
         if not self.staging_has_weights:  # a skipped step left gradients there
-            self.staging.copy_(self.masters)
+            self._cast_masters()
             self.staging_has_weights = True
         source = self.staging[bucket.offset:bucket.offset + bucket.shard_numel]
         if self.stream is None:
@@ -152,8 +226,8 @@ class FusedHostStep:
             if not all(bool(torch.isfinite(s).all()) for s in self._shards.values()):
                 found.fill_(1.0)
         self._shards.clear()
-        self.inv = None if inv_scale in (None, 1.0) else torch.full((), inv_scale, dtype=torch.float32)
-        scaled = measured if self.inv is None else measured * self.inv.to(measured.device)
+        self.inv = None if inv_scale in (None, 1.0) else torch.full((), inv_scale, dtype=torch.float32)  # (host)
+        scaled = measured if self.inv is None else measured * inv_scale  # (a Python number: no copy to the device)
         self.norms = list(scaled.unbind())
         return None if inv_scale is None else found
 

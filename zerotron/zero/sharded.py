@@ -350,8 +350,8 @@ class ShardedStates(InOrderReduction):
     def publish(self, from_masters: bool = False) -> None:
         """Write the updated master shards into the parameters; all-gather replicated buckets.
         `from_masters`: the masters changed without an optimizer step (a checkpoint was loaded)."""
-        if self.host is not None and (from_masters or not self.host.optimizer_copies_out):
-            self.host.staging.copy_(self.master_flat)
+        if self.host is not None:
+            self.host.stage_weights(from_masters)
         for i in sorted(self.partitioned):  # (stage 3 without a shard gathers from the master itself)
             if self.buckets[i].shard is not None:
                 self._write_master(self.buckets[i], self.buckets[i].shard)

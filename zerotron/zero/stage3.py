@@ -31,6 +31,8 @@ import torch.nn as nn
 from ..comm import Comm, to_device
 from ..nested import tensors_in
 from .flat import FlatBucket
+from . import offload as host_memory
+from .offload import Uploads, host_empty
 from .partition_api import ZeroParamStatus, _ds_ids, _gather_init, built_under_init, materialize
 from .sharded import ShardedStates
 
@@ -67,8 +69,10 @@ def _recomputing() -> bool:
 class Unit:
     """One gather/release unit: its partitioned bucket and where it is in the gather cycle."""
 
-    def __init__(self, name: str, module: nn.Module, bucket: FlatBucket | None, comm: Comm):
+    def __init__(self, name: str, module: nn.Module, bucket: FlatBucket | None, comm: Comm,
+                 uploads: Uploads | None = None):
         self.name, self.module, self.bucket, self.comm = name, module, bucket, comm
+        self.uploads = uploads  # the shard is in host memory (offload_param): see offload.Uploads
         self.state = _GATHERED  # a new bucket's parameters still point at its full buffer
         self.work = None
         self.pinned = 0  # GatheredParameters blocks holding it gathered: hooks do not release it
@@ -84,9 +88,13 @@ class Unit:
             return
         b = self.bucket
         b.full.untyped_storage().resize_(b.padded_numel * b.full.element_size())
-        # With offload_param the shard comes from host memory first (a no-op copy on a CPU machine).
-        self._source = to_device(b.own_values(), b.full.device)
-        self.work = self.comm.all_gather_flat(b.full, self._source, async_op=True)
+        if self.uploads is None:
+            self._source = b.own_values()
+            self.work = self.comm.all_gather_flat(b.full, self._source, async_op=True)
+        else:  # with offload_param the shard comes from host memory first (a no-op copy on a CPU machine)
+            with self.uploads.issue():
+                self._source = to_device(b.own_values(), b.full.device)
+                self.work = self.comm.all_gather_flat(b.full, self._source, async_op=True)
         self.state = _GATHERING
         self._mark(ZeroParamStatus.INFLIGHT)
 
@@ -131,7 +139,7 @@ class Stage3States(ShardedStates):
         # offload_param: partitioned shards wait in host memory; a gather brings them to the device.
         op = zero.offload_param
         self.param_host = op is not None and op.device == "cpu"
-        self.pin = self.param_host and op.pin_memory and torch.cuda.is_available()
+        self.pin = self.param_host and host_memory.can_pin()  # whatever pin_memory says: see zero/offload.py
         self.prefetch_numel = zero.stage3_prefetch_bucket_size
         # DeepSpeed's caps, in parameter elements: prefetching stops while this many are gathered
         # (stage3_max_live_parameters); a unit used again before this many more are fetched stays
@@ -149,6 +157,7 @@ class Stage3States(ShardedStates):
         named_units = find_units(module, unit_classes) + [("", module)]
         claimed: set[int] = set()
         units, buckets = [], []
+        uploads = Uploads() if self.param_host else None
         seed = _agreed_seed(comm)
         for index, (name, m) in enumerate(named_units):  # blocks claim their parameters first; the root the rest
             own = [p for p in m.parameters() if id(p) not in claimed]
@@ -163,7 +172,8 @@ class Stage3States(ShardedStates):
                 _forget_init(p)
             big = [p for p in own if p.numel() >= threshold]
             small = [p for p in own if p.numel() < threshold and id(p) in trainable]
-            unit = Unit(name, m, self._partition(big, comm, self.param_host, self.pin) if big else None, gather_comm)
+            unit = Unit(name, m, self._partition(big, comm, self.param_host, self.pin) if big else None, gather_comm,
+                        uploads if self.param_host else None)
             unit.index = index
             units.append(unit)
             if unit.bucket is not None:
@@ -207,7 +217,6 @@ class Stage3States(ShardedStates):
         def keep(own):  # the only copy this rank keeps (in host memory with offload_param)
             if not on_host:
                 return own.clone()
-            from .offload import host_empty
             return host_empty(own.numel(), own.dtype, pin).copy_(own)
         return FlatBucket.partition(params, comm.size, comm.rank, keep=keep)
 
