@@ -70,6 +70,41 @@ def _bad_heads():
     zerotron.initialize(model=make_model(), config=config)  # 2 key/value heads over 4 ranks
 
 
+def _shapes_moved_to_the_device():
+    """The shape of every tensor moved to a device (a `.to(device...)`) while the engine is built,
+    and the whole and local shapes of the parameters tensor parallelism splits."""
+    from torch.overrides import TorchFunctionMode
+
+    class Moves(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.Tensor.to and (kwargs.get("device") is not None or any(
+                    isinstance(a, (torch.device, str)) for a in args[1:])):
+                self.shapes.append(tuple(args[0].shape))
+            return func(*args, **kwargs)
+    model = make_model(n_kv_head=4)
+    whole = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    with Moves() as moves:
+        engine, *_ = zerotron.initialize(model=model, config=ds_config(4, 1, tensor_parallel={"autotp_size": 2}))
+    split = {name: (whole[name], tuple(p.shape)) for name, p in engine.module.named_parameters()
+             if tuple(p.shape) != whole[name]}
+    return moves.shapes, split
+
+
+def test_only_the_local_shards_reach_the_device():
+    """The model is split where it was built and then placed: a model that needs tensor
+    parallelism may not fit the device whole (the plan probe runs the whole model there too)."""
+    moved, split = run_ranks(_shapes_moved_to_the_device, 2)[0]
+    assert split and moved
+    for name, (whole, local) in split.items():
+        assert whole not in moved, f"{name} reached the device whole {whole}"
+        assert local in moved, name
+
+
 def test_heads_not_divisible_is_a_clear_error():
     with pytest.raises(RankError, match=r"key/value heads \(2\) must be divisible"):
         run_ranks(_bad_heads, 4)

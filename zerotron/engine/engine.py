@@ -111,13 +111,15 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         self.coords = topology.coords(self.global_rank)
         self.dtype = model_dtype(config)
         _take_over(module)
-        self.module = self._place(module)
+        # A model to split stays where it was built until it is split: the whole of a model that
+        # needs tensor parallelism may not fit the device (parallelize places the shards).
+        self.module = self._place(module, self.device if topology.tp == 1 else None)
 
         self.dp_comm = Comm(topology.group("dp"), "dp")
         self.grad_comm = Comm(topology.group("dp_grad"), "dp_grad")  # gradient reductions (see zero/sharded.py)
         self.tp_comm = Comm(topology.group("tp"), "tp")
         self.world_comm = comm_for(None, "world")
-        parallelize(self.module, config, topology, self.tp_comm)  # tensor parallelism, activation checkpointing
+        parallelize(self.module, config, topology, self.tp_comm, self.device)  # tensor parallelism, checkpointing
         self._broadcast_module()
         params = [p for p in self.module.parameters() if p.requires_grad]
         if not params:
@@ -160,9 +162,10 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         self.reset_comm_stats()  # count training traffic only
 
     # ---- construction helpers ---------------------------------------------------------------
-    def _place(self, module: nn.Module) -> nn.Module:
-        """Move the model to this rank's device and dtype; parameters built under zero.Init stay
-        partitioned (placeholders plus this rank's pieces) until ZeRO-3 builds its units from them."""
+    def _place(self, module: nn.Module, device: torch.device | None) -> nn.Module:
+        """Cast the model to the training dtype and move it to `device` (None: where it is);
+        parameters built under zero.Init stay partitioned (placeholders plus this rank's pieces)
+        until ZeRO-3 builds its units from them."""
         from ..zero.partition_api import built_under_init
         meta = any(p.is_meta or built_under_init(p) for p in module.parameters())
         if meta and self.config.zero_optimization.stage != 3:
@@ -172,8 +175,9 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
             raise ValueError("zerotron.zero.Init with tensor parallelism is not supported yet: build the model "
                              "normally (tensor parallelism already splits it) or use tensor_parallel.autotp_size 1")
         dtype = self.dtype
-        return module._apply(lambda t: t.to(dtype=dtype if t.is_floating_point() else t.dtype) if t.is_meta
-                             else t.to(self.device, dtype=dtype if t.is_floating_point() else t.dtype))
+        return module._apply(lambda t: t.to(dtype=dtype if t.is_floating_point() else t.dtype)
+                             if t.is_meta or device is None
+                             else t.to(device, dtype=dtype if t.is_floating_point() else t.dtype))
 
     def _broadcast_module(self):
         """Start every data-parallel replica from dp-rank 0's weights, seeded or not."""

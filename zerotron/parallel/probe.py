@@ -62,6 +62,7 @@ class PlanProbe:
 
     def _run(self, grad: bool):
         outputs, handles = {}, []
+        ids = self.ids.to(next(self.model.parameters()).device)  # (the split model may have moved)
 
         def record(name):
             def hook(module, args, out):
@@ -72,7 +73,7 @@ class PlanProbe:
             handles.append(module.register_forward_hook(record(name)))
         try:
             with torch.enable_grad() if grad else contextlib.nullcontext():
-                loss = self.call(self.model, self.ids)
+                loss = self.call(self.model, ids)
         finally:
             for h in handles:
                 h.remove()
@@ -91,7 +92,8 @@ class PlanProbe:
             differs = [i for i, name in enumerate(names)
                        if name not in partial and _differs(split.get(name), self.whole[name], self.tol)]
             # Every rank names the same module (the first any rank saw differ), so all of them stop.
-            mine = torch.tensor([differs[0] if differs else len(names)], device=self.ids.device)
+            device = next(self.model.parameters()).device
+            mine = torch.tensor([differs[0] if differs else len(names)], device=device)
             first = min(int(t.item()) for t in self.comm.all_gather_list(mine))
             if first < len(names):
                 name = names[first]
@@ -124,7 +126,7 @@ def _differs(got, want, tol: float) -> bool:
     """Outputs whole on this rank that disagree (split outputs have other shapes: not compared)."""
     if want is None or got is None or got.shape != want.shape or want.numel() == 0:
         return False
-    return (got.float() - want.float()).abs().max().item() > tol * (want.float().abs().max().item() + 1e-6)
+    return (got.float().to(want.device) - want.float()).abs().max().item() > tol * (want.float().abs().max().item() + 1e-6)
 
 
 def _first_tensor(out):

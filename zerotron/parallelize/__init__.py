@@ -12,9 +12,10 @@ __all__ = ["parallelize", "REGISTRY", "Adapter", "adapter_for", "register", "ten
            "vocab_size"]
 
 
-def parallelize(module, config, topology, tp_comm) -> None:
-    """Split `module` over the tensor-parallel ranks (when `topology.tp` > 1) and apply the
-    configured activation-checkpoint policy, in place."""
+def parallelize(module, config, topology, tp_comm, device) -> None:
+    """Split `module` over the tensor-parallel ranks (when `topology.tp` > 1) where it was built,
+    then move it to `device`, so only this rank's shards ever reach the device; apply the
+    configured activation-checkpoint policy. In place."""
     adapter = adapter_for(module)
     if topology.tp > 1:
         from ..parallel.tensor import apply_tensor_parallel
@@ -26,6 +27,7 @@ def parallelize(module, config, topology, tp_comm) -> None:
                                          overlap=config.tensor_parallel.tp_overlap_comm)
             if head is not None:  # before the probe runs the split model
                 adapter.use_split_head(module, head)
+            module.to(device)  # the probe then runs the split model there, with its collectives
     from .. import checkpointing
     checkpointing.reset()
     checkpointing.configure(deepspeed_config=config, tp_comm=tp_comm)
