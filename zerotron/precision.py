@@ -1,6 +1,7 @@
 """Mixed precision: dtype policy, fp32 master weights, the fp16 loss scaler, global-norm clipping."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -158,13 +159,20 @@ def global_norm(norms: list[torch.Tensor], groups=None, weights: list[float] | N
         return torch.zeros(())
     squares = torch.stack([n.float() for n in norms]).square()
     if weights is not None:
-        squares = squares * torch.tensor(weights, dtype=squares.dtype, device=squares.device)
+        squares = squares * _constant(tuple(weights), squares.device)
     from .comm import comm_for, to_device
     total_sq = to_device(squares.sum())  # offloaded gradients are in host memory; collectives run on the device
     for group in groups if isinstance(groups, (list, tuple)) else [groups]:
         if group is not None and dist.get_world_size(group) > 1:
             comm_for(group, "norm").all_reduce(total_sq)
     return total_sq.sqrt()
+
+
+@functools.lru_cache(maxsize=16)
+def _constant(values: tuple, device: torch.device) -> torch.Tensor:
+    """fp32 `values` on `device`, made once: a tensor made from Python numbers each step would be a
+    copy from pageable host memory, which waits for the GPU to drain."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:

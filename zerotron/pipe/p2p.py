@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..comm import host_buffer, to_device
+
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
            torch.uint8, torch.int8, torch.int16]
 _MAX_TENSORS, _MAX_DIMS = 8, 6
@@ -40,7 +42,9 @@ def as_tuple(x) -> tuple:
 def encode_header(tensors: tuple, device) -> torch.Tensor:
     if len(tensors) > _MAX_TENSORS:
         raise ValueError(f"a pipeline stage passes {len(tensors)} tensors; at most {_MAX_TENSORS} are supported")
-    header = torch.zeros(HEADER_NUMEL, dtype=torch.int64)
+    # written on the host, in page-locked memory on a GPU: a copy from pageable memory would make the
+    # host wait for the device to drain before the send
+    header = host_buffer(torch.zeros(HEADER_NUMEL, dtype=torch.int64, pin_memory=device.type == "cuda"))
     header[0] = len(tensors)
     for i, t in enumerate(tensors):
         if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
@@ -49,7 +53,7 @@ def encode_header(tensors: tuple, device) -> torch.Tensor:
         row = 1 + i * _FIELDS
         header[row:row + 3] = torch.tensor([_DTYPES.index(t.dtype), int(t.requires_grad), t.dim()])
         header[row + 3:row + 3 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    return header.to(device)
+    return to_device(header, device)
 
 
 def decode_header(header: torch.Tensor) -> list[tuple[torch.dtype, bool, tuple[int, ...]]]:
