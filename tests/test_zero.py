@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zerotron
+from zerotron.zero.residency import holder_of
 from distributed import RankError, run_ranks
 from parity import (assert_losses_close, ds_config, global_batches, make_model, max_weight_diff,
                     micro_batches, reference_training)
@@ -171,7 +172,7 @@ def _init_and_gather():
             w.data.zero_()
     with zerotron.zero.GatheredParameters([w]):
         zeroed = bool((w == 0).all())
-    bucket = w.zt_unit.bucket
+    bucket = holder_of(w).bucket
     index = next(i for i, p in enumerate(bucket.params) if p is w)
     master_pieces = [bucket.master[s:s + n] for i, _, s, n in bucket.param_slices_in_shard() if i == index]
     masters_zero = all(bool((m == 0).all()) for m in master_pieces)
@@ -435,7 +436,7 @@ def _modify_persistent():
         if dist.get_rank() == 0:
             w.data.fill_(7.0)
     seen = w.detach().clone()
-    b = w.zt_bucket
+    b = holder_of(w).bucket
     master_full = torch.zeros(b.padded_numel)
     start, end = b.shard_range
     master_full[start:end] = b.master

@@ -35,15 +35,15 @@ def make_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
         from .stage3 import Stage3States
         states = Stage3States(module, params, group_of, comm, gather_comm, zero, reduce_dtype, offload=offload)
     else:
-        from .flat import FlatBucket
         from .sharded import ShardedStates
-        buckets = [FlatBucket.partition(ps, comm.size, comm.rank)
+        from .sharded_bucket import ShardedBucket
+        buckets = [ShardedBucket(ps, comm.size, comm.rank)
                    for ps in _bucketed(params, bucket, isolate)]
         states = ShardedStates(buckets, set(), group_of, comm, gather_comm, zero.stage, zero.allgather_bucket_size,
                                reduce_dtype, offload=offload, reshard=zero.reshard_after_backward,
                                overlap_gather=zero.overlap_param_gather)
         if zero.overlap_param_gather:
-            states.params.watch(module, states._where)
+            states.params.watch(module, states.bucket_of)
     states.adopt(optimizer, allow_untested=config.zero_allow_untested_optimizer)
     return states
 

@@ -49,7 +49,8 @@ def split_into_buckets(params: list[torch.nn.Parameter], max_numel: int) -> list
 
 
 class FlatBucket:
-    """Every field a bucket ever carries is declared here; the stage that uses a field sets it."""
+    """The layout of a bucket: its parameters end to end, padded to equal shards. It holds no
+    tensors; each stage keeps its own state beside it (sharded.ShardedBucket, grads.py)."""
 
     def __init__(self, params: list[torch.nn.Parameter], world: int, rank: int):
         self.params = params
@@ -64,39 +65,6 @@ class FlatBucket:
         self.dtype, self.device = params[0].dtype, params[0].device
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]  # kept: a released stage-3 parameter has no elements
-        self.full: torch.Tensor | None = None     # the whole bucket, when materialised
-        self.shard: torch.Tensor | None = None    # this rank's part of the parameters
-        self.master: torch.Tensor | None = None   # fp32 view into the group's master shard
-        # Where the bucket sits in the stage's master buffer (sharded.py).
-        self.index = 0
-        self.offset = 0
-        # Gradients (sharded.py's holders): stage 1 accumulates into grad_full (each parameter's
-        # .grad a view of it, grad_views); stages 2-3 add each backward into staging, reduce it
-        # at once and keep the reduced shard in grad_shard.
-        self.grad_full: torch.Tensor | None = None
-        self.grad_views: list[torch.Tensor] = []
-        self.staging: torch.Tensor | None = None
-        self.grad_shard: torch.Tensor | None = None
-        self.ready: set[int] = set()          # parameters whose gradient arrived in this backward
-        self.expected = sum(p.requires_grad for p in params)
-        self.launched_in_backward = False
-        # Stage 3 (stage3.py): the unit gathering this bucket (None: kept whole, "persistent"),
-        # the unit whose module owns it, and the Comm that gathers it.
-        self.unit = None
-        self.owner = None
-        self.comm = None
-
-    @classmethod
-    def partition(cls, params: list[torch.nn.Parameter], world: int, rank: int, keep=None) -> "FlatBucket":
-        """A bucket over `params` whose parameters become views into one new full buffer (their
-        current values copied in); `shard` is this rank's slice of it, or what `keep(slice)`
-        returns (stage 3: a copy that outlives the full buffer)."""
-        b = cls(params, world, rank)
-        b.full = b.flatten_params()
-        b.point_params_at(b.full)
-        own = b.own_slice(b.full)
-        b.shard = own if keep is None else keep(own)
-        return b
 
     @property
     def shard_range(self) -> tuple[int, int]:
@@ -116,11 +84,6 @@ class FlatBucket:
         """Make every parameter a view into `flat` (same storage, no copy)."""
         for p, view in zip(self.params, self.views(flat)):
             p.data = view
-
-    def own_values(self) -> torch.Tensor:
-        """This rank's part of the parameters in the model dtype: the shard, or where none is kept
-        (stage 3 in bf16/fp16 without offload) the fp32 master cast, as FSDP2 casts at each gather."""
-        return self.shard if self.shard is not None else self.master.to(self.dtype)
 
     def own_slice(self, flat: torch.Tensor) -> torch.Tensor:
         start, end = self.shard_range

@@ -18,51 +18,47 @@ from __future__ import annotations
 import torch
 
 from ..comm import Comm
-from .flat import FlatBucket
+from .residency import State
+from .sharded_bucket import ShardedBucket
 
 
 class ReplicatedParams:
-    def __init__(self, buckets: list[FlatBucket], comm: Comm, allgather_numel: int, reshard: bool, overlap: bool):
+    def __init__(self, buckets: list[ShardedBucket], comm: Comm, allgather_numel: int, reshard: bool, overlap: bool):
         self.buckets, self.comm, self.allgather_numel = buckets, comm, allgather_numel
         self.reshard, self.overlap = reshard, overlap
-        self.released: set[int] = set()              # buckets whose full buffer is freed
-        self.pending: dict[int, object] = {}         # bucket index -> its all-gather in flight
-        self._placeholders = {b.index: torch.empty(0, dtype=b.dtype, device=b.device) for b in buckets}
         self._hooks: list = []
 
+    @property
+    def released(self) -> list[ShardedBucket]:
+        """Buckets whose full buffer is freed (reshard_after_backward, until the step's gather)."""
+        return [b for b in self.buckets if b.residency.released]
+
+    @property
+    def pending(self) -> list[ShardedBucket]:
+        """Buckets whose all-gather is in flight (not waited on yet)."""
+        return [b for b in self.buckets if b.residency.state is State.GATHERING]
+
     # ---- backward ---------------------------------------------------------------------------
-    def release(self, b: FlatBucket) -> None:
-        """The boundary backward is done with `b`'s parameters: free the full buffer (views that
-        autograd may still hold see the storage shrink, which is what returns the memory)."""
-        if not self.reshard or b.index in self.released:
-            return
-        self.wait([b.index])
-        b.full.untyped_storage().resize_(0)
-        for p in b.params:
-            p.data = self._placeholders[b.index]
-        self.released.add(b.index)
+    def release(self, b: ShardedBucket) -> None:
+        """The boundary backward is done with `b`'s parameters: free the full buffer."""
+        if self.reshard:
+            b.residency.release()
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.no_grad()
-    def gather(self, buckets: list[FlatBucket], write, comm: Comm | None = None, wait: bool = False) -> None:
+    def gather(self, buckets: list[ShardedBucket], write, comm: Comm | None = None, wait: bool = False) -> None:
         """Write each bucket's own slice (`write(bucket, destination)`) and all-gather it in place,
         in the order the next forward uses them (first buckets last: they hold the last layers).
         Without overlap, at most allgather_bucket_size elements are in flight at once; with it,
         none is waited on here."""
         comm = comm or self.comm
-        self.wait([b.index for b in buckets])  # a bucket's earlier gather, before writing it again
-        in_flight: list[int] = []
+        in_flight: list[ShardedBucket] = []
         numel = 0
         for b in sorted(buckets, key=lambda b: -b.index):
-            if b.index in self.released:
-                b.full.untyped_storage().resize_(b.padded_numel * b.full.element_size())
-            destination = b.own_slice(b.full)
+            destination = b.residency.own_slice()
             write(b, destination)
-            self.pending[b.index] = comm.all_gather_flat(b.full, destination, async_op=True)
-            if b.index in self.released:
-                b.point_params_at(b.full)
-                self.released.discard(b.index)
-            in_flight.append(b.index)
+            b.residency.start(destination, comm)
+            in_flight.append(b)
             numel += b.padded_numel
             if numel >= self.allgather_numel and not self.overlap:
                 self.wait(in_flight)
@@ -70,30 +66,30 @@ class ReplicatedParams:
         if wait or not self.overlap:
             self.wait(in_flight)
 
-    def wait(self, indices) -> None:
-        for i in indices:
-            work = self.pending.pop(i, None)
-            if work is not None:
-                work.wait()
+    @staticmethod
+    def wait(buckets) -> None:
+        for b in buckets:
+            b.residency.wait()
 
     def settle(self) -> None:
         """Every gather done: the parameters hold the stepped weights."""
-        self.wait(list(self.pending))
+        self.wait(self.buckets)
 
     # ---- the next forward (overlap_param_gather) ----------------------------------------------
-    def watch(self, module: torch.nn.Module, where: dict[int, tuple[FlatBucket, int]]) -> None:
+    def watch(self, module: torch.nn.Module, bucket_of) -> None:
         """Each module waits, before its forward, for the buckets holding its own parameters (a
         ParameterList's or ParameterDict's count as their parent's: those never run a forward);
-        the model's state_dict waits for all of them."""
+        the model's state_dict waits for all of them. `bucket_of(param)`: its bucket, or None."""
         containers = (torch.nn.ParameterList, torch.nn.ParameterDict)
         for m in module.modules():
             if isinstance(m, containers):
                 continue
             own = list(m.parameters(recurse=False))
             own += [p for c in m.children() if isinstance(c, containers) for p in c.parameters()]
-            indices = sorted({where[id(p)][0].index for p in own if id(p) in where})
-            if indices:
-                self._hooks.append(m.register_forward_pre_hook(lambda mod, args, ix=indices: self.wait(ix)))
+            mine = {b.index: b for b in map(bucket_of, own) if b is not None}
+            waited = [mine[i] for i in sorted(mine)]
+            if waited:
+                self._hooks.append(m.register_forward_pre_hook(lambda mod, args, bs=waited: self.wait(bs)))
         self._hooks.append(module.register_state_dict_pre_hook(lambda *args, **kwargs: self.settle()))
 
     def destroy(self) -> None:

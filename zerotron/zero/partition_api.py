@@ -8,6 +8,9 @@ import itertools
 import torch
 import torch.nn as nn
 
+from .flat import FlatBucket
+from .residency import Residency, State, holder_of, set_holder
+
 
 class ZeroParamStatus(enum.Enum):
     """Where a ZeRO-3 parameter's values are, as DeepSpeed's `param.ds_status` says it."""
@@ -21,7 +24,69 @@ _ds_ids = itertools.count()  # DeepSpeed's ds_id: construction order, the same o
 
 def built_under_init(p: torch.Tensor) -> bool:
     """Partitioned by zero.Init and not yet taken over by an engine's ZeRO-3 units."""
-    return getattr(p, "zt_init_comm", None) is not None
+    return isinstance(holder_of(p), InitPiece)
+
+
+_STATUS = {State.RELEASED: ZeroParamStatus.NOT_AVAILABLE, State.GATHERING: ZeroParamStatus.INFLIGHT,
+           State.GATHERED: ZeroParamStatus.AVAILABLE}
+
+
+def mark_status(params):
+    """An on_change for a Residency: DeepSpeed's ds_status of `params` follows the buffer's state."""
+    def on_change(state: State):
+        status = _STATUS[state]
+        for p in params:
+            p.ds_status = status
+    return on_change
+
+
+class InitPiece:
+    """A parameter built under zero.Init: this rank keeps its flat piece (DeepSpeed's ds_tensor);
+    holding it gathers the whole value from every rank's piece (nested holds count)."""
+    order_kind = 0  # GatheredParameters: zero.Init pieces first, in ds_id order
+
+    def __init__(self, p: nn.Parameter, comm, full: torch.Tensor):
+        """`p`: a view of `full` (the whole value, padded to a multiple of the ranks)."""
+        self.param, self.comm, self.holds = p, comm, 0
+        self.layout = FlatBucket([p], comm.size, comm.rank)
+        self.residency = Residency(self.layout, full, mark_status([p]))
+        p.ds_tensor = self.layout.own_slice(full).clone()
+        self.residency.release()
+
+    @property
+    def order(self):
+        return self.order_kind, self.param.ds_id
+
+    def hold(self) -> None:
+        self.holds += 1
+        if self.holds > 1:
+            return
+        p = self.param
+        dtype = p.data.dtype  # the placeholder's: a model cast after Init (.to(dtype), initialize) decides
+        if p.ds_tensor.dtype != dtype or p.ds_tensor.device != p.data.device:
+            p.ds_tensor = p.ds_tensor.to(device=p.data.device, dtype=dtype)
+        if self.residency.full.dtype != dtype or self.residency.full.device != p.ds_tensor.device:
+            self.residency = Residency.empty(self.layout, dtype, p.ds_tensor.device, mark_status([p]))
+        self.residency.start(p.ds_tensor, self.comm)
+        self.residency.wait()
+
+    @torch.no_grad()
+    def let_go(self, modifier_rank: int | None, keep_values: bool = False) -> None:
+        """End of a hold: with `modifier_rank`, that rank's values are broadcast first; every rank
+        then cuts its piece from the whole value (`keep_values`: the values every rank computed
+        alike are kept), and the last hold's end frees the whole value."""
+        p, full, n = self.param, self.residency.full, self.layout.numel
+        if modifier_rank is not None or keep_values:
+            if p.data.data_ptr() != full.data_ptr():  # the script gave the parameter a new tensor
+                full[:n].copy_(p.data.reshape(-1))
+            if modifier_rank is not None and self.comm.size > 1:
+                self.comm.broadcast(full, src_group_rank=modifier_rank)
+            p.ds_tensor = self.layout.own_slice(full).clone()
+            if self.holds > 1 and p.data.data_ptr() != full.data_ptr():  # an outer hold reads the new values
+                p.data.copy_(full[:n].view(p.data.shape))
+        self.holds -= 1
+        if self.holds == 0:
+            self.residency.release()
 
 
 class Init:
@@ -223,58 +288,25 @@ def _partition_param(p: nn.Parameter, comm, dtype=None) -> None:
     if dtype is not None and value.is_floating_point():
         value = value.to(dtype)
     n, s = value.numel(), _piece(value.numel(), comm.size)
-    flat = torch.zeros(s * comm.size, dtype=value.dtype, device=device)
-    flat[:n].copy_(value.reshape(-1))
+    full = torch.zeros(s * comm.size, dtype=value.dtype, device=device)
+    full[:n].copy_(value.reshape(-1))
     if comm.size > 1:  # rank 0's value: every rank holds the same model, however it was seeded
-        comm.broadcast(flat, src_group_rank=0)
-    p.ds_tensor = flat[comm.rank * s:(comm.rank + 1) * s].clone()
+        comm.broadcast(full, src_group_rank=0)
+    p.data = full[:n].view(value.shape)
     p.ds_id = next(_ds_ids)
     p.ds_shape, p.ds_numel, p.ds_persist = value.shape, n, False
-    p.zt_init_comm = comm
-    p.zt_gathered = 0
-    p.data = torch.empty(0, dtype=value.dtype, device=device)
-    p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+    set_holder([p], InitPiece(p, comm, full))
 
 
-@torch.no_grad()
 def _gather_init(params) -> None:
     """Make Init-partitioned parameters whole (nested calls count; one all-gather each, in ds_id order)."""
     for p in sorted(params, key=lambda p: p.ds_id):
-        p.zt_gathered += 1
-        if p.zt_gathered > 1:
-            continue
-        comm = p.zt_init_comm
-        dtype = p.data.dtype  # the placeholder's: a model cast after Init (.to(dtype), initialize) decides
-        if p.ds_tensor.dtype != dtype or p.ds_tensor.device != p.data.device:
-            p.ds_tensor = p.ds_tensor.to(device=p.data.device, dtype=dtype)
-        p.ds_status = ZeroParamStatus.INFLIGHT
-        full = torch.empty(p.ds_tensor.numel() * comm.size, dtype=dtype, device=p.ds_tensor.device)
-        comm.all_gather_flat(full, p.ds_tensor)
-        p.data = full[:p.ds_numel].view(p.ds_shape)
-        p.ds_status = ZeroParamStatus.AVAILABLE
+        holder_of(p).hold()
 
 
-@torch.no_grad()
 def _reshard_init(params, modifier_rank: int | None, keep_values: bool = True) -> None:
-    """End of a gather: with `modifier_rank`, that rank's values are broadcast first; every rank
-    then cuts its piece from the whole value (`keep_values`: the values every rank computed
-    alike are kept), and the last exit frees the whole value."""
     for p in sorted(params, key=lambda p: p.ds_id):
-        comm = p.zt_init_comm
-        value = p.data
-        if modifier_rank is not None or keep_values:
-            s = p.ds_tensor.numel()
-            flat = torch.zeros(s * comm.size, dtype=value.dtype, device=p.ds_tensor.device)
-            flat[:p.ds_numel].copy_(value.reshape(-1))
-            if modifier_rank is not None and comm.size > 1:
-                comm.broadcast(flat, src_group_rank=modifier_rank)
-            p.ds_tensor = flat[comm.rank * s:(comm.rank + 1) * s].clone()
-            if p.zt_gathered > 1:  # an outer block still reads it whole: give it the new values
-                value.copy_(flat[:p.ds_numel].view(p.ds_shape))
-        p.zt_gathered -= 1
-        if p.zt_gathered == 0:
-            p.data = torch.empty(0, dtype=value.dtype, device=p.ds_tensor.device)
-            p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+        holder_of(p).let_go(modifier_rank, keep_values)
 
 
 def is_meta(module: nn.Module) -> bool:
@@ -324,7 +356,7 @@ class GatheredParameters:
         self.params = unique
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        self.units = []
+        self.holders = []
 
     def __enter__(self):
         if not self.enabled:  # DeepSpeed's scripts pass enabled=(stage == 3): a plain block then
@@ -332,44 +364,17 @@ class GatheredParameters:
         if any(p.is_meta for p in self.params):
             raise RuntimeError("these parameters are on the meta device (not built under zerotron.zero.Init, "
                                "which gives every parameter real values): they have nothing to gather")
-        self.init_params = [p for p in self.params if built_under_init(p)]
-        _gather_init(self.init_params)
-        self.persistent = [p for p in self.params if getattr(p, "zt_bucket", None) is not None]
-        seen = set()
-        for p in self.params:
-            unit = getattr(p, "zt_unit", None)
-            if unit is not None and id(unit) not in seen:
-                seen.add(id(unit))
-                self.units.append(unit)
-        self.units.sort(key=lambda u: u.index)  # the same collective order on every rank
-        self.was_gathered = [u.state == "gathered" and not u.pinned for u in self.units]
-        for u in self.units:
-            u.gather()
-            u.pinned += 1
+        holders = {id(h): h for h in map(holder_of, self.params) if h is not None}
+        self.holders = sorted(holders.values(), key=lambda h: h.order)  # the same collectives on every rank
+        for h in self.holders:
+            h.hold()
         return self
 
-    @torch.no_grad()
     def __exit__(self, *exc):
-        if not self.enabled:
-            return False
-        _reshard_init(self.init_params, self.modifier_rank, keep_values=False)
-        if self.modifier_rank is not None:  # small ZeRO-3 parameters kept whole on every rank
-            for b in {id(p.zt_bucket): p.zt_bucket for p in self.persistent}.values():
-                b.comm.broadcast(b.full, src_group_rank=self.modifier_rank)
-                b.master.copy_(b.own_slice(b.full).float())
-        for unit, was in zip(self.units, self.was_gathered):
-            b = unit.bucket
-            unit.pinned -= 1
-            if self.modifier_rank is not None:
-                unit.comm.broadcast(b.full, src_group_rank=self.modifier_rank)
-                own = b.own_slice(b.full)
-                if b.shard is not None:
-                    b.shard.copy_(own)
-                if b.master is not b.shard:
-                    b.master.copy_(own.float())
-            if not was and not unit.pinned:
-                unit.release()
-        self.units = []
+        if self.enabled:
+            for h in self.holders:
+                h.let_go(self.modifier_rank)
+            self.holders = []
         return False
 
 
@@ -383,17 +388,13 @@ def consolidated_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     for name, t in module.state_dict(keep_vars=True).items():
         names.setdefault(id(t), []).append(name)
     tensors = {id(t): t for t in module.state_dict(keep_vars=True).values()}
-    by_unit: dict[int, list] = {}
-    for t in tensors.values():  # units in their index order: the same collectives on every rank
-        unit = getattr(t, "zt_unit", None)
-        if built_under_init(t):  # zero.Init pieces before initialize: one parameter at a time
-            key = -2 - t.ds_id
-        else:
-            key = -1 if unit is None else unit.index
-        by_unit.setdefault(key, []).append(t)
+    by_holder: dict[tuple, list] = {}
+    for t in tensors.values():  # holders in their order: the same collectives on every rank
+        holder = holder_of(t)
+        by_holder.setdefault(() if holder is None else holder.order, []).append(t)
     state = {}
-    for index in sorted(by_unit):
-        group = by_unit[index]
+    for order in sorted(by_holder):
+        group = by_holder[order]
         with GatheredParameters(group):
             for t in group:
                 value = t.detach()

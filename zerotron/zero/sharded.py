@@ -25,7 +25,7 @@ import torch
 
 from ..comm import Comm
 from .replicated import InOrderReduction
-from .flat import FlatBucket
+from .sharded_bucket import ShardedBucket
 from .grads import AccumulatedGrads, StreamedGrads
 
 _MAX_REDUCTIONS_IN_FLIGHT = 1
@@ -34,7 +34,7 @@ _MAX_REDUCTIONS_IN_FLIGHT = 1
 class ShardedStates(InOrderReduction):
     """Owns gradient reduction, master shards and parameter publishing for `buckets`."""
 
-    def __init__(self, buckets: list[FlatBucket], partitioned: set[int], group_of: dict[int, int], comm: Comm,
+    def __init__(self, buckets: list[ShardedBucket], partitioned: set[int], group_of: dict[int, int], comm: Comm,
                  gather_comm: Comm, stage: int, allgather_numel: int, reduce_dtype: torch.dtype | None = None,
                  on_grads_done=None, offload=None, sub_group_numel: int | None = None, reshard: bool = False,
                  overlap_gather: bool = False):
@@ -54,7 +54,7 @@ class ShardedStates(InOrderReduction):
         self.grads = AccumulatedGrads() if stage == 1 else StreamedGrads()
         self._next_launch = 0
         self._in_flight: deque = deque()
-        self._where: dict[int, tuple[FlatBucket, int]] = {}
+        self._where: dict[int, tuple[ShardedBucket, int]] = {}
         self._build_masters(group_of, own_master_storage=reshard)
         from .param_gather import ReplicatedParams
         self.params = ReplicatedParams([b for i, b in enumerate(buckets) if i not in partitioned], gather_comm,
@@ -93,7 +93,7 @@ class ShardedStates(InOrderReduction):
         self.runs: list[tuple[int | None, torch.nn.Parameter]] = []  # (optimizer group, master tensor)
         self._run_bounds: list[tuple[int, int]] = []
         self.run_norm_param: list[torch.nn.Parameter] = []  # a parameter standing for each run's norm share
-        self._run_in_bucket: list[tuple[FlatBucket, int, int]] = []
+        self._run_in_bucket: list[tuple[ShardedBucket, int, int]] = []
         offset = 0
         for index, b in enumerate(self.buckets):
             b.index = index
@@ -105,7 +105,6 @@ class ShardedStates(InOrderReduction):
             else:
                 b.master = self.master_flat[offset:offset + b.shard_numel]
                 b.master.copy_(b.shard.float())
-            self.grads.attach(b, offset)
             # [(optimizer group, norm share), start in shard, a parameter of the run]; padding
             # joins the last run
             runs: list[list] = []
@@ -236,13 +235,17 @@ class ShardedStates(InOrderReduction):
         for (_, m), (lo, hi) in zip(self.runs, self._run_bounds):
             m.grad = self.master_grad_flat[lo:hi]
 
-    def reduced_shard(self, b: FlatBucket) -> torch.Tensor:
+    def reduced_shard(self, b: ShardedBucket) -> torch.Tensor:
         """This rank's reduced gradient shard of bucket `b` (after the boundary's reduction)."""
         return self.grads.shard(b)
 
     @property
     def norm_group(self):
         return self.gather_comm.group if self.comm.size > 1 else None
+
+    def bucket_of(self, param) -> ShardedBucket | None:
+        where = self._where.get(id(param))
+        return None if where is None else where[0]
 
     # ---- backward -------------------------------------------------------------------------
     def begin_backward(self, sync: bool) -> None:
@@ -260,7 +263,7 @@ class ShardedStates(InOrderReduction):
         while self._in_flight and self._in_flight[0][1].is_completed():
             self._complete_oldest()
 
-    def _launch(self, bucket: FlatBucket, in_backward: bool):
+    def _launch(self, bucket: ShardedBucket, in_backward: bool):
         if self.sync and bucket.index not in self.partitioned:
             self.params.release(bucket)  # reshard_after_backward: nothing needs them before the step
         full = self.grads.to_reduce(bucket)
@@ -357,7 +360,7 @@ class ShardedStates(InOrderReduction):
                 self._write_master(self.buckets[i], self.buckets[i].shard)
         self.params.gather(self.params.buckets, self._write_master)
 
-    def _write_master(self, b: FlatBucket, destination: torch.Tensor) -> None:
+    def _write_master(self, b: ShardedBucket, destination: torch.Tensor) -> None:
         """This rank's updated weights of bucket `b`, in the model dtype, into `destination`."""
         if self.host is not None:
             self.host.weights_in(b, destination)
@@ -371,8 +374,7 @@ class ShardedStates(InOrderReduction):
 
     def zero_grads(self) -> None:
         if self.params.released:  # a skipped step: the parameters come back unchanged
-            self.params.gather([b for b in self.params.buckets if b.index in self.params.released],
-                               self._write_master)
+            self.params.gather(self.params.released, self._write_master)
         self.master_grad_flat = None
         for _, m in self.runs:
             m.grad = None

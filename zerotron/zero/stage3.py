@@ -1,4 +1,5 @@
-"""ZeRO stage 3: parameters are partitioned too. This file holds all of the gather/release logic.
+"""ZeRO stage 3: parameters are partitioned too. This file decides when each unit is gathered and
+released (the mechanism is zero/residency.py, the prefetch and reuse rules zero/gather_rules.py).
 
 The model is cut into units: by default every repeated block (each child of a ModuleList or
 Sequential whose children share one class, e.g. a transformer layer), plus the root unit holding
@@ -28,15 +29,15 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..comm import Comm, to_device
+from ..comm import Comm, local_device, to_device
 from ..nested import tensors_in
-from .flat import FlatBucket
+from . import gather_rules
 from . import offload as host_memory
 from .offload import Uploads, host_empty
-from .partition_api import ZeroParamStatus, _ds_ids, _gather_init, built_under_init, materialize
+from .partition_api import ZeroParamStatus, _ds_ids, _gather_init, built_under_init, mark_status, materialize
+from .residency import State, set_holder
 from .sharded import ShardedStates
-
-_RELEASED, _GATHERING, _GATHERED = "released", "gathering", "gathered"
+from .sharded_bucket import ShardedBucket
 
 
 def find_units(module: nn.Module, unit_classes: list[str] | None = None) -> list[tuple[str, nn.Module]]:
@@ -67,67 +68,98 @@ def _recomputing() -> bool:
 
 
 class Unit:
-    """One gather/release unit: its partitioned bucket and where it is in the gather cycle."""
+    """One gather/release unit: a module and the partitioned bucket of its own parameters (None:
+    all of them kept whole), gathered and released through the bucket's Residency."""
+    order_kind = 2  # GatheredParameters holds zero.Init pieces, then buckets kept whole, then units
 
-    def __init__(self, name: str, module: nn.Module, bucket: FlatBucket | None, comm: Comm,
+    def __init__(self, index: int, name: str, module: nn.Module, bucket: ShardedBucket | None, comm: Comm,
                  uploads: Uploads | None = None):
-        self.name, self.module, self.bucket, self.comm = name, module, bucket, comm
+        self.index, self.name, self.module, self.bucket, self.comm = index, name, module, bucket, comm
         self.uploads = uploads  # the shard is in host memory (offload_param): see offload.Uploads
-        self.state = _GATHERED  # a new bucket's parameters still point at its full buffer
-        self.work = None
-        self.pinned = 0  # GatheredParameters blocks holding it gathered: hooks do not release it
-        if bucket is not None:  # what a released parameter reads as (DeepSpeed's too): no elements
-            self.placeholder = torch.empty(0, dtype=bucket.dtype, device=bucket.device)
+        self._held: list[bool] = []  # per GatheredParameters block: was it gathered before?
+        if bucket is not None:
+            bucket.residency.on_change = mark_status(bucket.params)
+
+    @property
+    def order(self):
+        return self.order_kind, self.index
 
     @property
     def numel(self) -> int:
         return self.bucket.padded_numel if self.bucket is not None else 0
 
+    @property
+    def released(self) -> bool:
+        return self.bucket is None or self.bucket.residency.released
+
     def start_gather(self):
-        if self.state != _RELEASED:
+        if self.bucket is None or not self.bucket.residency.released:
             return
         b = self.bucket
-        b.full.untyped_storage().resize_(b.padded_numel * b.full.element_size())
         if self.uploads is None:
-            self._source = b.own_values()
-            self.work = self.comm.all_gather_flat(b.full, self._source, async_op=True)
+            b.residency.start(b.own_values(), self.comm)
         else:  # with offload_param the shard comes from host memory first (a no-op copy on a CPU machine)
             with self.uploads.issue():
-                self._source = to_device(b.own_values(), b.full.device)
-                self.work = self.comm.all_gather_flat(b.full, self._source, async_op=True)
-        self.state = _GATHERING
-        self._mark(ZeroParamStatus.INFLIGHT)
+                b.residency.start(to_device(b.own_values(), b.full.device), self.comm)
 
     def wait(self):
-        if self.state == _GATHERING:
-            self.work.wait()
-            self.work, self._source = None, None
-            self.state = _GATHERED
-            self.bucket.point_params_at(self.bucket.full)
-            self._mark(ZeroParamStatus.AVAILABLE)
+        if self.bucket is not None:
+            self.bucket.residency.wait()
 
     def gather(self):
         self.start_gather()
         self.wait()
 
     def release(self):
-        """Free the full buffer's memory. Autograd may hold views of it (tensors saved for
-        backward), so freeing the storage itself is what actually returns the memory, and the
-        next gather regrows it in place. The parameters meanwhile read as empty placeholders (a
-        view into freed storage would crash the process when a script reads it); a gather points
-        them back at the buffer."""
-        if self.bucket is None or self.state == _RELEASED or self.pinned:
-            return
-        self.wait()
-        self.bucket.full.untyped_storage().resize_(0)
-        for p in self.bucket.params:
-            p.data = self.placeholder
-        self.state = _RELEASED
-        self._mark(ZeroParamStatus.NOT_AVAILABLE)
+        if self.bucket is not None:
+            self.bucket.residency.release()
 
-    def _mark(self, status: ZeroParamStatus):
-        for p in self.bucket.params:
-            p.ds_status = status
+    # ---- GatheredParameters -------------------------------------------------------------------
+    def hold(self):
+        """Gathered and pinned: the hooks leave it gathered until let_go."""
+        if self.bucket is None:
+            return
+        self._held.append(self.bucket.residency.state is State.GATHERED and not self.bucket.residency.pins)
+        self.gather()
+        self.bucket.residency.pin()
+
+    @torch.no_grad()
+    def let_go(self, modifier_rank: int | None):
+        if self.bucket is None:
+            return
+        b = self.bucket
+        b.residency.unpin()
+        if modifier_rank is not None:  # that rank's values, into every rank's shard and fp32 master
+            self.comm.broadcast(b.full, src_group_rank=modifier_rank)
+            own = b.own_slice(b.full)
+            if b.shard is not None:
+                b.shard.copy_(own)
+            if b.master is not b.shard:
+                b.master.copy_(own.float())
+        if not self._held.pop():
+            self.release()
+
+
+class KeptWhole:
+    """GatheredParameters' view of a stage-3 bucket kept whole on every rank (parameters under
+    stage3_param_persistence_threshold): nothing to gather; a modifier's values reach the masters."""
+    order_kind = 1
+
+    def __init__(self, index: int, bucket: ShardedBucket, comm: Comm):
+        self.index, self.bucket, self.comm = index, bucket, comm
+
+    @property
+    def order(self):
+        return self.order_kind, self.index
+
+    def hold(self):
+        pass
+
+    @torch.no_grad()
+    def let_go(self, modifier_rank: int | None):
+        if modifier_rank is not None:
+            self.comm.broadcast(self.bucket.full, src_group_rank=modifier_rank)
+            self.bucket.master.copy_(self.bucket.own_slice(self.bucket.full).float())
 
 
 class Stage3States(ShardedStates):
@@ -140,65 +172,22 @@ class Stage3States(ShardedStates):
         op = zero.offload_param
         self.param_host = op is not None and op.device == "cpu"
         self.pin = self.param_host and host_memory.can_pin()  # whatever pin_memory says: see zero/offload.py
+        # DeepSpeed's knobs, in parameter elements (zero/gather_rules.py says how each is read)
         self.prefetch_numel = zero.stage3_prefetch_bucket_size
-        # DeepSpeed's caps, in parameter elements: prefetching stops while this many are gathered
-        # (stage3_max_live_parameters); a unit used again before this many more are fetched stays
-        # gathered after its forward (stage3_max_reuse_distance: its backward needs it again).
         self.max_live_numel = zero.stage3_max_live_parameters
         self.max_reuse_numel = zero.stage3_max_reuse_distance
-        self.peak_live_numel = 0  # the most parameter elements gathered at once (a measurement)
-        # Units prefetched and not yet used; measured: the most elements gathered ahead at once,
-        # and how many units found their gather already issued when their turn came.
-        self.ahead: set[Unit] = set()
-        self.peak_ahead_numel = 0
-        self.prefetch_hits = 0
-        threshold = zero.stage3_param_persistence_threshold
-        trainable = {id(p) for p in params}
-        named_units = find_units(module, unit_classes) + [("", module)]
-        claimed: set[int] = set()
-        units, buckets = [], []
-        uploads = Uploads() if self.param_host else None
-        seed = _agreed_seed(comm)
-        for index, (name, m) in enumerate(named_units):  # blocks claim their parameters first; the root the rest
-            own = [p for p in m.parameters() if id(p) not in claimed]
-            claimed.update(id(p) for p in own)
-            if any(p.is_meta for p in own):  # on the meta device: materialize this unit only
-                materialize(m, module, own, comm_device(comm), seed + index)
-            # Built under zero.Init: this unit's parameters are gathered from their pieces (only
-            # this unit is ever whole), cut into the unit's bucket shard below, and released.
-            from_init = [p for p in own if built_under_init(p)]
-            _gather_init(from_init)
-            for p in from_init:
-                _forget_init(p)
-            big = [p for p in own if p.numel() >= threshold]
-            small = [p for p in own if p.numel() < threshold and id(p) in trainable]
-            unit = Unit(name, m, self._partition(big, comm, self.param_host, self.pin) if big else None, gather_comm,
-                        uploads if self.param_host else None)
-            unit.index = index
-            units.append(unit)
-            if unit.bucket is not None:
-                unit.bucket.unit = unit.bucket.owner = unit
-                for p in big:
-                    p.zt_unit = unit
-                _describe(unit.bucket, persist=False)
-                buckets.append(unit.bucket)
-            if small:
-                persistent = FlatBucket.partition(small, comm.size, comm.rank)
-                persistent.owner, persistent.comm = unit, gather_comm
-                for p in small:
-                    p.zt_bucket = persistent
-                _describe(persistent, persist=True)
-                buckets.append(persistent)
-            unit.release()  # one unit whole at a time
-        self.root_unit = units[-1]
-        self.units = units
-        # Gradients complete in reverse forward order: blocks last-to-first, the root at the end.
-        rank_of = {id(u): i for i, u in enumerate(list(reversed(units[:-1])) + [self.root_unit])}
-        buckets.sort(key=lambda b: rank_of[id(b.owner)])
-        partitioned = {i for i, b in enumerate(buckets) if b.unit is not None}
-        super().__init__(buckets, partitioned, group_of, comm, gather_comm, zero.stage, zero.allgather_bucket_size,
-                         reduce_dtype, on_grads_done=self._grads_done, offload=offload,
-                         sub_group_numel=zero.sub_group_size)
+        # Measurements: the most parameter elements gathered at once, the most gathered ahead of
+        # their use, how many units found their gather already issued when their turn came.
+        self.peak_live_numel = self.peak_ahead_numel = self.prefetch_hits = 0
+        self.ahead: set[Unit] = set()  # units prefetched and not yet used
+        self.units, buckets = self._build_units(module, {id(p) for p in params}, comm, gather_comm,
+                                                zero.stage3_param_persistence_threshold, unit_classes)
+        self.root_unit = self.units[-1]
+        self.partitioned_buckets = {id(u.bucket) for u in self.units if u.bucket is not None}
+        super().__init__(buckets, {i for i, b in enumerate(buckets) if id(b) in self.partitioned_buckets}, group_of,
+                         comm, gather_comm, zero.stage, zero.allgather_bucket_size, reduce_dtype,
+                         on_grads_done=self._grads_done, offload=offload, sub_group_numel=zero.sub_group_size)
+        self._unit_of = {id(u.bucket): u for u in self.units if u.bucket is not None}
         # bf16/fp16 without offload: the fp32 master is the only copy of a partitioned shard, and
         # each gather casts it (FSDP2 keeps no low-precision shard either); saves 2 bytes/element
         if not self.masters_are_params and self.host is None and not self.param_host:
@@ -212,13 +201,51 @@ class Stage3States(ShardedStates):
             u.module.register_forward_pre_hook(self._make_pre_forward(u)),
             u.module.register_forward_hook(self._make_post_forward(u)))]
 
-    @staticmethod
-    def _partition(params, comm, on_host: bool = False, pin: bool = False) -> FlatBucket:
+    def _build_units(self, module, trainable: set[int], comm: Comm, gather_comm: Comm, threshold: int,
+                     unit_classes) -> tuple[list[Unit], list[ShardedBucket]]:
+        """Cut the model into units (the root last), one at a time: each unit's own parameters are
+        materialized (meta device) or gathered from their zero.Init pieces, partitioned into its
+        bucket (those under `threshold` into a bucket kept whole) and released, so only one unit is
+        ever whole on a rank. The buckets come back in the order their gradients complete."""
+        units, buckets, claimed, owner = [], [], set(), {}
+        uploads = Uploads() if self.param_host else None
+        seed = _agreed_seed(comm)
+        for index, (name, m) in enumerate(find_units(module, unit_classes) + [("", module)]):
+            own = [p for p in m.parameters() if id(p) not in claimed]  # blocks claim theirs first; the root the rest
+            claimed.update(id(p) for p in own)
+            if any(p.is_meta for p in own):  # on the meta device: materialize this unit only
+                materialize(m, module, own, local_device(), seed + index)
+            from_init = [p for p in own if built_under_init(p)]
+            _gather_init(from_init)
+            for p in from_init:  # whole now, handed to the unit: the per-parameter piece is dropped
+                del p.zt_holder, p.ds_tensor
+            big = [p for p in own if p.numel() >= threshold]
+            small = [p for p in own if p.numel() < threshold and id(p) in trainable]
+            unit = Unit(index, name, m, self._partition(big, comm) if big else None, gather_comm, uploads)
+            units.append(unit)
+            if unit.bucket is not None:
+                set_holder(big, unit)
+                _describe(unit.bucket, persist=False)
+                buckets.append(unit.bucket)
+                owner[id(unit.bucket)] = unit
+            if small:
+                kept = ShardedBucket(small, comm.size, comm.rank)
+                set_holder(small, KeptWhole(index, kept, gather_comm))
+                _describe(kept, persist=True)
+                buckets.append(kept)
+                owner[id(kept)] = unit
+            unit.release()  # one unit whole at a time
+        # Gradients complete in reverse forward order: blocks last-to-first, the root at the end.
+        rank_of = {id(u): i for i, u in enumerate(list(reversed(units[:-1])) + [units[-1]])}
+        buckets.sort(key=lambda b: rank_of[id(owner[id(b)])])
+        return units, buckets
+
+    def _partition(self, params, comm) -> ShardedBucket:
         def keep(own):  # the only copy this rank keeps (in host memory with offload_param)
-            if not on_host:
+            if not self.param_host:
                 return own.clone()
-            return host_empty(own.numel(), own.dtype, pin).copy_(own)
-        return FlatBucket.partition(params, comm.size, comm.rank, keep=keep)
+            return host_empty(own.numel(), own.dtype, self.pin).copy_(own)
+        return ShardedBucket(params, comm.size, comm.rank, keep=keep)
 
     # ---- hooks ------------------------------------------------------------------------------
     def _make_pre_forward(self, unit: Unit):
@@ -235,7 +262,7 @@ class Stage3States(ShardedStates):
         return hook
 
     def _live_numel(self) -> int:
-        return sum(u.numel for u in self.units if u.state != _RELEASED)
+        return sum(u.numel for u in self.units if not u.released)
 
     def _make_post_forward(self, unit: Unit):
         def hook(module, args, output):
@@ -265,48 +292,39 @@ class Stage3States(ShardedStates):
         unit.gather()
 
     def _reused_soon(self, unit: Unit) -> bool:
-        """DeepSpeed's stage3_max_reuse_distance, at the end of a unit's forward: its next use is
-        its backward, after the later units' forwards and backwards fetch their parameters; it
-        stays gathered when fewer than max_reuse_numel elements come between."""
+        """stage3_max_reuse_distance (gather_rules.reused_soon) at the end of a unit's forward."""
         if self.tracing or unit not in self.trace:
             return False  # the first step records the order: everything is released
-        between = 2 * sum(u.numel for u in self.trace[self.trace.index(unit) + 1:])
-        return between < self.max_reuse_numel
+        later = [u.numel for u in self.trace[self.trace.index(unit) + 1:]]
+        return gather_rules.reused_soon(later, self.max_reuse_numel)
 
     def _prefetch(self, unit: Unit, step: int):
-        """Start gathering the units that run next, in execution order, while fewer than
-        stage3_prefetch_bucket_size elements are gathered ahead of their use and fewer than
-        stage3_max_live_parameters are gathered in all (DeepSpeed's rule: the last unit started
-        may cross either limit; a prefetch bucket of 0 prefetches nothing)."""
+        """Start gathering the units that run next in execution order (`step` +1: forward, -1:
+        backward), as gather_rules.prefetch decides."""
         self.peak_live_numel = max(self.peak_live_numel, self._live_numel())
         if self.tracing or not self.trace:
             return
         if unit is self.root_unit:  # forward starts at the first block, backward at the last
-            i = 0 if step > 0 else len(self.trace) - 1
+            order = self.trace if step > 0 else self.trace[::-1]
         elif unit in self.trace:
-            i = self.trace.index(unit) + step
+            i = self.trace.index(unit)
+            order = self.trace[i + 1:] if step > 0 else self.trace[:i][::-1]
         else:
             return
-        window = self.prefetch_numel - sum(u.numel for u in self.ahead)
-        room = self.max_live_numel - self._live_numel()
-        while 0 <= i < len(self.trace) and window > 0 and room > 0:
-            u = self.trace[i]
-            if u.state == _RELEASED:  # as DeepSpeed: a unit already gathered (kept for reuse) costs nothing
-                u.start_gather()
-                self.ahead.add(u)
-                window -= u.numel
-                room -= u.numel
-            i += step
+        chosen = gather_rules.prefetch([(u.numel, u.released) for u in order], sum(u.numel for u in self.ahead),
+                                       self._live_numel(), self.prefetch_numel, self.max_live_numel)
+        for k in chosen:
+            order[k].start_gather()
+            self.ahead.add(order[k])
         self.peak_ahead_numel = max(self.peak_ahead_numel, sum(u.numel for u in self.ahead))
         self.peak_live_numel = max(self.peak_live_numel, self._live_numel())
 
-    def _grads_done(self, bucket: FlatBucket):
+    def _grads_done(self, bucket: ShardedBucket):
         """All of a unit's gradients are in: its backward is over, unless some of its parameters
         are frozen (their backward may still be running), in which case end_backward releases it."""
-        unit = getattr(bucket, "unit", None)
+        unit = self._unit_of.get(id(bucket))
         if unit is not None and unit is not self.root_unit and all(p.requires_grad for p in bucket.params):
             unit.release()
-
     def end_backward(self):
         super().end_backward()
         self.release_all()
@@ -333,13 +351,8 @@ class Stage3States(ShardedStates):
             out["host"] = out.get("host", 0) + shards
         return out
 
-    def gathered(self, params):
-        """Context manager body for GatheredParameters: units owning `params`."""
-        ids = {id(p) for p in params}
-        return [u for u in self.units if u.bucket is not None and any(id(p) in ids for p in u.bucket.params)]
 
-
-def _describe(bucket: FlatBucket, persist: bool) -> None:
+def _describe(bucket: ShardedBucket, persist: bool) -> None:
     """DeepSpeed's per-parameter ZeRO-3 attributes, which scripts read: ds_id, ds_shape,
     ds_numel, ds_persist, ds_status, and ds_tensor (this rank's part of the parameter, flat,
     possibly empty: zerotron partitions whole buckets, not each parameter)."""
@@ -353,7 +366,7 @@ def _describe(bucket: FlatBucket, persist: bool) -> None:
         _point_pieces(bucket, bucket.shard)
 
 
-def _point_pieces(bucket: FlatBucket, flat: torch.Tensor) -> None:
+def _point_pieces(bucket: ShardedBucket, flat: torch.Tensor) -> None:
     """Each parameter's ds_tensor: its piece of `flat` (the shard, or the fp32 master where no
     shard is kept), empty where this rank holds none of it."""
     pieces = {i: (start_in_shard, length) for i, _, start_in_shard, length in bucket.param_slices_in_shard()}
@@ -362,21 +375,9 @@ def _point_pieces(bucket: FlatBucket, flat: torch.Tensor) -> None:
         p.ds_tensor = flat[start:start + length]
 
 
-def _forget_init(p: nn.Parameter) -> None:
-    """A zero.Init parameter, whole now, handed to a unit: its per-parameter piece is dropped."""
-    for name in ("zt_init_comm", "zt_gathered", "ds_tensor"):
-        if hasattr(p, name):
-            delattr(p, name)
-
-
-def comm_device(comm: Comm) -> torch.device:
-    from ..comm import local_device
-    return local_device()
-
-
 def _agreed_seed(comm: Comm) -> int:
     """A seed every rank agrees on (rank 0's), for initializing units built under zero.Init."""
-    seed = torch.tensor([torch.initial_seed() % (2 ** 31)], dtype=torch.int64, device=comm_device(comm))
+    seed = torch.tensor([torch.initial_seed() % (2 ** 31)], dtype=torch.int64, device=local_device())
     if comm.size > 1:
         comm.broadcast(seed, src_group_rank=0)
     return int(seed.item())
