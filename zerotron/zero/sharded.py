@@ -27,6 +27,7 @@ from ..comm import Comm
 from .replicated import InOrderReduction
 from .sharded_bucket import ShardedBucket
 from .grads import AccumulatedGrads, StreamedGrads
+from .steps import HostStep, SubGroupStep, WholeShardStep
 
 _MAX_REDUCTIONS_IN_FLIGHT = 1
 
@@ -49,7 +50,6 @@ class ShardedStates(InOrderReduction):
         self.on_grads_done = on_grads_done  # stage 3: release a unit once its gradients are in
         self.offload = offload              # OffloadConfig of offload_optimizer, or None
         self.host = None                    # HostBuffers when offloading
-        self._host_step = None              # an offload optimizer that reads the host gradients itself
         self.sync = True
         self.grads = AccumulatedGrads() if stage == 1 else StreamedGrads()
         self._next_launch = 0
@@ -61,7 +61,8 @@ class ShardedStates(InOrderReduction):
                                        allgather_numel, reshard, overlap_gather)
         # DeepSpeed's sub_group_size (stage 3): the fp32 gradient copy is made, and the optimizer
         # steps, one sub-group of master runs at a time instead of the whole shard at once.
-        self._sub_groups = self._cut_sub_groups(sub_group_numel)
+        groups = self._cut_sub_groups(sub_group_numel)
+        self._step = WholeShardStep(self) if groups is None else SubGroupStep(self, groups)  # adopt may change it
         self.peak_fp32_grad_numel = 0  # the most fp32 gradient elements held at once (a measurement)
         for b in buckets:
             for i, p in enumerate(b.params):
@@ -93,7 +94,7 @@ class ShardedStates(InOrderReduction):
         self.runs: list[tuple[int | None, torch.nn.Parameter]] = []  # (optimizer group, master tensor)
         self._run_bounds: list[tuple[int, int]] = []
         self.run_norm_param: list[torch.nn.Parameter] = []  # a parameter standing for each run's norm share
-        self._run_in_bucket: list[tuple[ShardedBucket, int, int]] = []
+        self.run_in_bucket: list[tuple[ShardedBucket, int, int]] = []
         offset = 0
         for index, b in enumerate(self.buckets):
             b.index = index
@@ -119,7 +120,7 @@ class ShardedStates(InOrderReduction):
                 self.runs.append((group, torch.nn.Parameter(b.master[lo:hi])))
                 self.run_norm_param.append(param)
                 self._run_bounds.append((offset + lo, offset + hi))
-                self._run_in_bucket.append((b, lo, hi))
+                self.run_in_bucket.append((b, lo, hi))
             offset += b.shard_numel
 
     @staticmethod
@@ -143,12 +144,8 @@ class ShardedStates(InOrderReduction):
             self.host.optimizer_copies_out = True
         if self.host is not None and hasattr(optimizer, "grad_in"):  # ... and reads the gradients itself
             from .offload import FusedHostStep
-            self._host_step = FusedHostStep(self.host, optimizer, [m for _, m in self.runs], self._run_bounds,
-                                            self._run_in_bucket)
-
-    @property
-    def master_params(self) -> list[torch.Tensor]:
-        return [m for _, m in self.runs]
+            self._step = HostStep(self, FusedHostStep(self.host, optimizer, [m for _, m in self.runs],
+                                                      self._run_bounds, self.run_in_bucket))
 
     def _cut_sub_groups(self, limit: int | None) -> list[list[int]] | None:
         """Runs of masters, each group at most `limit` elements (a larger run alone); None when the
@@ -164,43 +161,11 @@ class ShardedStates(InOrderReduction):
             size += hi - lo
         return groups if len(groups) > 1 else None
 
-    def _fp32_grads(self, runs: list[int], inv: torch.Tensor, found: torch.Tensor) -> list[torch.Tensor]:
-        """Unscaled fp32 copies of the reduced gradients of master runs `runs`; `found` flags NaN/Inf."""
-        grads = []
-        for i in runs:
-            b, lo, hi = self._run_in_bucket[i]
-            grads.append(self.grads.shard(b)[lo:hi].float())
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
-        self.peak_fp32_grad_numel = max(self.peak_fp32_grad_numel, sum(g.numel() for g in grads))
-        return grads
-
     def grad_norms(self) -> list[torch.Tensor]:
-        if self._host_step is not None:
-            return self._host_step.norms
-        if self._sub_groups is not None:
-            return self._run_norms
-        return list(torch._foreach_norm(self.master_grads()))
+        return self._step.norms()
 
     def apply_update(self, optimizer: torch.optim.Optimizer, clip_coef: torch.Tensor | None) -> None:
-        if self._host_step is not None:
-            return self._host_step.apply(clip_coef)
-        if self._sub_groups is None:
-            grads = self.master_grads()
-            if clip_coef is not None and grads:
-                torch._foreach_mul_(grads, clip_coef.to(grads[0].device))
-            optimizer.step()
-            return
-        device = self.buckets[0].device
-        inv, ignored = torch.full((1,), self._inv_scale, device=device), torch.zeros(1, device=device)
-        for runs in self._sub_groups:  # the optimizer steps the runs that have a gradient, skips the rest
-            grads = self._fp32_grads(runs, inv, ignored)
-            if clip_coef is not None:
-                torch._foreach_mul_(grads, clip_coef.to(device))
-            for i, g in zip(runs, grads):
-                self.runs[i][1].grad = g
-            optimizer.step()
-            for i in runs:
-                self.runs[i][1].grad = None
+        self._step.apply(optimizer, clip_coef)
 
     def master_grads(self) -> list[torch.Tensor]:
         return [m.grad for _, m in self.runs]
@@ -210,12 +175,12 @@ class ShardedStates(InOrderReduction):
         weights = [norm_share(p, tp) for p in self.run_norm_param]
         return None if all(w == 1.0 for w in weights) else weights
 
-    def _make_master_grads(self):
+    def make_master_grads(self):
         """The fp32 gradients of the master shard, pointed at by every master run's .grad. In fp32
         they are the reduced gradient shards themselves; otherwise an fp32 copy for the step."""
         if self.masters_are_params:  # fp32 without offload: the reduced shards themselves
             self.master_grad_flat = None
-            for (_, m), (b, lo, hi) in zip(self.runs, self._run_in_bucket):
+            for (_, m), (b, lo, hi) in zip(self.runs, self.run_in_bucket):
                 m.grad = self.grads.shard(b)[lo:hi]
             return
         if self.host is not None:
@@ -229,7 +194,7 @@ class ShardedStates(InOrderReduction):
                 fp32[b.index] = self.grads.shard(b).float()
                 self.grads.release(b)
             self.peak_fp32_grad_numel = max(self.peak_fp32_grad_numel, self.total_numel)
-            for (_, m), (b, lo, hi) in zip(self.runs, self._run_in_bucket):
+            for (_, m), (b, lo, hi) in zip(self.runs, self.run_in_bucket):
                 m.grad = fp32[b.index][lo:hi]
             return
         for (_, m), (lo, hi) in zip(self.runs, self._run_bounds):
@@ -327,27 +292,14 @@ class ShardedStates(InOrderReduction):
     def pieces(self):
         """(parameter, start, length, master, offset in master) of each parameter piece in this
         rank's master shard."""
-        for (_, m), (b, lo, hi) in zip(self.runs, self._run_in_bucket):
+        for (_, m), (b, lo, hi) in zip(self.runs, self.run_in_bucket):
             for i, start_in_param, start_in_shard, length in b.param_slices_in_shard():
                 if lo <= start_in_shard < hi:
                     yield b.params[i], start_in_param, length, m, start_in_shard - lo
 
     # ---- after the optimizer step ---------------------------------------------------------
     def unscale_and_check(self, inv_scale: float | None) -> torch.Tensor | None:
-        from ..precision import nonfinite_and_unscale
-        if self._host_step is not None:
-            self.host.gradients_arrived(self.buckets, self.reduced_shard)
-            return self._host_step.inspect(inv_scale)
-        if self._sub_groups is not None and inv_scale is not None:  # checked and measured a sub-group at a time
-            device = self.buckets[0].device
-            self._inv_scale, found = inv_scale, torch.zeros(1, device=device)
-            inv, self._run_norms = torch.full((1,), inv_scale, device=device), [None] * len(self.runs)
-            for runs in self._sub_groups:
-                for i, norm in zip(runs, torch._foreach_norm(self._fp32_grads(runs, inv, found))):
-                    self._run_norms[i] = norm
-            return found
-        self._make_master_grads()
-        return None if inv_scale is None else nonfinite_and_unscale(self.master_grads(), inv_scale)
+        return self._step.inspect(inv_scale)
 
     @torch.no_grad()
     def publish(self, from_masters: bool = False) -> None:
