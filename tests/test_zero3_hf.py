@@ -38,7 +38,7 @@ def _weights(seed):
 # ---- Init + GatheredParameters(modifier_rank=0) before initialize -------------------------------
 def _init_write_train(target):
     import torch.distributed as dist
-    from zerotron.zero import partition_api, stage3
+    from zerotron.zero import partitioned_init, stage3
     rank, dp = dist.get_rank(), dist.get_world_size()
     peaks = {"init": 0, "write": 0, "units": 0}
 
@@ -48,12 +48,12 @@ def _init_write_train(target):
         built.append(module)
         params = [p for m in built for p in m.parameters(recurse=False)]
         peaks["init"] = max(peaks["init"], _whole_bytes(params))
-    partition_api.observer = observe
+    partitioned_init.observer = observe
     try:
         with zerotron.zero.Init():
             model = make_model(seed=rank)  # ranks seeded apart on purpose: Init takes rank 0's generator
     finally:
-        partition_api.observer = None
+        partitioned_init.observer = None
     pieces = sum(p.ds_tensor.numel() * 4 for p in {id(p): p for p in model.parameters()}.values())
     statuses = {p.ds_status.name for p in model.parameters()}
     numels = {p.numel() for p in model.parameters()}

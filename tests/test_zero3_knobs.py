@@ -80,10 +80,56 @@ def test_prefetch_bucket_size_sets_how_far_ahead_units_are_gathered_not_the_math
         for run in (one, two, default):
             assert run["hits"] == 2 * 4
         assert none["peak"] < one["peak"] < two["peak"] < default["peak"]
-        # the planner's depth (planner/overlap.py) is the engine's
-        from zerotron.planner.overlap import prefetch_depth
-        for size, run in ((0, none), (1, one), (2 * block, two), (5e7, default)):
-            assert min(prefetch_depth(size, block, run["root"]), 4) * block == run["ahead"]
+
+
+def _forward_decisions(zero_extra: dict):
+    """The second step's forward (the first records the order): at each unit's start, the units
+    whose gather the engine started; after the forward, the blocks left gathered (kept for reuse)."""
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, **zero_extra}
+    engine, *_ = zerotron.initialize(model=make_model(n_layer=4), config=ds_config(1, 1, zero_optimization=zero))
+    states, started = engine.states, []
+    prefetch = states._prefetch
+
+    def recording(unit, step):
+        before = {u.index for u in states.units if not u.released}
+        prefetch(unit, step)
+        if step > 0:
+            started.append(sorted(u.index for u in states.units if not u.released and u.index not in before))
+    states._prefetch = recording
+    (first, second), kept = global_batches(2, dp), None
+    engine.train_batch(iter(micro_batches(first, rank, dp, 1)))
+    started.clear()
+    x, y = micro_batches(second, rank, dp, 1)[0]
+    loss = engine(x, y)
+    kept = [u.index for u in states.trace if not u.released]
+    engine.backward(loss)
+    engine.step()
+    knobs = states.prefetch_numel, states.max_live_numel, states.max_reuse_numel
+    return started, kept, [u.index for u in states.trace], [u.numel for u in states.trace], states.root_unit.numel, knobs
+
+
+def _decision_sweep():
+    block = _measure({})["block_numel"][0]
+    knobs = [{}, {"stage3_prefetch_bucket_size": 0}, {"stage3_prefetch_bucket_size": 1},
+             {"stage3_prefetch_bucket_size": 2 * block}, {"stage3_max_live_parameters": 1},
+             {"stage3_max_live_parameters": 3 * block}, {"stage3_max_reuse_distance": 1},
+             {"stage3_max_reuse_distance": 10 ** 9, "stage3_max_live_parameters": 4 * block},
+             {"stage3_max_reuse_distance": 5 * block, "stage3_prefetch_bucket_size": 3 * block}]
+    return [(extra, _forward_decisions(extra)) for extra in knobs]
+
+
+def test_the_engine_and_the_planner_take_every_prefetch_and_reuse_decision_alike():
+    """zero/gather_rules.py is the one home of ZeRO-3's prefetch and reuse rules: the planner's
+    play of a forward (forward_plan) makes every decision the engine made, knob by knob."""
+    from zerotron.zero.gather_rules import forward_plan
+    seen = set()
+    for extra, (started, kept, trace, numels, root, knobs) in run_ranks(_decision_sweep, 2, timeout=180)[0]:
+        plan = forward_plan(numels, root, *knobs)
+        assert started == [sorted(trace[j] for j in step.started) for step in plan], extra
+        assert kept == [trace[i] for i, step in enumerate(plan[1:]) if step.kept], extra
+        seen.add(str((started, kept)))
+    assert len(seen) >= 5  # the knobs did change the decisions
 
 
 def _sub_group_sweep():

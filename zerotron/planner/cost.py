@@ -15,7 +15,7 @@ from .activations import activation_bytes, bytes_per_activation
 from .hardware import GIB, Hardware
 from .memory import model_state_bytes
 from .model import ModelShape
-from .overlap import added_time, grad_buckets, kept_units, prefetch_depth, timeline
+from .overlap import added_time, grad_buckets, timeline, zero3_forward
 from .reuse import gathered
 
 
@@ -319,7 +319,8 @@ def _stage3(shape: ModelShape, L: Layout, seq: int, hw: Hardware, b: int, tokens
         host = b * elements / L.dp / (hw.pcie_gbps * 1e9) if L.offload == "optimizer+param" else 0.0
         return _ring(b * elements, L.dp, bw, lat, 1) + host  # (offloaded: the shard first crosses PCIe)
     unit = gather(layer)
-    depth = prefetch_depth(L.stage3_prefetch, layer, root, L.stage3_max_live)
+    ahead, kept = zero3_forward(shape.layers, layer, root, L.stage3_prefetch, L.stage3_max_live,
+                                L.stage3_max_reuse_distance)
     block = tokens * _block_flops(shape, seq)["attention"] / L.tp / rate + \
         tokens * _block_flops(shape, seq)["mlp"] / L.tp / rate
     head = tokens * 2 * shape.vocab * shape.hidden / L.tp / rate
@@ -332,11 +333,11 @@ def _stage3(shape: ModelShape, L: Layout, seq: int, hw: Hardware, b: int, tokens
         first, second = gathered(linears, n, ckpt, L.stage3_max_reuse_distance, root)
         forwards, gathers = [gather(e) for e in first], [gather(e) for e in reversed(second)]
     else:
-        kept = kept_units(n, layer, L.stage3_max_reuse_distance)
         forwards, gathers = [unit] * n, [0.0 if i >= n - kept else unit for i in reversed(range(n))]
-    forward = timeline([0.0] + [block] * n + [head], pre=[whole] + forwards + [0.0], ahead=depth)
+    forward = timeline([0.0] + [block] * n + [head], pre=[whole] + forwards + [0.0], ahead=ahead + [0])
+    # (backward: as deep as the forward's start, where nothing is kept yet)
     backward = timeline([2 * head] + [2 * block + again] * n + [0.0], pre=[0.0] + gathers + [0.0],
-                        post=[0.0] + [unit] * n + [whole], ahead=depth, in_flight=1)
+                        post=[0.0] + [unit] * n + [whole], ahead=ahead[0], in_flight=1)
     compute = 3 * (n * block + head) + n * again
     comm = whole + sum(forwards) + sum(gathers) + n * unit + whole
     return added_time(forward + backward, compute, comm, hw.overlap)

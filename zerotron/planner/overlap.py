@@ -22,18 +22,19 @@ collective's time that compute running beside it hides (bench/planner.py measure
 """
 from __future__ import annotations
 
-import math
 
 from ..zero.flat import bucket_numel, cut
+from ..zero.gather_rules import forward_plan
 from .model import ModelShape
 
 
 def timeline(compute: list[float], pre: list[float] | None = None, post: list[float] | None = None,
-             ahead: int | None = 0, in_flight: int | None = None) -> float:
+             ahead: int | list[int] | None = 0, in_flight: int | None = None) -> float:
     """When the last segment's compute and the last collective are done. Segment i computes for
-    compute[i] once its pre[i] collective is done and then issues post[i]. pre[i] is issued when
-    segment i - `ahead` starts (None: every one at time 0; 0: when segment i starts). After issuing
-    a post, compute waits until at most `in_flight` posts are unfinished (None: never waits)."""
+    compute[i] once its pre[i] collective is done and then issues post[i]. When segment i starts
+    it issues the pre collectives of the `ahead` segments after it not issued yet (a list: ahead[i]
+    for segment i; None: every one at time 0; 0: each when its segment starts). After issuing a
+    post, compute waits until at most `in_flight` posts are unfinished (None: never waits)."""
     n = len(compute)
     pre, post = pre or [0.0] * n, post or [0.0] * n
     link, t, done, posts = 0.0, 0.0, {}, []
@@ -50,7 +51,7 @@ def timeline(compute: list[float], pre: list[float] | None = None, post: list[fl
         if pre[i] and i not in done:
             done[i] = send(pre[i], t)
         t = max(t, done.get(i, 0.0))
-        for j in range(i + 1, min(n, i + 1 + (ahead or 0))):
+        for j in range(i + 1, min(n, i + 1 + (ahead[i] if isinstance(ahead, list) else ahead or 0))):
             if pre[j] and j not in done:
                 done[j] = send(pre[j], t)
         t += compute[i]
@@ -94,19 +95,12 @@ def grad_buckets(shape: ModelShape, tp: int, pp: int, seq: int, configured: int 
     return [(sum(n for n, _ in b), sum(f for _, f in b)) for b in cut(tensors, lambda t: t[0], limit)]
 
 
-def prefetch_depth(window: int, unit: int, root: int, max_live: float = 1_000_000_000) -> int:
-    """How many units ZeRO-3 gathers ahead of the one running: while fewer than `window`
-    (stage3_prefetch_bucket_size) elements are ahead and fewer than `max_live` gathered in all (the
-    root and the running unit; DeepSpeed's rule: the last one started may cross either)."""
-    if window <= 0 or unit <= 0:
-        return 0
-    room = max_live - root - unit
-    if room <= 0:
-        return 0
-    return math.ceil(window / unit) if math.isinf(room) else min(math.ceil(window / unit), math.ceil(room / unit))
-
-
-def kept_units(layers: int, unit: int, reuse: float) -> int:
-    """Blocks that stay gathered from forward to backward (stage3_max_reuse_distance): those after
-    which fewer than `reuse` elements are gathered (twice the units after it)."""
-    return sum(1 for i in range(layers) if 2 * unit * (layers - 1 - i) < reuse)
+def zero3_forward(layers: int, unit: int, root: int, window: float, max_live: float,
+                  reuse: float) -> tuple[list[int], int]:
+    """ZeRO-3's forward as the engine runs it (zero/gather_rules.py: the same rules, played over
+    `layers` blocks of `unit` elements and a root of `root`): per segment (the root's, then each
+    block's) how many segments after it have their gather issued when it starts, and how many
+    blocks stay gathered for their backward (stage3_max_reuse_distance)."""
+    plan = forward_plan([unit] * layers, root, window, max_live, reuse)
+    ahead = [max(j + 1 for j in step.started) - s if step.started else 0 for s, step in enumerate(plan)]
+    return ahead, sum(step.kept for step in plan[1:])

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO-3's release of gathered parameters, sub-module by sub-module (cost.py uses it for
-`Layout.zero3_regather`; zerotron's own engine releases whole layers: overlap.kept_units).
+`Layout.zero3_regather`; zerotron's own engine releases whole layers: overlap.zero3_forward).
 
 DeepSpeed hooks every sub-module. It records the order in which the sub-modules run in one step
 (forward; then backward, where a checkpointed block first runs its forward again and then its

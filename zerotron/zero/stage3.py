@@ -34,7 +34,7 @@ from ..nested import tensors_in
 from . import gather_rules
 from . import offload as host_memory
 from .offload import Uploads, host_empty
-from .partition_api import ZeroParamStatus, _ds_ids, _gather_init, built_under_init, mark_status, materialize
+from .partitioned_init import ZeroParamStatus, _ds_ids, _gather_init, built_under_init, mark_status, materialize
 from .residency import State, set_holder
 from .sharded import ShardedStates
 from .sharded_bucket import ShardedBucket

@@ -7,7 +7,7 @@ import enum
 import torch
 
 from ....zero import GatheredParameters, Init
-from ....zero.partition_api import ZeroParamStatus  # the enum stage 3 sets on each parameter's ds_status
+from ....zero.partitioned_init import ZeroParamStatus  # the enum stage 3 sets on each parameter's ds_status
 
 
 # DeepSpeed's zero.Init swaps torch's tensor constructors for wrappers that cast floating-point
