@@ -145,6 +145,7 @@ class ReplicatedStates:
         self.grad_buckets = GradBuckets(buckets, comm, reduce_dtype)
         self.buckets = self.grad_buckets.buckets
         self.master = MasterWeights(params)
+        self._master_of = {id(p): m for p, m in zip(self.master.model_params, self.master.masters)}
 
     def adopt(self, optimizer, allow_untested: bool = False):
         self.master.adopt(optimizer)  # whole parameters: any optimizer is exact, nothing to check
@@ -194,9 +195,24 @@ class ReplicatedStates:
     def publish(self, from_masters: bool = False):
         self.master.copy_to_model()
 
+    def param_shape(self, param):
+        return param.shape if id(param) in self._master_of else None
+
+    def grad_pieces(self, param):
+        return None if param.grad is None else [(0, param.numel(), param.grad, 0)]
+
+    def grads_changed(self, params):
+        pass  # the gradients are where the step reads them
+
+    @torch.no_grad()
+    def republish(self, params, comm=None):
+        for p in params:
+            master = self._master_of[id(p)]
+            if master is not p:
+                p.data.copy_(master)
+
     def destroy(self):
-        for h in self.grad_buckets._hooks:
-            h.remove()
+        self.grad_buckets.remove_hooks()
 
     def zero_grads(self):
         self.grad_buckets.zero()

@@ -339,15 +339,28 @@ class ShardedStates(InOrderReduction):
             out["host"] = self.host.nbytes()
         return out
 
+    # ---- one parameter, from outside a step ------------------------------------------------------
+    def param_shape(self, param) -> torch.Size | None:
+        where = self._where.get(id(param))
+        return None if where is None else torch.Size(where[0].shapes[where[1]])
+
+    def grad_pieces(self, param):
+        b, i = self._where[id(param)]
+        return [(start, length, self.reduced_shard(b), at)
+                for j, start, at, length in b.param_slices_in_shard() if j == i]
+
+    def grads_changed(self, params) -> None:
+        if self.host is not None:
+            for p in params:
+                self.host.copied_out.discard(self._where[id(p)][0].index)
+
     @torch.no_grad()
-    def republish(self, buckets, comm: Comm | None = None) -> None:
-        """publish(from_masters=True) for `buckets` only: their masters changed outside a step (the
-        DeepSpeed-style safe_set_full_fp32_param in zerotron.compat). Every rank must call it with
-        the same buckets; `comm` (default gather_comm) is the data-parallel Comm to gather over."""
+    def republish(self, params, comm: Comm | None = None) -> None:
+        """publish(from_masters=True) for the buckets of `params` only."""
         from ..comm import to_device
         comm = comm or self.gather_comm
         replicated = []
-        for b in sorted({id(b): b for b in buckets}.values(), key=lambda b: b.index):
+        for b in sorted({id(b): b for b in map(self.bucket_of, params)}.values(), key=lambda b: b.index):
             if self.host is not None:
                 self.host.staging[b.offset:b.offset + b.shard_numel].copy_(b.master)
             if b.index not in self.partitioned:
@@ -355,6 +368,6 @@ class ShardedStates(InOrderReduction):
                 continue
             if b.shard is not None:
                 self._write_master(b, b.shard)
-            if b.full.untyped_storage().nbytes() > 0:  # a stage-3 unit gathered right now too
+            if not b.residency.released:  # a stage-3 unit gathered right now too
                 comm.all_gather_flat(b.full, to_device(b.own_values(), b.full.device).clone())
         self.params.gather(replicated, self._write_master, comm=comm, wait=True)

@@ -58,6 +58,23 @@ class ModelStates(Protocol):
     def zero_grads(self) -> None:
         """Forget the gradients of the step just taken."""
 
+    # ---- one parameter, from outside a step (DeepSpeed's safe_get/set_* in zerotron.compat) ----------
+    def param_shape(self, param: torch.nn.Parameter) -> torch.Size | None:
+        """The whole shape of a parameter these states train (a stage-3 one may be a released
+        placeholder), or None for one they do not hold."""
+
+    def grad_pieces(self, param: torch.nn.Parameter) -> list[tuple[int, int, torch.Tensor, int]] | None:
+        """Where this rank's reduced gradient of `param` is: [(start in the parameter, length,
+        tensor, offset in it)]; None when it has no gradient."""
+
+    def grads_changed(self, params: list[torch.nn.Parameter]) -> None:
+        """The gradients of `params` were written after backward (offload sends them again)."""
+
+    def republish(self, params: list[torch.nn.Parameter], comm=None) -> None:
+        """The masters of `params` changed outside a step: write them into the model's weights on
+        every data-parallel rank (every rank calls it with the same parameters; `comm`: the Comm
+        to gather over, default the states' own)."""
+
     # ---- checkpoints and reports --------------------------------------------------------------
     def pieces(self) -> Iterator[tuple[torch.nn.Parameter, int, int, torch.Tensor, int]]:
         """(parameter, start, length, master, offset in master) of each piece this rank updates."""
@@ -71,4 +88,5 @@ class ModelStates(Protocol):
 
 MEMBERS = ("replicated", "norm_group", "host", "adopt", "begin_backward", "end_backward", "reduce_accumulated",
            "reduced_grads", "unscale_and_check", "master_grads", "grad_norms", "apply_update", "norm_weights",
-           "publish", "zero_grads", "pieces", "memory", "destroy")
+           "publish", "zero_grads", "param_shape", "grad_pieces", "grads_changed", "republish", "pieces", "memory",
+           "destroy")

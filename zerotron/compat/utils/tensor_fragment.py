@@ -30,36 +30,21 @@ _layouts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class _Layout:
-    """Where one engine keeps each parameter's pieces on this rank."""
+    """Where one engine keeps each parameter's pieces on this rank (asked of its ModelStates)."""
 
     def __init__(self, engine):
         from ...comm import Comm
         states = engine.states
         self.engine, self.states = engine, states
-        self.replicated = bool(getattr(states, "replicated", False))
-        self.shape: dict[int, torch.Size] = {}
         self.masters: dict[int, list] = {}   # id(p) -> [(start in param, length, optimizer's master, offset)]
-        self.grads: dict[int, list] = {}     # id(p) -> [(start in param, length, bucket, start in shard)]
-        self.bucket: dict[int, object] = {}  # id(p) -> its flat bucket (ZeRO 1-3)
         for p, start, length, master, offset in states.pieces():
             self.masters.setdefault(id(p), []).append((start, length, master, offset))
-        if self.replicated:
-            for p in states.master.model_params:
-                self.shape[id(p)] = p.shape
-            self.comm = None
-        else:
-            for b in states.buckets:
-                for i, p in enumerate(b.params):
-                    self.shape[id(p)] = torch.Size(b.shapes[i])
-                    self.bucket[id(p)] = b
-                for i, start_in_param, start_in_shard, length in b.param_slices_in_shard():
-                    self.grads.setdefault(id(b.params[i]), []).append((start_in_param, length, b, start_in_shard))
-            # A Comm of its own: these collectives are not training traffic (engine.comm_stats()).
-            self.comm = Comm(engine.topology.group("dp"), "dp")
+        # Sharded states: a Comm of its own (these collectives are not training traffic: engine.comm_stats())
+        self.comm = None if states.replicated else Comm(engine.topology.group("dp"), "dp")
 
     # ---- assembling --------------------------------------------------------------------------
     def empty(self, param) -> torch.Tensor:
-        return torch.zeros(self.shape[id(param)].numel(), dtype=torch.float32, device=self.engine.device)
+        return torch.zeros(self.states.param_shape(param).numel(), dtype=torch.float32, device=self.engine.device)
 
     def full(self, param, pieces) -> torch.Tensor:
         """Every rank's `pieces` [(start, length, source tensor, offset in it)] summed into one tensor."""
@@ -68,7 +53,7 @@ class _Layout:
             buffer[start:start + length].copy_(source.reshape(-1)[offset:offset + length])
         if self.comm is not None and self.comm.size > 1:
             self.comm.all_reduce(buffer)
-        return buffer.view(self.shape[id(param)])
+        return buffer.view(self.states.param_shape(param))
 
     def local(self, param, pieces) -> torch.Tensor:
         parts = [source.reshape(-1)[offset:offset + length].float() for _, length, source, offset in pieces]
@@ -105,38 +90,22 @@ class _Layout:
         return [(start, length, state[master][key], offset) for start, length, master, offset in mine]
 
     def grad_pieces(self, param):
-        if self.replicated:
-            g = param.grad
-            return None if g is None else [(0, param.numel(), g, 0)]
-        return [(start, length, self.states.reduced_shard(b), at)
-                for start, length, b, at in self.grads.get(id(param), [])]
+        return self.states.grad_pieces(param)
 
     def loss_scale(self) -> float:
         scaler = self.engine.loss_scaler
         return scaler.scale if scaler.enabled else 1.0
 
     def trains(self, param) -> bool:
-        return id(param) in self.masters or (not self.replicated and id(param) in self.bucket)
+        return self.states.param_shape(param) is not None
 
     def publish(self, param):
         """Bring the model's weights in line with `param`'s (changed) masters, on every rank."""
-        if self.replicated:
-            with torch.no_grad():
-                for _, _, master, _ in self.masters.get(id(param), []):
-                    if master is not param:
-                        param.data.copy_(master)
-            return
-        bucket = self.bucket[id(param)]
-        if hasattr(self.states, "republish"):
-            self.states.republish([bucket], comm=self.comm)
-        else:
-            self.states.publish(from_masters=True)
+        self.states.republish([param], comm=self.comm)
 
     def grads_changed(self, param):
-        """A gradient shard written after backward: with offload, send it to the host again at the step."""
-        host = getattr(self.states, "host", None)
-        if host is not None and id(param) in self.bucket:
-            host.copied_out.discard(self.bucket[id(param)].index)
+        """A gradient written after backward: with offload, send it to the host again at the step."""
+        self.states.grads_changed([param])
 
 
 def _layout(param) -> _Layout | None:
