@@ -22,6 +22,7 @@ from ..parallelize import parallelize, vocab_size
 from ..precision import LossScaler, model_dtype
 from ..topology import Topology
 from ..zero import make_model_states
+from ..zero.partition_api import built_under_init
 
 
 
@@ -166,7 +167,6 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         """Cast the model to the training dtype and move it to `device` (None: where it is);
         parameters built under zero.Init stay partitioned (placeholders plus this rank's pieces)
         until ZeRO-3 builds its units from them."""
-        from ..zero.partition_api import built_under_init
         meta = any(p.is_meta or built_under_init(p) for p in module.parameters())
         if meta and self.config.zero_optimization.stage != 3:
             raise ValueError("the model was built under zerotron.zero.Init (partitioned parameters), which needs "
@@ -183,7 +183,7 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         """Start every data-parallel replica from dp-rank 0's weights, seeded or not."""
         if self.topology.dp > 1:
             for t in list(self.module.parameters()) + list(self.module.buffers()):
-                if not t.is_meta and not hasattr(t, "zt_init_comm"):  # zero.Init pieces agree already
+                if not t.is_meta and not built_under_init(t):  # zero.Init pieces agree already
                     self.dp_comm.broadcast(t.data, src_group_rank=0)
 
     def _make_optimizer(self, client, model_parameters, params):
