@@ -120,7 +120,7 @@ def test_the_overflow_check_expects_what_the_engines_scaler_does():
     """One fp16 overflow at the default hysteresis (2) spends the grace and keeps the scale; at
     hysteresis 1 it halves it: the check's expectation is the engine's scaler's."""
     from bench.gpu_checks import scale_after_one_overflow
-    from zerotron.config_sections import FP16Config
+    from zerotron.config import FP16Config
     from zerotron.precision import LossScaler
     for hysteresis in (1, 2, 3):
         scaler = LossScaler(FP16Config(enabled=True, hysteresis=hysteresis))

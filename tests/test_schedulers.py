@@ -318,7 +318,7 @@ def test_wrapped_optimizer_is_unwrapped():
 
 def test_accepted_params_match_constructors():
     # The validation table must cover exactly what each class takes as JSON params.
-    from zerotron.schedulers import _RULES
+    from zerotron.config.scheduler_section import _RULES
     for name, cls in SCHEDULERS.items():
         args = list(inspect.signature(cls).parameters)
         assert args[0] == "optimizer"

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from .config_sections import CHECKPOINT_POLICIES
+from .config import CHECKPOINT_POLICIES
 
 
 

@@ -12,19 +12,18 @@ import math
 
 import torch
 
-from zerotron.errors import ConfigError
+from .config.scheduler_section import (DEFAULT_WARMUP_STEPS, LINEAR, LOG, SCHEDULER_TYPES,  # noqa: F401 (public here)
+                                       WARMUP_TYPES, is_auto, validate_scheduler)
+from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-LOG, LINEAR = "log", "linear"
-WARMUP_TYPES = (LOG, LINEAR)
-DEFAULT_WARMUP_STEPS = 1000
 # DeepSpeed's OneCycle writes betas = (momentum, 0.99), replacing whatever beta2 the optimizer had.
 # Kept so a OneCycle run gives the same Adam updates as under DeepSpeed.
 ONE_CYCLE_BETA2 = 0.99
 
 
-def _torch_optimizer(optimizer):
+def torch_optimizer(optimizer):
     # Engines may hand us a wrapper (loss scaler, ZeRO); the lr lives in the inner torch optimizer.
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
@@ -36,7 +35,7 @@ def _torch_optimizer(optimizer):
     raise TypeError(f"{type(optimizer).__name__} has no param_groups: pass a torch.optim.Optimizer")
 
 
-def _per_group(optimizer, value, name):
+def per_group(optimizer, value, name):
     """One value per param group: a scalar is shared, a list must have one entry per group."""
     n = len(optimizer.param_groups)
     if isinstance(value, (list, tuple)):
@@ -47,7 +46,7 @@ def _per_group(optimizer, value, name):
     return [value] * n
 
 
-def _write(param_groups, key, values):
+def write_groups(param_groups, key, values):
     """Store one value per group under `key`; return what the groups now hold."""
     for group, value in zip(param_groups, values):
         if torch.is_tensor(group.get(key)):
@@ -58,11 +57,11 @@ def _write(param_groups, key, values):
     return [group[key] for group in param_groups]
 
 
-class _Scheduler:
+class Scheduler:
     """Step counter and checkpoint state; a subclass only says what lr a step gets (get_lr)."""
 
     def __init__(self, optimizer, last_batch_iteration=-1):
-        self.optimizer = _torch_optimizer(optimizer)
+        self.optimizer = torch_optimizer(optimizer)
         self.last_batch_iteration = last_batch_iteration
         self._last_lr = None
 
@@ -78,7 +77,7 @@ class _Scheduler:
         self._apply()
 
     def _apply(self):
-        self._last_lr = _write(self.optimizer.param_groups, "lr", self.get_lr())
+        self._last_lr = write_groups(self.optimizer.param_groups, "lr", self.get_lr())
 
     def get_last_lr(self):
         if self._last_lr is None:
@@ -93,7 +92,7 @@ class _Scheduler:
         self.last_batch_iteration = state["last_batch_iteration"]
 
 
-class _WarmupScheduler(_Scheduler):
+class _WarmupScheduler(Scheduler):
     """Shared warmup: the fraction 0..1 of warmup done at the current step, log or linear."""
 
     def __init__(self, optimizer, warmup_num_steps, warmup_type, last_batch_iteration):
@@ -133,8 +132,8 @@ class WarmupLR(_WarmupScheduler):
         super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
         if warmup_max_lr is None:
             warmup_max_lr = [float(group["lr"]) for group in self.optimizer.param_groups]
-        self.min_lrs = _per_group(self.optimizer, warmup_min_lr, "warmup_min_lr")
-        self.max_lrs = _per_group(self.optimizer, warmup_max_lr, "warmup_max_lr")
+        self.min_lrs = per_group(self.optimizer, warmup_min_lr, "warmup_min_lr")
+        self.max_lrs = per_group(self.optimizer, warmup_max_lr, "warmup_max_lr")
         self._start()
 
     def get_lr(self):
@@ -200,7 +199,7 @@ class WarmupCosineLR(_WarmupScheduler):
         return [base * ratio for base in self.base_lrs]
 
 
-class OneCycle(_Scheduler):
+class OneCycle(Scheduler):
     """1Cycle: lr climbs cycle_min_lr -> cycle_max_lr over cycle_first_step_size steps, falls back
     over cycle_second_step_size steps, then decays as cycle_min_lr / (1 + decay_lr_rate * t) with
     t = steps after the cycle / decay_step_size (not rounded). Momentum (betas[0], for optimizers
@@ -225,8 +224,8 @@ class OneCycle(_Scheduler):
         self.second_stair_count = (cycle_first_stair_count if cycle_second_stair_count is None
                                    else cycle_second_stair_count)
 
-        self.min_lrs = _per_group(self.optimizer, cycle_min_lr, "cycle_min_lr")
-        self.max_lrs = _per_group(self.optimizer, cycle_max_lr, "cycle_max_lr")
+        self.min_lrs = per_group(self.optimizer, cycle_min_lr, "cycle_min_lr")
+        self.max_lrs = per_group(self.optimizer, cycle_max_lr, "cycle_max_lr")
         self.decay_step_size = decay_step_size
         self.decay_lr_rate = decay_lr_rate
         self.decay_mom_rate = decay_mom_rate
@@ -241,15 +240,15 @@ class OneCycle(_Scheduler):
             logger.warning("OneCycle: %s has no betas, so momentum is not cycled",
                            type(self.optimizer).__name__)
         if self.cycle_momentum:
-            self.min_moms = _per_group(self.optimizer, cycle_min_mom, "cycle_min_mom")
-            self.max_moms = _per_group(self.optimizer, cycle_max_mom, "cycle_max_mom")
+            self.min_moms = per_group(self.optimizer, cycle_min_mom, "cycle_min_mom")
+            self.max_moms = per_group(self.optimizer, cycle_max_mom, "cycle_max_mom")
 
         if last_batch_iteration == -1:
             # A fresh run starts at the low ends (cycle_min_lr, cycle_min_mom). get_last_lr()
             # still needs a step(), as in DeepSpeed.
-            _write(self.optimizer.param_groups, "lr", self.min_lrs)
+            write_groups(self.optimizer.param_groups, "lr", self.min_lrs)
             if self.cycle_momentum:
-                _write(self.optimizer.param_groups, "betas",
+                write_groups(self.optimizer.param_groups, "betas",
                        [(beta1, ONE_CYCLE_BETA2) for beta1 in self.min_moms])
 
     def _cycle_position(self):
@@ -297,112 +296,11 @@ class OneCycle(_Scheduler):
     def _apply(self):
         super()._apply()
         if self.cycle_momentum:
-            _write(self.optimizer.param_groups, "betas", self.get_mom())
+            write_groups(self.optimizer.param_groups, "betas", self.get_mom())
 
 
-SCHEDULERS = {
-    "WarmupLR": WarmupLR,
-    "WarmupDecayLR": WarmupDecayLR,
-    "WarmupCosineLR": WarmupCosineLR,
-    "OneCycle": OneCycle,
-}
-
-
-# ---- config validation: each rule is (accepts(value) -> bool, what a valid value looks like) ----
-
-def _is_number(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _is_int(v):
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _per_group_rule(accepts, what):
-    # lr/momentum bounds may be one number for all groups or a list with one per group.
-    def check(v):
-        if isinstance(v, (list, tuple)):
-            return len(v) > 0 and all(accepts(x) for x in v)
-        return accepts(v)
-    return check, f"{what}, or a list of them (one per param group)"
-
-
-_LR = _per_group_rule(lambda v: _is_number(v) and v >= 0, "a number >= 0")
-_LR_OR_NONE = (lambda v: v is None or _LR[0](v), _LR[1] + ", or null for the optimizer's lr")
-_MOMENTUM = _per_group_rule(lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]")
-_POSITIVE_INT = (lambda v: _is_int(v) and v > 0, "an integer > 0")
-_POSITIVE = (lambda v: _is_number(v) and v > 0, "a number > 0")
-_NON_NEGATIVE = (lambda v: _is_number(v) and v >= 0, "a number >= 0")
-_NON_NEGATIVE_OR_NONE = (lambda v: v is None or _NON_NEGATIVE[0](v), "a number >= 0, or null")
-_COUNT = (lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = no staircase)")
-_WARMUP_STEPS = (lambda v: _is_int(v) and v >= 0, "an integer >= 0 (fewer than 2 count as 2, as in DeepSpeed)")
-_COUNT_OR_NONE = (lambda v: v is None or _COUNT[0](v), "an integer >= 0, or null for cycle_first_stair_count")
-_RATIO = (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]")
-_ANY_NUMBER = (_is_number, "a number")  # decay_mom_rate < 0 is how momentum decays downward
-_BOOL = (lambda v: isinstance(v, bool), "true or false")
-_WARMUP_TYPE = (lambda v: v in WARMUP_TYPES, f"one of {list(WARMUP_TYPES)}")
-_ITERATION = (lambda v: _is_int(v) and v >= -1, "an integer >= -1 (-1 = start from the beginning)")
-
-_WARMUP_RULES = {
-    "warmup_min_lr": _LR, "warmup_max_lr": _LR_OR_NONE, "warmup_num_steps": _WARMUP_STEPS,
-    "warmup_type": _WARMUP_TYPE, "last_batch_iteration": _ITERATION,
-}
-_RULES = {
-    "WarmupLR": _WARMUP_RULES,
-    "WarmupDecayLR": {"total_num_steps": _POSITIVE, **_WARMUP_RULES},
-    "WarmupCosineLR": {
-        "total_num_steps": _POSITIVE, "warmup_min_ratio": _RATIO, "warmup_num_steps": _WARMUP_STEPS,
-        "cos_min_ratio": _RATIO, "warmup_type": _WARMUP_TYPE, "last_batch_iteration": _ITERATION,
-    },
-    "OneCycle": {
-        "cycle_min_lr": _LR, "cycle_max_lr": _LR, "decay_lr_rate": _NON_NEGATIVE,
-        "cycle_first_step_size": _POSITIVE, "cycle_second_step_size": _NON_NEGATIVE_OR_NONE,
-        "cycle_first_stair_count": _COUNT, "cycle_second_stair_count": _COUNT_OR_NONE,
-        "decay_step_size": _NON_NEGATIVE, "cycle_momentum": _BOOL, "cycle_min_mom": _MOMENTUM,
-        "cycle_max_mom": _MOMENTUM, "decay_mom_rate": _ANY_NUMBER, "last_batch_iteration": _ITERATION,
-    },
-}
-# Parameters the scheduler cannot run without (no DeepSpeed default).
-_REQUIRED = {
-    "WarmupLR": (),
-    "WarmupDecayLR": ("total_num_steps",),
-    "WarmupCosineLR": ("total_num_steps",),
-    "OneCycle": ("cycle_min_lr", "cycle_max_lr"),
-}
-
-
-def _is_auto(value):
-    return isinstance(value, str) and value == "auto"
-
-
-def validate_scheduler(type_name: str, params: dict) -> None:
-    """Raise ConfigError for a scheduler block DeepSpeed would reject or silently misrun.
-
-    Values "auto" pass: they are filled in from the training setup before build_scheduler.
-    """
-    if type_name not in SCHEDULERS:
-        raise ConfigError("scheduler.type", type_name, f"use one of {sorted(SCHEDULERS)}")
-    params = {} if params is None else params
-    if not isinstance(params, dict):
-        raise ConfigError("scheduler.params", params, "give a JSON object of scheduler parameters")
-    rules = _RULES[type_name]
-    for name, value in params.items():
-        if name not in rules:
-            raise ConfigError(f"scheduler.params.{name}", value,
-                              f"{type_name} takes only {sorted(rules)}")
-        accepts, what = rules[name]
-        if not _is_auto(value) and not accepts(value):
-            raise ConfigError(f"scheduler.params.{name}", value, f"{name} must be {what}")
-    for name in _REQUIRED[type_name]:
-        if name not in params:
-            raise ConfigError(f"scheduler.params.{name}", None, f"{type_name} needs {name}")
-    if "total_num_steps" in params:
-        total = params["total_num_steps"]
-        warmup = params.get("warmup_num_steps", DEFAULT_WARMUP_STEPS)
-        # DeepSpeed only warns; a decay that ends before warmup does is a misconfiguration.
-        if not _is_auto(total) and not _is_auto(warmup) and total < warmup:
-            raise ConfigError("scheduler.params.total_num_steps", total,
-                              f"must be >= warmup_num_steps ({warmup})")
+SCHEDULERS = {cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle)}
+assert tuple(SCHEDULERS) == SCHEDULER_TYPES, "the config's scheduler types and the schedulers built here differ"
 
 
 def build_scheduler(type_name: str, params: dict, optimizer):
@@ -410,7 +308,7 @@ def build_scheduler(type_name: str, params: dict, optimizer):
     params = {} if params is None else params
     validate_scheduler(type_name, params)
     for name, value in params.items():
-        if _is_auto(value):
+        if is_auto(value):
             raise ConfigError(f"scheduler.params.{name}", value,
                               "resolve 'auto' to a value before building the scheduler")
     return SCHEDULERS[type_name](optimizer, **params)

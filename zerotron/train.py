@@ -11,12 +11,11 @@ import torch.distributed as dist
 
 from . import preemption
 from .comm import comm_for
-from .config_sections import SCHEDULES
+from .config import CHECKPOINT_POLICIES, SCHEDULES
 from .errors import EXIT_PREEMPTED
 from .parallelize import to_pipeline
+from .planner.hardware import peak_flops_of
 
-# Dense bf16 peak FLOP/s per GPU, for MFU.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 
 
 def add_train_arguments(p: argparse.ArgumentParser):
@@ -40,7 +39,7 @@ def add_train_arguments(p: argparse.ArgumentParser):
     p.add_argument("--tp-overlap", action="store_true", default=None,
                    help="run each block in two halves of the micro-batch, one half's tensor-parallel collective "
                         "under the other's compute (tensor_parallel.tp_overlap_comm; with --tp)")
-    p.add_argument("--checkpoint", choices=["none", "every_block", "every_k", "selective"], default=None,
+    p.add_argument("--checkpoint", choices=CHECKPOINT_POLICIES, default=None,
                    help="activation checkpointing policy")
     p.add_argument("--save-dir", default=None, help="write checkpoints here (every --save-every steps and at the end)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint period in steps (0: only at the end)")
@@ -140,8 +139,7 @@ def check_model_layout(args) -> None:
 def _peak_flops() -> float | None:
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    return peak_flops_of(torch.cuda.get_device_name())
 
 
 @torch.no_grad()

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config_sections import SCHEDULES
+from ..config import SCHEDULES
 from ..errors import ConfigError
 
 

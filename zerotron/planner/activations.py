@@ -28,7 +28,7 @@ log-sum-exp. This is that policy's inventory, not checked against a run as zerot
 """
 from __future__ import annotations
 
-from ..config_sections import CHECKPOINT_POLICIES
+from ..config import CHECKPOINT_POLICIES
 
 POLICIES = CHECKPOINT_POLICIES + ("op_sac",)  # zerotron's, and torchtitan's op-level policy (cost.py)
 from .memory import ModelShape

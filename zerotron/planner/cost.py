@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from ..config import ZeroConfig
 from ..pipe.schedule import build_schedule, splits_backward
 from .activations import activation_bytes, bytes_per_activation
 from .hardware import GIB, Hardware
@@ -19,7 +20,7 @@ from .overlap import added_time, grad_buckets, timeline, zero3_forward
 from .reuse import gathered
 
 
-STAGE3_MAX_REUSE_DISTANCE = 1e9  # the config's default (config_sections.py), which zero/stage3.py applies
+STAGE3_MAX_REUSE_DISTANCE = ZeroConfig.stage3_max_reuse_distance  # the config's default, which zero/stage3.py applies
 CHECKPOINT_EVERY = 2  # the every_k policy's k: the config's checkpoint_every default
 
 

@@ -61,6 +61,15 @@ PRESETS = {
 }
 
 
+# Dense bf16 peak FLOP/s by the name CUDA reports, for MFU: the presets' figures, and GPUs without a preset.
+_PEAK_BY_DEVICE_NAME = {"H100": PRESETS["h100"].peak_flops, "H200": PRESETS["h200"].peak_flops,
+                        "A100": PRESETS["a100-80"].peak_flops, "L40S": 362e12, "A10G": 125e12}
+
+
+def peak_flops_of(device_name: str) -> float | None:
+    return next((v for k, v in _PEAK_BY_DEVICE_NAME.items() if k in device_name), None)
+
+
 def hardware(name: str, **overrides) -> Hardware:
     if name not in PRESETS:
         raise ValueError(f"unknown hardware {name!r}; choose one of {', '.join(PRESETS)} (and override fields)")

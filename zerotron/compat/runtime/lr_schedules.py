@@ -8,7 +8,7 @@ import math
 import torch
 
 from ...schedulers import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR  # noqa: F401  (DeepSpeed's names)
-from ...schedulers import _per_group, _Scheduler, _torch_optimizer, _write
+from ...schedulers import per_group, Scheduler, torch_optimizer, write_groups
 
 LR_SCHEDULE = "lr_schedule"
 LR_RANGE_TEST = "LRRangeTest"
@@ -49,7 +49,7 @@ COS_MIN_RATIO = "cos_min_ratio"
 TOTAL_NUM_STEPS = "total_num_steps"
 
 
-class LRRangeTest(_Scheduler):
+class LRRangeTest(Scheduler):
     """The learning-rate range test: lr = lr_range_test_min_lr * (1 + step_rate * t), with
     t = (step + 1) / step_size (rounded down with `lr_range_test_staircase`). The min lr is in the
     optimizer from construction on. Built directly in a script; zerotron's config "scheduler"
@@ -62,11 +62,11 @@ class LRRangeTest(_Scheduler):
         if isinstance(lr_range_test_step_size, bool) or not isinstance(lr_range_test_step_size, int) \
                 or lr_range_test_step_size <= 0:
             raise ValueError(f"lr_range_test_step_size must be a positive integer, got {lr_range_test_step_size!r}")
-        self.min_lr = _per_group(self.optimizer, lr_range_test_min_lr, LR_RANGE_TEST_MIN_LR)
+        self.min_lr = per_group(self.optimizer, lr_range_test_min_lr, LR_RANGE_TEST_MIN_LR)
         self.step_size, self.step_rate = lr_range_test_step_size, lr_range_test_step_rate
         self.staircase = lr_range_test_staircase
         if last_batch_iteration == -1:
-            self._last_lr = _write(self.optimizer.param_groups, "lr", self.min_lr)
+            self._last_lr = write_groups(self.optimizer.param_groups, "lr", self.min_lr)
 
     def _interval(self) -> float:
         t = (self.last_batch_iteration + 1) / self.step_size
@@ -79,12 +79,12 @@ class LRRangeTest(_Scheduler):
 
 def get_torch_optimizer(optimizer):
     """The torch optimizer inside `optimizer` (itself, or its `.optimizer`)."""
-    return _torch_optimizer(optimizer)
+    return torch_optimizer(optimizer)
 
 
 def update_lr(param_groups, lrs):
     """Write one lr per param group (in place for tensor lrs); returns the groups' lrs."""
-    return _write(param_groups, "lr", [lr.squeeze() if torch.is_tensor(lr) else lr for lr in lrs])
+    return write_groups(param_groups, "lr", [lr.squeeze() if torch.is_tensor(lr) else lr for lr in lrs])
 
 
 def _bool(text):

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .errors import ConfigError
-from .log import warn
+from ..errors import ConfigError
+from ..log import warn
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # zerotron/pipe/schedule.py builds each
 CHECKPOINT_POLICIES = ("none", "every_block", "every_k", "selective")  # zerotron/checkpointing.py applies each
@@ -17,7 +17,7 @@ AUTO = "auto"
 
 # DeepSpeed keys we accept but that change nothing about the math here, by section ("" is the
 # top level); no warning for them.
-_ACCEPTED_NO_EFFECT = {
+ACCEPTED_NO_EFFECT = {
     "": {"memory_breakdown", "dump_state", "zero_force_ds_cpu_optimizer", "dataloader_drop_last", "flops_profiler",
          "comms_logger", "prescale_gradients", "gradient_predivide_factor", "sparse_gradients",
          "gradient_accumulation_dtype", "log_level", "timers", "seq_parallel_communication_data_type",
@@ -30,7 +30,7 @@ _ACCEPTED_NO_EFFECT = {
     "pipeline": {"use_reentrant"},
 }
 
-def _is_auto(value) -> bool:
+def is_auto(value) -> bool:
     return isinstance(value, str) and value == AUTO
 
 
@@ -54,11 +54,11 @@ class FP16Config:
     auto_cast: bool = False
 
     def validate(self, p: str):
-        _check(self.loss_scale >= 0, p + ".loss_scale", self.loss_scale, "use 0 for dynamic scaling or a positive static scale")
-        _check(0 <= self.initial_scale_power <= 64, p + ".initial_scale_power", self.initial_scale_power, "use a power of two exponent in [0, 64], e.g. 16")
-        _check(self.loss_scale_window >= 1, p + ".loss_scale_window", self.loss_scale_window, "use a positive number of steps, e.g. 1000")
-        _check(self.hysteresis >= 1, p + ".hysteresis", self.hysteresis, "use a positive integer, e.g. 2")
-        _check(self.min_loss_scale > 0, p + ".min_loss_scale", self.min_loss_scale, "use a positive scale, e.g. 1")
+        check(self.loss_scale >= 0, p + ".loss_scale", self.loss_scale, "use 0 for dynamic scaling or a positive static scale")
+        check(0 <= self.initial_scale_power <= 64, p + ".initial_scale_power", self.initial_scale_power, "use a power of two exponent in [0, 64], e.g. 16")
+        check(self.loss_scale_window >= 1, p + ".loss_scale_window", self.loss_scale_window, "use a positive number of steps, e.g. 1000")
+        check(self.hysteresis >= 1, p + ".hysteresis", self.hysteresis, "use a positive integer, e.g. 2")
+        check(self.min_loss_scale > 0, p + ".min_loss_scale", self.min_loss_scale, "use a positive scale, e.g. 1")
 
 
 @dataclass
@@ -80,7 +80,7 @@ class OffloadConfig:
     ratio: float = 1.0
 
     def validate(self, p: str):
-        _check(self.device in ("none", "cpu", "nvme"), p + ".device", self.device, "use 'none', 'cpu' or 'nvme'")
+        check(self.device in ("none", "cpu", "nvme"), p + ".device", self.device, "use 'none', 'cpu' or 'nvme'")
 
 
 @dataclass
@@ -116,16 +116,16 @@ class ZeroConfig:
     overlap_param_gather: bool = False
 
     def validate(self, p: str):
-        _check(self.stage in (0, 1, 2, 3), p + ".stage", self.stage, "use 0 (data parallel), 1, 2 or 3")
+        check(self.stage in (0, 1, 2, 3), p + ".stage", self.stage, "use 0 (data parallel), 1, 2 or 3")
         for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", "stage3_max_live_parameters"):
             value = getattr(self, key)
-            _check(value is None or value > 0, f"{p}.{key}", value, "use a positive number of elements, e.g. 5e8")
-        _check(self.stage3_prefetch_bucket_size >= 0, p + ".stage3_prefetch_bucket_size",
+            check(value is None or value > 0, f"{p}.{key}", value, "use a positive number of elements, e.g. 5e8")
+        check(self.stage3_prefetch_bucket_size >= 0, p + ".stage3_prefetch_bucket_size",
                self.stage3_prefetch_bucket_size, "use a number of elements (0: no prefetching), e.g. 5e7")
-        _check(self.stage3_param_persistence_threshold >= 0, p + ".stage3_param_persistence_threshold",
+        check(self.stage3_param_persistence_threshold >= 0, p + ".stage3_param_persistence_threshold",
                self.stage3_param_persistence_threshold, "use a non-negative number of elements")
         for key in ("reshard_after_backward", "overlap_param_gather"):
-            _check(not getattr(self, key) or self.stage in (1, 2), f"{p}.{key}", True,
+            check(not getattr(self, key) or self.stage in (1, 2), f"{p}.{key}", True,
                    "applies to stages 1 and 2 only (stage 3 gathers and releases each unit itself, and "
                    "prefetches by stage3_prefetch_bucket_size); remove it or use stage 1 or 2")
         for key in ("offload_optimizer", "offload_param"):
@@ -135,10 +135,10 @@ class ZeroConfig:
             off.validate(f"{p}.{key}")
             if key == "offload_param" and self.stage != 3:
                 continue  # ignored below stage 3 (warned about below)
-            _check(off.device != "nvme", f"{p}.{key}.device", off.device,
+            check(off.device != "nvme", f"{p}.{key}.device", off.device,
                    "NVMe offload (ZeRO-Infinity) is not supported by zerotron; use \"cpu\" (host memory) instead")
         if self.offload_optimizer is not None and self.offload_optimizer.device == "cpu":
-            _check(self.stage >= 1, f"{p}.offload_optimizer.device", "cpu",
+            check(self.stage >= 1, f"{p}.offload_optimizer.device", "cpu",
                    "optimizer offload shards the optimizer: it needs zero_optimization.stage 1, 2 or 3")
         if self.offload_param is not None and self.offload_param.device != "none" and self.stage != 3:
             # DeepSpeed offloads parameters only at stage 3 and ignores the key below it.
@@ -181,8 +181,8 @@ class TensorParallelConfig:
     tp_overlap_comm: bool = False
 
     def validate(self, p: str):
-        _check(self.autotp_size >= 1, p + ".autotp_size", self.autotp_size, "use a positive integer")
-        _check(not self.tp_overlap_comm or self.autotp_size > 1, p + ".tp_overlap_comm", True,
+        check(self.autotp_size >= 1, p + ".autotp_size", self.autotp_size, "use a positive integer")
+        check(not self.tp_overlap_comm or self.autotp_size > 1, p + ".tp_overlap_comm", True,
                "it overlaps tensor-parallel collectives, and autotp_size is 1; remove it or set autotp_size > 1")
 
 
@@ -199,8 +199,8 @@ class PipelineConfig:
     grad_partitioned: bool = True
 
     def validate(self, p: str):
-        _check(self.stages >= 1, p + ".stages", self.stages, "use a positive integer (or \"auto\")")
-        _check(self.schedule in SCHEDULES, p + ".schedule", self.schedule, f"use one of {', '.join(SCHEDULES)}")
+        check(self.stages >= 1, p + ".stages", self.stages, "use a positive integer (or \"auto\")")
+        check(self.schedule in SCHEDULES, p + ".schedule", self.schedule, f"use one of {', '.join(SCHEDULES)}")
 
 
 @dataclass
@@ -228,15 +228,15 @@ class ZerotronConfig:
     save_on_preemption: Optional[str] = None  # SIGTERM/SIGINT: finish the step, checkpoint here, exit 75
 
     def validate(self, p: str):
-        _check(self.checkpoint_policy in CHECKPOINT_POLICIES, p + ".checkpoint_policy", self.checkpoint_policy,
+        check(self.checkpoint_policy in CHECKPOINT_POLICIES, p + ".checkpoint_policy", self.checkpoint_policy,
                f"use one of {', '.join(CHECKPOINT_POLICIES)}")
-        _check(self.checkpoint_every >= 1, p + ".checkpoint_every", self.checkpoint_every, "use a positive integer")
-        _check(self.collective_timeout is None or self.collective_timeout > 0, p + ".collective_timeout",
+        check(self.checkpoint_every >= 1, p + ".checkpoint_every", self.checkpoint_every, "use a positive integer")
+        check(self.collective_timeout is None or self.collective_timeout > 0, p + ".collective_timeout",
                self.collective_timeout, "use a positive number of seconds")
-        _check(self.max_nonfinite_steps >= 1, p + ".max_nonfinite_steps", self.max_nonfinite_steps,
+        check(self.max_nonfinite_steps >= 1, p + ".max_nonfinite_steps", self.max_nonfinite_steps,
                "use a positive integer")
 
 
-def _check(ok: bool, key: str, value, fix: str):
+def check(ok: bool, key: str, value, fix: str):
     if not ok:
         raise ConfigError(key, value, fix)

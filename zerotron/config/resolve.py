@@ -9,12 +9,12 @@ import json
 import math
 import typing
 
-from .config_deepspeed import DEEPSPEED_TOP_LEVEL
-from .config_sections import _ACCEPTED_NO_EFFECT, AUTO, IntOrInf, _is_auto
-from .errors import ConfigError
-from .log import warn
+from .deepspeed import DEEPSPEED_TOP_LEVEL
+from .sections import ACCEPTED_NO_EFFECT, AUTO, IntOrInf, is_auto
+from ..errors import ConfigError
+from ..log import warn
 
-def _parse_json(text: str, where: str) -> dict:
+def parse_json(text: str, where: str) -> dict:
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
@@ -79,7 +79,7 @@ def resolve_auto(raw: dict, **values) -> dict:
         values.setdefault("stage3_param_persistence_threshold", 10 * hidden)
     for path, name, fallback in _AUTO_RULES:
         parent, key = _walk(raw, path)
-        if parent is None or not _is_auto(parent.get(key)):
+        if parent is None or not is_auto(parent.get(key)):
             continue
         if name in values:
             parent[key] = values[name]
@@ -94,7 +94,7 @@ def resolve_auto(raw: dict, **values) -> dict:
         elif isinstance(fallback, str):  # another key's (resolved) value
             src_parent, src_key = _walk(raw, fallback)
             src = None if src_parent is None else src_parent.get(src_key)
-            parent[key] = _OPTIMIZER_DEFAULTS["lr"] if src is None or _is_auto(src) else src
+            parent[key] = _OPTIMIZER_DEFAULTS["lr"] if src is None or is_auto(src) else src
         else:
             parent[key] = fallback
     for path in list(_auto_paths(raw, "")):
@@ -123,19 +123,19 @@ def _auto_paths(node, prefix):
     if isinstance(node, dict):
         for k, v in node.items():
             yield from _auto_paths(v, f"{prefix}{k}" if not prefix else f"{prefix}.{k}")
-    elif _is_auto(node):
+    elif is_auto(node):
         yield prefix
 
 
 # --------------------------------------------------------------------------------------------
 # Typed parsing of dataclass sections
 # --------------------------------------------------------------------------------------------
-def _parse(cls, raw: dict, prefix: str):
+def parse_section(cls, raw: dict, prefix: str):
     if not isinstance(raw, dict):
         raise ConfigError(prefix.rstrip(".") or "config", raw, "expected a JSON object here")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.name not in ("raw", "world_size")}
-    accepted = _ACCEPTED_NO_EFFECT.get(prefix.rstrip("."), set())
+    accepted = ACCEPTED_NO_EFFECT.get(prefix.rstrip("."), set())
     kwargs, unknown = {}, []
     for key, value in raw.items():
         if key in names:
@@ -176,7 +176,7 @@ def _convert(tp, value, key: str):
         inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
         return None if value is None else _convert(inner, value, key)
     if dataclasses.is_dataclass(tp):
-        return _parse(tp, value, key + ".")
+        return parse_section(tp, value, key + ".")
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import copy
 
-from .errors import ConfigError
-from .log import warn
+from ..errors import ConfigError
+from ..log import warn
 
 # DeepSpeed features zerotron does not implement whose keys can be ignored without training a
 # different model than asked (they change speed, memory or tooling, or the script must call

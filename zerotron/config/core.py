@@ -1,8 +1,5 @@
-"""DeepSpeed-style JSON config: loading, "auto" values, batch arithmetic and validation.
-
-Everything here is pure: a bad value raises `ConfigError` (naming the key, the value and the
-fix) before the engine touches a process group.
-"""
+"""The resolved config (`Config`): loading from any source, batch arithmetic, the checks that span
+sections, and the read-only mapping over DeepSpeed's key names that DeepSpeed-written code reads."""
 from __future__ import annotations
 
 import copy
@@ -12,13 +9,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .config_deepspeed import deepspeed_features, deepspeed_names
-from .config_resolve import _parse, _parse_json, resolve_auto  # noqa: F401 (resolve_auto: public here)
-from .config_sections import (AUTO, ActivationCheckpointingConfig, BF16Config, FP16Config, MonitorConfig,  # noqa: F401
-                              OptimizerConfig, PipelineConfig, SchedulerConfig, TensorParallelConfig,
-                              WandbConfig, ZeroConfig, ZerotronConfig, IntOrInf, _check, _is_auto)
-from .errors import ConfigError
-from .log import warn
+from .deepspeed import deepspeed_features, deepspeed_names
+from ..errors import ConfigError
+from ..log import warn
+from .resolve import parse_json, parse_section, resolve_auto
+from .scheduler_section import validate_scheduler
+from .sections import (AUTO, ActivationCheckpointingConfig, BF16Config, FP16Config, IntOrInf, MonitorConfig,
+                       OptimizerConfig, PipelineConfig, SchedulerConfig, TensorParallelConfig, WandbConfig,
+                       ZeroConfig, ZerotronConfig, check, is_auto)
 
 
 @dataclass(eq=True)
@@ -65,7 +63,7 @@ class Config(Mapping):
             raw = copy.deepcopy(raw)
             section = raw.setdefault("pipeline", {})
             given = section.get("stages", AUTO)
-            if not _is_auto(given) and given != pipeline_stages:
+            if not is_auto(given) and given != pipeline_stages:
                 raise ConfigError("pipeline.stages", given, f"the PipelineModule has {pipeline_stages} stages; "
                                   "make them agree (or use \"auto\")")
             section["stages"] = pipeline_stages
@@ -75,7 +73,7 @@ class Config(Mapping):
             if "bf16" in raw:
                 raise ConfigError("bfloat16", raw["bfloat16"], "both 'bf16' and its old name 'bfloat16' are set; keep 'bf16'")
             raw["bf16"] = raw.pop("bfloat16")
-        cfg = _parse(cls, deepspeed_features(raw), "")
+        cfg = parse_section(cls, deepspeed_features(raw), "")
         cfg.raw = raw
         cfg.world_size = world_size
         cfg._validate()
@@ -129,7 +127,7 @@ class Config(Mapping):
 
     # ---- validation ------------------------------------------------------------------------
     def _validate(self):
-        _check(self.world_size >= 1, "world_size", self.world_size, "the number of processes must be >= 1")
+        check(self.world_size >= 1, "world_size", self.world_size, "the number of processes must be >= 1")
         self.tensor_parallel.validate("tensor_parallel")
         self.pipeline.validate("pipeline")
         self.zerotron.validate("zerotron")
@@ -140,30 +138,29 @@ class Config(Mapping):
             product = f"tensor ({tp}) x pipeline ({pp}) parallel size" if tp > 1 and pp > 1 else "it"
             raise ConfigError(key, value, f"{product} must divide the number of processes ({self.world_size}); "
                                           f"use a divisor of {self.world_size} or launch a multiple of {tp * pp} processes")
-        _check(not (self.fp16.enabled and self.bf16.enabled), "fp16.enabled", True,
+        check(not (self.fp16.enabled and self.bf16.enabled), "fp16.enabled", True,
                "fp16 and bf16 are both enabled; enable at most one of them")
-        _check(self.gradient_clipping >= 0, "gradient_clipping", self.gradient_clipping,
+        check(self.gradient_clipping >= 0, "gradient_clipping", self.gradient_clipping,
                "use 0 to disable clipping or a positive max norm, e.g. 1.0")
-        _check(self.steps_per_print >= 1, "steps_per_print", self.steps_per_print, "use a positive integer")
-        _check(self.communication_data_type in (None, "fp32", "fp16", "bf16"), "communication_data_type",
+        check(self.steps_per_print >= 1, "steps_per_print", self.steps_per_print, "use a positive integer")
+        check(self.communication_data_type in (None, "fp32", "fp16", "bf16"), "communication_data_type",
                self.communication_data_type, "use 'fp32', 'fp16' or 'bf16' (or leave it out to reduce in the gradient dtype)")
         self.fp16.validate("fp16")
         self.zero_optimization.validate("zero_optimization")
         if self.zerotron.sequence_parallel and self.tensor_parallel.autotp_size == 1:
             warn("zerotron.sequence_parallel has no effect without tensor parallelism "
                  "(tensor_parallel.autotp_size > 1)")
-        _check(not self.wandb.enabled, "wandb.enabled", True,
+        check(not self.wandb.enabled, "wandb.enabled", True,
                "zerotron does not log to Weights & Biases; use 'tensorboard' or 'csv_monitor'")
         if self.optimizer is not None:
-            from .optim import validate_optimizer
+            from ..optim import validate_optimizer
             off = self.zero_optimization.offload_optimizer
             validate_optimizer(self.optimizer.type, self.optimizer.params, zero_stage=self.zero_optimization.stage,
                                on_host=off is not None and off.device == "cpu")
         if self.scheduler is not None:
-            from .schedulers import validate_scheduler
             validate_scheduler(self.scheduler.type, self.scheduler.params)
         self._resolve_batch()
-        _check(not self.tensor_parallel.tp_overlap_comm or self.train_micro_batch_size_per_gpu >= 2,
+        check(not self.tensor_parallel.tp_overlap_comm or self.train_micro_batch_size_per_gpu >= 2,
                "tensor_parallel.tp_overlap_comm", True, f"it splits each micro-batch in two halves, and "
                f"train_micro_batch_size_per_gpu is {self.train_micro_batch_size_per_gpu}; use 2 or more, or remove it")
 
@@ -195,21 +192,21 @@ class Config(Mapping):
                          self.gradient_accumulation_steps)
         for key, v in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", mbs),
                        ("gradient_accumulation_steps", gas)):
-            _check(v is None or v >= 1, key, v, "use a positive integer")
+            check(v is None or v >= 1, key, v, "use a positive integer")
         if tbs is None and mbs is None:
             raise ConfigError("train_micro_batch_size_per_gpu", None,
                               "set train_micro_batch_size_per_gpu or train_batch_size")
         if tbs is not None and mbs is not None and gas is not None:
-            _check(tbs == mbs * gas * dp, "train_batch_size", tbs,
+            check(tbs == mbs * gas * dp, "train_batch_size", tbs,
                    f"it must equal train_micro_batch_size_per_gpu ({mbs}) x gradient_accumulation_steps "
                    f"({gas}) x data-parallel size ({dp}) = {mbs * gas * dp}; fix one of them or leave one out")
         elif tbs is not None and mbs is not None:
-            _check(tbs % (mbs * dp) == 0, "train_batch_size", tbs,
+            check(tbs % (mbs * dp) == 0, "train_batch_size", tbs,
                    f"it must be divisible by train_micro_batch_size_per_gpu ({mbs}) x data-parallel size ({dp})")
             gas = tbs // (mbs * dp)
         elif tbs is not None:
             gas = gas or 1
-            _check(tbs % (gas * dp) == 0, "train_batch_size", tbs,
+            check(tbs % (gas * dp) == 0, "train_batch_size", tbs,
                    f"it must be divisible by gradient_accumulation_steps ({gas}) x data-parallel size ({dp})")
             mbs = tbs // (gas * dp)
         else:
@@ -246,10 +243,10 @@ def read_raw(source) -> dict:
         path = os.fspath(source)
         if not os.path.exists(path):
             if path.lstrip().startswith("{"):
-                return _parse_json(path, "<inline JSON>")
+                return parse_json(path, "<inline JSON>")
             raise ConfigError("config", path, "no such file; pass the path of a DeepSpeed JSON config, a dict or a zerotron.Config")
         with open(path) as f:
-            return _parse_json(f.read(), path)
+            return parse_json(f.read(), path)
     raise ConfigError("config", type(source).__name__, "pass a path to a JSON file, a dict or a zerotron.Config")
 
 
