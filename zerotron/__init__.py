@@ -15,6 +15,7 @@ from .comm import init_distributed, launched_by_torchrun, local_device
 from .config import Config, resolve_auto
 from .engine import Engine
 from .errors import BadBatchError, CollectiveMismatch, ConfigError, NonFiniteError, ZerotronError
+from .hf.takeover import hand_back, hold
 from .topology import Topology
 from . import checkpointing, error_report, hf, watchdog  # noqa: E402  (zerotron.checkpointing / zerotron.hf as DeepSpeed users expect)
 
@@ -55,8 +56,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     engine_class = Engine
     if pipelined:
         from .engine import PipelineEngine as engine_class
+    hand_back(model)  # a model another engine wraps (the Trainer's evaluate() before train()) comes back whole
     engine = engine_class(model, cfg, topology, optimizer=optimizer, lr_scheduler=lr_scheduler,
                           model_parameters=model_parameters, training_data=training_data, collate_fn=collate_fn)
+    hold(engine)
     # An engine built without an optimizer (evaluation, a reference model) returns None in its
     # place, as DeepSpeed does; the engine keeps a placeholder that refuses to step.
     optimizer = None if getattr(engine.optimizer, "placeholder", False) else engine.optimizer

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -10,6 +9,8 @@ import torch.nn as nn
 
 from .. import preemption, watchdog
 from .accessors import EngineAccessors, ThroughputTimer
+from .input_guard import InputGuard
+from .report import StepReport
 from .state import EngineState
 from .step import StepStages
 from ..comm import Comm, comm_for, local_device
@@ -24,60 +25,6 @@ from ..topology import Topology
 from ..zero import make_model_states
 from ..zero.partition_api import built_under_init
 
-
-
-class _Holder:
-    """What a model keeps of the engine that wraps it (the engine itself may be gone while its
-    ZeRO-3 hooks stay on the model): enough to hand the model back whole (`_take_over`)."""
-
-    def __init__(self, engine):
-        self.states, self.grad_hooks = engine.states, engine.__dict__.get("_grad_hooks")
-        self.engine = weakref.ref(engine)
-        self.topology, self.device, self.config = engine.topology, engine.device, engine.config
-
-    def engine_destroyed(self) -> bool:
-        engine = self.engine()
-        return engine is not None and getattr(engine, "_destroyed", False)
-
-    def destroy(self):
-        engine = self.engine()
-        if engine is not None:
-            engine.destroy()
-            return
-        if self.states is not None:
-            self.states.destroy()
-        for h in self.grad_hooks or []:
-            h.remove()
-
-    def __deepcopy__(self, memo):  # a copied model is not wrapped by this engine
-        return None
-
-
-@torch.no_grad()
-def _take_over(module: nn.Module) -> None:
-    """A model a live engine already wraps (the Trainer's evaluate() before train(), which builds
-    an engine without an optimizer first, then the training one): the old engine hands the model
-    back whole -- its ZeRO-3 units gathered to full parameters, its hooks removed -- and is
-    destroyed, so the new one partitions it afresh. Every rank builds engines together, so the
-    gathers line up. A tensor-parallel model is refused (its layers are already split)."""
-    old = module.__dict__.get("_zerotron_engine")
-    if old is None or old.engine_destroyed():
-        return
-    if old.topology.tp > 1:
-        raise RuntimeError("this model is already wrapped by a zerotron engine with tensor parallelism (its layers are "
-                           "split): build a new model for a second engine")
-    full = None
-    if old.config.zero_optimization.stage == 3:
-        from ..zero import consolidated_state_dict
-        full = consolidated_state_dict(module)
-    old.destroy()
-    if full is not None:
-        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
-            if name in full:
-                t.data = full[name].to(old.device).clone()
-            for attr in [a for a in vars(t) if a.startswith(("zt_", "ds_"))]:
-                delattr(t, attr)
-    module.__dict__.pop("_zerotron_engine", None)
 
 
 class _NoOptimizer(torch.optim.SGD):
@@ -111,7 +58,6 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         self.local_rank = int(__import__("os").environ.get("LOCAL_RANK", 0))
         self.coords = topology.coords(self.global_rank)
         self.dtype = model_dtype(config)
-        _take_over(module)
         # A model to split stays where it was built until it is split: the whole of a model that
         # needs tensor parallelism may not fit the device (parallelize places the shards).
         self.module = self._place(module, self.device if topology.tp == 1 else None)
@@ -133,7 +79,6 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         # Gradient reduction, master weights and parameter updates, for the configured ZeRO stage.
         self.states = make_model_states(self.module, self.optimizer, config, self.grad_comm, self.dp_comm,
                                         isolate=isolate(self.module) if isolate is not None else [])
-        self.module.__dict__["_zerotron_engine"] = _Holder(self)  # (not an nn.Module attribute: no recursion)
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.loss_scaler = LossScaler(config.fp16)
         self.monitor = Monitor(config, self.global_rank)
@@ -146,16 +91,15 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         self.skipped_steps = 0
         self._global_grad_norm = None
         self._nonfinite_streak = 0
-        self._bad_loss = None  # this step's micro-batch losses: any NaN/Inf?
-        self._bad_input = None  # this step's token ids: (any outside the vocabulary?, the largest such)
         self.preemption_requested = False
         if config.zerotron.save_on_preemption:
             preemption.install()
         watchdog.configure(config.zerotron.collective_timeout, config.zerotron.collective_checks)
-        self._vocab_size = vocab_size(self.module)
-        self._micro_losses: list[torch.Tensor] = []
+        self.input_guard = InputGuard(vocab_size(self.module))
+        self._take_record()  # what this step gathers over its micro-batches
         self._boundary_override: bool | None = None
-        self._step_start = time.perf_counter()
+        self.reporter = StepReport(config.steps_per_print, self.monitor)
+        self._created_at = time.perf_counter()  # (compat/utils/engines.py orders engines it finds by it)
         self._step_applied = False
         self._inside_no_sync = False
         self._offloaded_from = None  # offload_states: the devices the optimizer states came from
@@ -235,7 +179,8 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
                 "reuses the engine of an evaluate() run before train(), with DeepSpeed too (huggingface/transformers#44889): "
                 "evaluate at the start of training with TrainingArguments(eval_on_start=True), or train with a new Trainer")
         self.tput_timer.start()
-        args, kwargs = self._check_inputs(args, kwargs)
+        args, kwargs = self.input_guard.check(args, kwargs, self._record,
+                                              f"step {self.global_steps} on rank {self.global_rank}")
         output = self.module(*args, **kwargs)
         if torch.is_grad_enabled():  # a script may call loss.backward() itself instead of engine.backward
             for t in tensors_in(output):
@@ -249,9 +194,7 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError("engine.backward expects the scalar loss tensor of one micro-batch")
         boundary = self.is_gradient_accumulation_boundary()
-        self._micro_losses.append(loss.detach())
-        bad = ~torch.isfinite(loss.detach())  # a tensor: no device sync per micro-batch
-        self._bad_loss = bad if self._bad_loss is None else self._bad_loss | bad
+        self._record.add_loss(loss)
         gas_scaled = loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
         scaled = gas_scaled.float() * self.loss_scaler.scale if self.loss_scaler.enabled else gas_scaled.float()
         self.states.begin_backward(boundary and not self._inside_no_sync)

@@ -90,7 +90,7 @@ class PipelineEngine(Engine):
                 comm.all_reduce(grad)
         if self.monitor.enabled or (self.global_steps + 1) % self.config.steps_per_print == 0:
             arrival.wait()  # the step logs the loss
-        self._micro_losses = [loss]
+        self._record.losses = [loss]
         self.tput_timer.start()
         self.optimizer_step()
         self.micro_steps += len(batches)
@@ -140,7 +140,8 @@ class PipelineEngine(Engine):
             if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
                 raise ValueError("a pipeline batch is (inputs, labels): the first stage reads inputs, the last stage "
                                  f"passes labels to loss_fn; got a {type(batch).__name__}")
-            (inputs,), _ = self._check_inputs((batch[0],), {})
+            (inputs,), _ = self.input_guard.check((batch[0],), {}, self._record,
+                                                  f"step {self.global_steps} on rank {self.global_rank}")
             batches.append((inputs, batch[1]))
         return batches
 

@@ -16,7 +16,7 @@ class EngineState:
         data-parallel size changes it) it was saved under."""
         self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
         self.states.zero_grads()
-        self._micro_losses, self._bad_loss, self._bad_input = [], None, None
+        self._take_record()
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds for model states."""
@@ -34,6 +34,17 @@ class EngineState:
         if host is not None:  # offloaded: what of the above lives in host memory
             report["host"] = host + (report["optimizer"] if self.states.host is not None else 0)
         return report
+
+    def predicted_memory(self) -> dict[str, int]:
+        """The planner's model-state bytes for this rank (zerotron.planner.memory), from the
+        parameters it trains and the configured ZeRO stage, precision and offload."""
+        from ..planner.memory import rank_state_bytes
+        z = self.config.zero_optimization
+        return rank_state_bytes(self._param_numels, dp=self.grad_comm.size, stage=z.stage,
+                                dtype={torch.float32: "fp32", torch.bfloat16: "bf16"}.get(self.dtype, "fp16"),
+                                offload_optimizer=z.offload_optimizer is not None and z.offload_optimizer.device == "cpu",
+                                offload_param=z.offload_param is not None and z.offload_param.device == "cpu",
+                                persistence_threshold=z.stage3_param_persistence_threshold)
 
     # ---- checkpoints (zerotron/checkpoint/) -------------------------------------------------------
     def training_state(self) -> dict:

@@ -1,10 +1,9 @@
 """The engine's optimizer step and what it agrees on: the `Engine` methods that turn a boundary
-backward's gradients into an update (or a skipped step), check the step's inputs and losses, and
-report. A mixin of engine.Engine, in a file of its own so the step reads top to bottom."""
+backward's gradients into an update (or a skipped step), from the step's record of its losses and
+inputs. A mixin of engine.Engine, in a file of its own so the step reads top to bottom."""
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,7 +12,23 @@ from ..errors import EXIT_PREEMPTED, BadBatchError, ConfigError, NonFiniteError
 from ..log import logger
 from ..precision import clip_coefficient, global_norm
 
-IGNORE_INDEX = -100  # the label PyTorch's cross_entropy and Transformers' losses skip
+@dataclass
+class StepRecord:
+    """What one optimizer step gathers over its micro-batches. The engine starts a new record in
+    one place (`_take_record`): when a step begins, and when it stands at a boundary after a load."""
+    losses: list = field(default_factory=list)  # each micro-batch's loss, detached
+    bad_loss: torch.Tensor | None = None  # did any micro-batch's loss hold NaN/Inf? (a tensor: no sync)
+    bad_input: tuple | None = None  # token ids outside the vocabulary: (any?, the largest such)
+
+    def add_loss(self, loss: torch.Tensor):
+        self.losses.append(loss.detach())
+        bad = ~torch.isfinite(loss.detach())
+        self.bad_loss = bad if self.bad_loss is None else self.bad_loss | bad
+
+    def saw_input(self, outside: torch.Tensor, worst: torch.Tensor):
+        if self.bad_input is not None:
+            outside, worst = outside | self.bad_input[0], torch.maximum(worst, self.bad_input[1])
+        self.bad_input = (outside, worst)
 
 
 @dataclass
@@ -39,12 +54,18 @@ class StepStages:
         (counters, watchdog, report, preemption)."""
         self._step_applied = False
         self._require_optimizer()
-        verdict = self._agree_on_step()
+        record = self._take_record()
+        verdict = self._agree_on_step(record)
         if verdict.overflow:
             self._skip_step(verdict)
         else:
             self._apply_step(lr_kwargs)
-        self._after_step(verdict)
+        self._after_step(verdict, record)
+
+    def _take_record(self) -> StepRecord:
+        """This step's record; the next micro-batches write to a new one."""
+        record, self._record = self.__dict__.get("_record"), StepRecord()
+        return record
 
     def _require_optimizer(self):
         if getattr(self.optimizer, "placeholder", False):
@@ -52,18 +73,18 @@ class StepStages:
                               "evaluation), so it cannot step: add an 'optimizer' section to the config or pass "
                               "optimizer= to zerotron.initialize")
 
-    def _agree_on_step(self) -> "StepVerdict":
+    def _agree_on_step(self, record: StepRecord) -> StepVerdict:
         """Unscale the gradients, check them, and agree with every other rank (one host sync)."""
         scaled = self.loss_scaler.enabled
         nonfinite = self.states.unscale_and_check(1.0 / self.loss_scaler.scale if scaled else 1.0)
-        bad_ranks, bad_loss_ranks, preempting = self._agree(nonfinite)  # every rank skips, or none does
+        bad_ranks, bad_loss_ranks, preempting = self._agree(nonfinite, record)  # every rank skips, or none does
         verdict = StepVerdict(bad_ranks, bad_loss_ranks, preempting, previous_scale=self.loss_scaler.scale)
         self.optimizer.overflow = verdict.overflow  # DeepSpeed's fp16 optimizers expose it; scripts read it
         if scaled:
             self.loss_scaler.update(verdict.overflow)
         return verdict
 
-    def _skip_step(self, verdict: "StepVerdict"):
+    def _skip_step(self, verdict: StepVerdict):
         self.skipped_steps += 1
         if self.loss_scaler.enabled:  # dynamic loss scaling: overflow is expected now and then
             logger.warning(f"step {self.global_steps}: fp16 gradients overflowed, step skipped; "
@@ -87,14 +108,12 @@ class StepStages:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
 
-    def _after_step(self, verdict: "StepVerdict"):
+    def _after_step(self, verdict: StepVerdict, record: StepRecord):
         self.states.zero_grads()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         watchdog.set_step(self.global_steps)
-        if self.global_steps == 1:  # optimizer states exist from the first step on
-            self._log_memory_prediction()
-        self._report()
+        self.reporter.after_step(self, record.losses)
         self.preemption_requested = bool(verdict.preempting)
         if self.preemption_requested and self.config.zerotron.save_on_preemption:
             self.save_checkpoint(self.config.zerotron.save_on_preemption)
@@ -103,7 +122,7 @@ class StepStages:
             raise SystemExit(EXIT_PREEMPTED)
 
     # ---- agreement and bad input (see also zerotron/watchdog.py) --------------------------------
-    def _agree(self, nonfinite: torch.Tensor | None) -> tuple[list[int], list[int], list[int]]:
+    def _agree(self, nonfinite: torch.Tensor | None, record: StepRecord) -> tuple[list[int], list[int], list[int]]:
         """The step's one host sync: a small all-gather, so that every rank takes the same decision.
         It names the ranks whose gradients hold NaN/Inf, those whose loss did (after the gradient
         reduction every rank's gradients are bad; the loss says where it started), those that
@@ -111,16 +130,15 @@ class StepStages:
         rank raises BadBatchError before the update)."""
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         flag = lambda t: zero if t is None else t.to(self.device, torch.float64).reshape(())  # noqa: E731
-        bad_input = self._bad_input if self._bad_input is not None else (zero, zero)
-        mine = torch.stack([flag(nonfinite), flag(self._bad_loss),
+        bad_input = record.bad_input if record.bad_input is not None else (zero, zero)
+        mine = torch.stack([flag(nonfinite), flag(record.bad_loss),
                             zero + float(preemption.requested() is not None), flag(bad_input[0]), flag(bad_input[1])])
-        self._bad_loss = self._bad_input = None
         every = self.world_comm.all_gather_list(mine) if self.world_size > 1 else [mine]
         rows = torch.stack(every).tolist()  # the sync
         ranks = [[r for r, row in enumerate(rows) if row[i]] for i in range(4)]
         if ranks[3]:
             raise BadBatchError(f"bad input at step {self.global_steps}: token id {int(rows[ranks[3][0]][4])} on "
-                                f"rank(s) {ranks[3]} is outside the vocabulary [0, {self._vocab_size}): check the "
+                                f"rank(s) {ranks[3]} is outside the vocabulary [0, {self.input_guard.vocab_size}): check the "
                                 "tokenizer against the model's vocab_size (the step was not applied)")
         return ranks[0], ranks[1], ranks[2]
 
@@ -136,96 +154,8 @@ class StepStages:
                 f"(last: {where}). The weights are those of the last good step. Lower the learning rate, check "
                 "the data, or raise zerotron.max_nonfinite_steps.")
 
-    def _check_inputs(self, args, kwargs):
-        """An empty batch is named before the forward runs. Token ids outside the vocabulary (in
-        the input ids or the labels) would fail deep inside the embedding or the loss (or read
-        garbage on a GPU): in training they are replaced for the forward (ids by 0, labels by the
-        ignore index), and the step's agreement (`_agree`) names them on every rank before the
-        update, so no host sync is spent per micro-batch; without gradients (evaluation) they are
-        named at once. Returns the arguments to call the model with."""
-        args, kwargs = list(args), dict(kwargs)
-        ids = "input_ids" if "input_ids" in kwargs else 0
-        labels = next((k for k in ("labels", "targets") if k in kwargs), 1)
-        for where, replacement, allowed in ((ids, 0, None), (labels, IGNORE_INDEX, IGNORE_INDEX)):
-            place = kwargs if isinstance(where, str) else dict(enumerate(args))
-            tokens = place.get(where)
-            if not torch.is_tensor(tokens):
-                continue
-            if where is ids and tokens.numel() == 0:
-                self._bad_input_now(f"an empty batch (shape {list(tokens.shape)}): every micro-batch needs at "
-                                    "least one sequence")
-            if tokens.is_floating_point() or tokens.dtype == torch.bool or not self._vocab_size:
-                continue
-            checked = self._outside_vocabulary(tokens, replacement, allowed)
-            if isinstance(where, str):
-                kwargs[where] = checked
-            else:
-                args[where] = checked
-        return tuple(args), kwargs
-
-    def _outside_vocabulary(self, tokens: torch.Tensor, replacement: int, allowed: int | None) -> torch.Tensor:
-        outside = (tokens < 0) | (tokens >= self._vocab_size)
-        if allowed is not None:
-            outside &= tokens != allowed
-        worst = torch.where(outside, tokens, torch.iinfo(tokens.dtype).min).max()
-        if not torch.is_grad_enabled():
-            if bool(outside.any()):
-                self._bad_input_now(f"token id {int(worst)} is outside the vocabulary [0, {self._vocab_size}) (batch "
-                                    f"shape {list(tokens.shape)}): check the tokenizer against the model's vocab_size")
-            return tokens
-        seen = outside.any()
-        if self._bad_input is not None:
-            seen, worst = seen | self._bad_input[0], torch.maximum(worst.long(), self._bad_input[1])
-        self._bad_input = (seen, worst.long())
-        return tokens.masked_fill(outside, replacement)
-
-    def _bad_input_now(self, problem: str):
-        message = f"bad input at step {self.global_steps} on rank {self.global_rank}: {problem}"
-        watchdog.abort(message)  # the other ranks stop with this message instead of waiting
-        raise BadBatchError(message)
-
-    def predicted_memory(self) -> dict[str, int]:
-        """The planner's model-state bytes for this rank (zerotron.planner.memory), from the
-        parameters it trains and the configured ZeRO stage, precision and offload."""
-        from ..planner.memory import rank_state_bytes
-        z = self.config.zero_optimization
-        return rank_state_bytes(self._param_numels, dp=self.grad_comm.size, stage=z.stage,
-                                dtype={torch.float32: "fp32", torch.bfloat16: "bf16"}.get(self.dtype, "fp16"),
-                                offload_optimizer=z.offload_optimizer is not None and z.offload_optimizer.device == "cpu",
-                                offload_param=z.offload_param is not None and z.offload_param.device == "cpu",
-                                persistence_threshold=z.stage3_param_persistence_threshold)
-
-    def _log_memory_prediction(self):
-        """After the first step: what the planner predicts next to what this rank holds. Gradients
-        are held from backward to the step and freed by it, so theirs is the predicted peak alone."""
-        predicted, measured = self.predicted_memory(), self.memory_report()
-        mib = 2 ** 20
-        kept = ("params", "master_weights", "optimizer")
-        logger.info(f"rank {self.global_rank} model states: predicted {sum(predicted[k] for k in kept) / mib:.1f} "
-                    f"MiB, measured {sum(measured.get(k, 0) for k in kept) / mib:.1f} MiB (" + ", ".join(
-                        f"{k} {predicted[k] / mib:.1f}/{measured.get(k, 0) / mib:.1f}" for k in kept) +
-                    f"); gradients from backward to the step: predicted {predicted['grads'] / mib:.1f} MiB")
-
     def _norm_groups(self) -> list:
         """The groups over which squared gradient norms are summed: the ZeRO shards (if any), and
         the model-parallel dimensions, whose ranks hold different parameters."""
         return [self.states.norm_group] + [self.topology.group(d) for d in ("tp", "pp")
                                            if getattr(self.topology, d) > 1]
-
-    def _report(self):
-        losses, self._micro_losses = self._micro_losses, []
-        print_now = self.global_steps % self.config.steps_per_print == 0
-        if not (print_now or self.monitor.enabled) or not losses:
-            return
-        loss = torch.stack(losses).float().mean().item()
-        if self.monitor.enabled:
-            events = [("Train/Samples/train_loss", loss, self.global_samples),
-                      ("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
-            if self.loss_scaler.enabled:
-                events.append(("Train/Samples/loss_scale", self.loss_scaler.scale, self.global_samples))
-            self.monitor.write(events)
-        if print_now:
-            elapsed = time.perf_counter() - self._step_start
-            self._step_start = time.perf_counter()
-            logger.info(f"step={self.global_steps} loss={loss:.4f} lr={self.get_lr()} skipped={self.skipped_steps} "
-                        f"samples/s={self.config.steps_per_print * self.train_batch_size() / elapsed:.1f}")

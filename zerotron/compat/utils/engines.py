@@ -46,7 +46,7 @@ def _walk():
     cls = _engine_class()
     # type(), not isinstance: some objects (lazy proxies) raise when asked for __class__
     new = [o for o in gc.get_objects() if issubclass(type(o), cls) and not _is_known(o)]
-    for engine in sorted(new, key=lambda e: getattr(e, "_step_start", 0.0)):
+    for engine in sorted(new, key=lambda e: getattr(e, "_created_at", 0.0)):
         _known[id(engine)] = (next(_order), False, weakref.ref(engine))
 
 
