@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.distributed as dist
@@ -179,6 +178,3 @@ def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
     """What the gradients are multiplied by so their norm `total` is at most `max_norm` (torch's rule)."""
     return (max_norm / (total + 1e-6)).clamp(max=1.0)
 
-
-def is_finite(x: float) -> bool:
-    return math.isfinite(x)

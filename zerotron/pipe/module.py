@@ -190,12 +190,6 @@ class PipelineModule(nn.Module):
             return any(isinstance(fn, nn.Module) and any(True for _ in fn.parameters()) for _, fn in group)
         return all(type(fn).__name__ in self.checkpointable_layers for _, fn in group)
 
-    def is_first_virtual(self, chunk: int) -> bool:
-        return chunk == 0 and self.stage_id == 0
-
-    def is_last_virtual(self, chunk: int) -> bool:
-        return chunk == self.num_virtual_stages - 1 and self.stage_id == self.num_stages - 1
-
     def repeated_layer_types(self) -> set[str]:
         """The layer classes that repeat in the whole model, whatever this stage holds of it."""
         counts = Counter(s.name for s in self.specs if isinstance(s, LayerSpec) and not isinstance(s, TiedLayerSpec))
@@ -218,12 +212,3 @@ class PipelineModule(nn.Module):
             raise ValueError("this PipelineModule has no tensor-parallel plan: pass tensor_parallel_plan= "
                              "(a dict of module-name patterns -> styles, or a function of the TP size)")
         return plan(tp) if callable(plan) else plan
-
-    def topology_summary(self) -> str:
-        lines = []
-        for part in range(len(self.parts) - 1):
-            names = [self.specs[i].name if isinstance(self.specs[i], LayerSpec) else type(self.specs[i]).__name__
-                     for i in range(self.parts[part], self.parts[part + 1])]
-            lines.append(f"stage {part % self.num_stages} chunk {part // self.num_stages}: "
-                         f"layers {self.parts[part]}-{self.parts[part + 1] - 1} ({', '.join(names)})")
-        return "\n".join(lines)

@@ -108,16 +108,3 @@ def deepspeed_config(layout: Layout, global_batch: int, dtype: str = "bf16", lr:
     if layout.checkpoint != "none" and layout.tp > 1:
         config["activation_checkpointing"] = {"partition_activations": True}
     return config
-
-
-def train_flags(layout: Layout) -> str:
-    """The `zerotron train` flags that pick the same layout (the pipeline's virtual stages are a
-    property of the PipelineModule, so they travel as a flag, not in the config)."""
-    flags = [f"--dp {layout.dp}", f"--tp {layout.tp}", f"--pp {layout.pp}"]
-    if layout.pp > 1:
-        flags.append(f"--schedule {layout.schedule}")
-        if layout.chunks > 1:
-            flags.append(f"--virtual-stages {layout.chunks}")
-    if layout.checkpoint != "none":
-        flags.append(f"--checkpoint {layout.checkpoint}")
-    return " ".join(flags)
