@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench import common  # noqa: E402
+from tools import processes, reporting  # noqa: E402
 
 ARGS = ("--model", "tiny", "--seq-len", "32", "--eval-batches", "1", "--sample-bytes", "0",
         "--corpus-bytes", "300000", "--micro-batch", "2")
@@ -29,8 +29,8 @@ LAYOUTS = {
 
 
 def run_once(layout: str, timeout: float = 300) -> tuple[int, str]:
-    rc, _, err = common.run_limited([sys.executable, "-m", "zerotron.cli", "train", *ARGS, *LAYOUTS[layout]], timeout,
-                                    common.child_env(OMP_NUM_THREADS=1, PYTHONUNBUFFERED=1), cwd=ROOT)
+    rc, _, err = processes.run_limited([sys.executable, "-m", "zerotron.cli", "train", *ARGS, *LAYOUTS[layout]], timeout,
+                                    processes.child_env(OMP_NUM_THREADS=1, PYTHONUNBUFFERED=1), cwd=ROOT)
     return (-999, f"timed out after {timeout:.0f} s\n{err}") if rc is None else (rc, err)
 
 
@@ -58,7 +58,7 @@ def main():
     start = time.monotonic()
     counts = soak({"3d-8-ranks": args.runs, "zero2-bf16-2-ranks": args.small if args.small is not None else args.runs})
     result = {"counts": counts, "minutes": round((time.monotonic() - start) / 60, 1)}
-    common.write_json("exits", result, args.out)
+    reporting.write_json("exits", result, args.out)
     print(json.dumps(result))
     sys.exit(0 if all(set(c) == {0} for c in counts.values()) else 1)
 

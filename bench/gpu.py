@@ -46,7 +46,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # zerotron from this checkout, installed or not
-from bench import common, gpu_checks  # noqa: E402
+from bench import gpu_checks  # noqa: E402
+from tools import processes, reporting, training  # noqa: E402
 
 GiB = 1 << 30
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -178,7 +179,7 @@ def gib(n) -> float | None:
 def parent_main(args) -> int:
     os.environ["ZT_GPU_BENCH_T0"] = str(T0)
     deadline = T0 + args.time_budget
-    out = args.out or common.RESULTS / ("gpu_smoke.json" if args.smoke else "gpu.json")
+    out = args.out or reporting.RESULTS / ("gpu_smoke.json" if args.smoke else "gpu.json")
     if not args.smoke:
         os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # ask NVML: the parent never initializes CUDA
         available = torch.cuda.is_available()
@@ -215,11 +216,11 @@ def parent_main(args) -> int:
             log(f"{job}: skipped ({payload['jobs'][job]['skipped']})")
             continue
         payload["jobs"][job] = run_child(job, min(limits[job], left), extra, args.smoke, args.argv)
-        common.write_json("gpu", payload, out)
+        reporting.write_json("gpu", payload, out)
     payload["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
     payload["wall_s"] = round(time.time() - T0, 1)
     payload["summary"] = summarize(payload)
-    common.write_json("gpu", payload, out)
+    reporting.write_json("gpu", payload, out)
     print("\n".join(payload["summary"]), flush=True)
     log(f"done in {payload['wall_s']:.0f}s; wrote {out}")
     failed = [j for j, r in payload["jobs"].items() if r.get("error")]
@@ -228,7 +229,7 @@ def parent_main(args) -> int:
 
 def run_child(job: str, limit: float, extra: list[str], smoke: bool, argv: list[str]) -> dict:
     """Run one part in a fresh process (a world of one: no launcher variables), at most `limit` seconds."""
-    env = common.child_env(**({"CUDA_VISIBLE_DEVICES": ""} if smoke else {}),  # smoke: the CPU path, even on a GPU
+    env = processes.child_env(**({"CUDA_VISIBLE_DEVICES": ""} if smoke else {}),  # smoke: the CPU path, even on a GPU
                            **({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if job == "correct" else {}),  # deterministic
                            # torch's CUDA sanitizer: a kernel reading memory another stream writes unsynchronized
                            # raises (offload's side streams, ZeRO-3's gathers); set before torch is imported
@@ -239,7 +240,7 @@ def run_child(job: str, limit: float, extra: list[str], smoke: bool, argv: list[
         cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--job", job,
                "--result-file", str(result_file), "--deadline", str(start + limit), *extra]
         log(f"{job}: starting (limit {limit:.0f}s)")
-        rc, _, _ = common.run_limited(cmd, limit + GRACE_S, env, capture=False)
+        rc, _, _ = processes.run_limited(cmd, limit + GRACE_S, env, capture=False)
         try:
             result = json.loads(result_file.read_text())
         except (OSError, ValueError):
@@ -271,7 +272,7 @@ class Device:
 
     def describe(self) -> dict:
         t = self.torch
-        d = {"type": self.device.type, **common.environment(torch_threads=t.get_num_threads())}
+        d = {"type": self.device.type, **reporting.environment(torch_threads=t.get_num_threads())}
         if self.cuda:
             props = t.cuda.get_device_properties(0)
             d.update(name=t.cuda.get_device_name(0), total_memory_gib=round(props.total_memory / GiB, 2),
@@ -302,7 +303,7 @@ class Device:
             self.torch.cuda.empty_cache()
 
     def peak_flops(self) -> float | None:
-        return common.peak_flops(self.torch.cuda.get_device_name(0)) if self.cuda else None
+        return training.peak_flops(self.torch.cuda.get_device_name(0)) if self.cuda else None
 
 
 def is_oom(e: BaseException) -> bool:
@@ -352,17 +353,17 @@ def param_counts(cfg) -> tuple[int, int, int]:
     """(parameters, parameters per block, parameters outside the blocks) of the reference GPT: the planner's
     count from the layer shapes, not a build, so a 13b costs nothing. tests/test_bench_gpu_smoke.py checks it
     against the model for every size."""
-    shape = common.gpt_shape(cfg)
+    shape = training.gpt_shape(cfg)
     block = sum(n for where, n, _ in shape.tensors() if where == "block") // cfg.n_layer
     return shape.parameters, block, shape.parameters - cfg.n_layer * block
 
 
-flops_per_token = common.flops_per_token  # GPT.flops_per_token from the config: 6N + 12*L*d*s, N without the embedding
+flops_per_token = training.flops_per_token  # GPT.flops_per_token from the config: 6N + 12*L*d*s, N without the embedding
 
 
 def zerotron_engine(model, micro_batch: int, clip: float, **sections):
     """zerotron in bf16 with this script's AdamW."""
-    return common.zerotron_step(model, micro_batch, clip, adamw=ADAMW, **{"bf16": {"enabled": True}, **sections})
+    return training.zerotron_step(model, micro_batch, clip, adamw=ADAMW, **{"bf16": {"enabled": True}, **sections})
 
 
 def plain_bf16(model, clip: float):
@@ -393,7 +394,7 @@ def plain_autocast(model, clip: float):
     model.float()
     opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
     device_type = next(model.parameters()).device.type
-    return opt, common.torch_step(model, opt, clip, autocast=lambda: torch.autocast(device_type, dtype=torch.bfloat16),
+    return opt, training.torch_step(model, opt, clip, autocast=lambda: torch.autocast(device_type, dtype=torch.bfloat16),
                                   foreach=True)
 
 
@@ -435,7 +436,7 @@ def add_rates(r: dict, tokens_per_step: int, fpt: float, peak_flops: float | Non
 
 def model_info(name: str, cfg, seq: int) -> dict:
     """Size, parameters and FLOPs per token, from the planner's count of the config."""
-    shape = common.gpt_shape(cfg)
+    shape = training.gpt_shape(cfg)
     return {"size": name, "n_layer": cfg.n_layer, "d_model": cfg.d_model, "n_head": cfg.n_head, "ffn": cfg.ffn,
             "params": shape.parameters, "flops_per_token": shape.flops_per_token(seq), "seq": seq}
 
@@ -443,7 +444,7 @@ def model_info(name: str, cfg, seq: int) -> dict:
 def measure(part: str, cases, cfg, b: int, args, dev, result, out: dict, save, make) -> None:
     """For each case, a fresh model and `make(case, model) -> (engine or optimizer, step)`, then timed():
     tokens/s, MFU, memory; out[case] is saved as soon as it is measured, an exception recorded as its error."""
-    batches = common.make_batches(args.warmup + args.steps, b, args.seq, cfg.vocab_size, device=dev.device)
+    batches = training.make_batches(args.warmup + args.steps, b, args.seq, cfg.vocab_size, device=dev.device)
     for case in cases:
         try:
             t = time.perf_counter()
@@ -581,7 +582,7 @@ def job_offload(args, dev, result, save):
         f"host RSS peak {gib(host_peak_rss()):.1f} GiB")
 
     def one_step(b, seed):
-        x, y = common.make_batches(1, b, args.seq, cfg.vocab_size, seed=seed, device=dev.device)[0]
+        x, y = training.make_batches(1, b, args.seq, cfg.vocab_size, seed=seed, device=dev.device)[0]
         dev.sync()
         t0 = time.perf_counter()
         loss = engine(x, y)
@@ -678,7 +679,7 @@ def job_offload_off(args, dev, result, save):
         result["states_gib"] = gib(dev.allocated())
         dev.reset_peak()
         for i in range(2):
-            x, y = common.make_batches(1, mb, args.seq, cfg.vocab_size, seed=100 + i, device=dev.device)[0]
+            x, y = training.make_batches(1, mb, args.seq, cfg.vocab_size, seed=100 + i, device=dev.device)[0]
             phase = f"step {i + 1} forward"
             loss = engine(x, y)
             phase = f"step {i + 1} backward"
@@ -707,7 +708,7 @@ def child_main(args) -> int:
 
     def save():
         if args.result_file is not None:
-            common.write_json(args.job, result, args.result_file)
+            reporting.write_json(args.job, result, args.result_file)
 
     try:
         dev = Device()
@@ -732,7 +733,7 @@ def _status(r: dict) -> list[str]:
 
 
 def _table(rows, columns):
-    return common.table_lines(rows, columns, missing="-", rule=False, indent="  ")
+    return reporting.table_lines(rows, columns, missing="-", rule=False, indent="  ")
 
 
 def summarize(payload: dict) -> list[str]:

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from bench import common  # noqa: E402
+from tools import sync_counter, training  # noqa: E402
 
 STEPS, SEQ, MICRO = 4, 64, 4
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-6, "weight_decay": 0.1}
@@ -43,21 +43,21 @@ def _model(device, **overrides):
 
 
 def _batches(device, n=STEPS, rows=2 * MICRO):
-    return [(x.to(device), y.to(device)) for x, y in common.make_batches(n, rows, SEQ, 256, seed=1)]
+    return [(x.to(device), y.to(device)) for x, y in training.make_batches(n, rows, SEQ, 256, seed=1)]
 
 
 def _reference(device):
     import torch
     model = _model(device)
     opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
-    step = common.torch_step(model, opt, clip=1.0)
+    step = training.torch_step(model, opt, clip=1.0)
     losses = [step(x, y) for x, y in _batches(device)]
     return losses, {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
 
 
 def _engine(device, stage, gas, dtype="fp32", **zero):
     import zerotron
-    config = common.zerotron_config(2 * MICRO // gas, 1.0, adamw=ADAMW, gas=gas, zero_optimization={
+    config = training.zerotron_config(2 * MICRO // gas, 1.0, adamw=ADAMW, gas=gas, zero_optimization={
         "stage": stage, "stage3_param_persistence_threshold": 0, **zero})
     if dtype != "fp32":
         config[dtype] = {"enabled": True}
@@ -176,7 +176,7 @@ def host_syncs(device) -> dict:
                 torch.cuda.set_sync_debug_mode(0)
         where = [str(w.message).splitlines()[0][:160] for w in seen if "synchroniz" in str(w.message)]
     else:
-        with common.SyncCounter() as counter:
+        with sync_counter.SyncCounter() as counter:
             _train(engine, batches[1:])
         where = counter.where
     return {"count": len(where), "where": where[:20], "ok": len(where) <= 2}  # the step's agreement (+ the loss)

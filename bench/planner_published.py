@@ -26,7 +26,7 @@ from dataclasses import asdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import common  # noqa: E402
+from tools import reporting  # noqa: E402
 from bench.published_runs import SKIPPED, Run, bloom, korthikanti, llama3, mosaic, narayanan_table1, \
     narayanan_table2, torchtitan  # noqa: E402
 from bench.published_runs_more import wider  # noqa: E402
@@ -164,7 +164,7 @@ def main() -> None:
     print(table(rows))
     print()
     print(summary_text(s, rows))
-    path = common.write_json("planner_published", {
+    path = reporting.write_json("planner_published", {
         "benchmark": "planner_published", "date": datetime.date.today().isoformat(),
         "what": "planner throughput / memory predictions vs published training runs (see the module docstring "
                 "for the conventions)", "rows": rows, "summary": s,
