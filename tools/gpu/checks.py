@@ -1,4 +1,5 @@
-"""bench/gpu.py's `correct` part: the correctness checks one GPU allows (one process, a world of one).
+"""The GPU runbook's `correct` part (tools/gpu/run.py): the correctness checks one GPU allows (one process,
+a world of one).
 
 - ZeRO 0-3 x accumulation 1-2, fp32 with deterministic kernels, against a plain PyTorch loop
   (the same fused AdamW): each step's loss within 1e-5 relative, final weights within 1e-5;
@@ -26,7 +27,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from tools import sync_counter, training  # noqa: E402
@@ -228,9 +229,9 @@ def _rerun_blocking(args, result) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rerun.json"
         env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1"}
-        code = ("import sys, json; sys.path.insert(0, %r); from bench import gpu_checks; import torch; "
+        code = ("import sys, json; sys.path.insert(0, %r); from tools.gpu import checks; import torch; "
                 "torch.use_deterministic_algorithms(True, warn_only=True); torch.backends.cuda.matmul.allow_tf32 = False; "
-                "json.dump(gpu_checks.zero_parity(torch.device('cuda', 0)), open(%r, 'w'))") % (str(ROOT), str(out))
+                "json.dump(checks.zero_parity(torch.device('cuda', 0)), open(%r, 'w'))") % (str(ROOT), str(out))
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             return {"ok": False, "error": proc.stderr[-800:]}

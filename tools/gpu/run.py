@@ -1,15 +1,16 @@
-"""One-GPU benchmark (H100 / H200): zerotron's MFU next to plain PyTorch, CPU offload, activation checkpointing.
+"""The one-GPU runbook (H100 / H200): correctness checks, zerotron's MFU next to plain PyTorch, CPU offload,
+activation checkpointing. From the repository root:
 
-    python bench/gpu.py                          # on the GPU machine: all parts, about 4-6 minutes
-    python bench/gpu.py --out $OUT/gpu.json      # ... and keep the JSON somewhere that comes back
-    python bench/gpu.py --smoke                  # tiny model on the CPU (gloo, world of one): every code path, < 1 min
-    python bench/gpu.py --parts mfu --micro-batch 16
+    python -m tools.gpu                          # on the GPU machine: all parts, about 4-6 minutes
+    python -m tools.gpu --out $OUT/gpu.json      # ... and keep the JSON somewhere that comes back
+    python -m tools.gpu --smoke                  # tiny model on the CPU (gloo, world of one): every code path, < 1 min
+    python -m tools.gpu --parts mfu --micro-batch 16
 
 Each part runs in a child process of its own under a time limit (the parent only asks NVML whether there is a
 GPU), so a part that fails, runs out of memory, hangs or is killed is recorded as such and the others still run;
 results print as they come, then a summary, and the JSON is rewritten after each part:
 
-0. `correct`: bench/gpu_checks.py (ZeRO/offload parity, overflow, checkpoint round trip, host syncs).
+0. `correct`: tools/gpu/checks.py (ZeRO/offload parity, overflow, checkpoint round trip, host syncs).
 1. `mfu`: the reference GPT (`--mfu-model 1.3b`, seq 2048, micro-batch 8) in bf16 with fp32 masters and fused
    AdamW, by `zerotron.initialize` (ZeRO 0) and by a plain PyTorch loop doing the same math (`--systems ...,
    plain_autocast` adds torch's usual AMP); same seed and batches; tokens/s from the median step between
@@ -21,7 +22,7 @@ results print as they come, then a summary, and the JSON is rewritten after each
 3. `ckpt`: `checkpoint_policy` none | every_block | selective on `--ckpt-model 350m`: step time, tokens/s, MFU
    (recomputation not counted), peak memory and its activation part.
 
-Models are built directly in bf16 on the device: no fp32 copy in host memory. Details: bench/README.md.
+Models are built directly in bf16 on the device: no fp32 copy in host memory. Details: tools/README.md.
 """
 from __future__ import annotations
 
@@ -43,10 +44,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # zerotron from this checkout, installed or not
-from bench import gpu_checks  # noqa: E402
+    sys.path.insert(0, str(ROOT))  # zerotron and tools/ from this checkout, installed or not
+from tools.gpu import checks  # noqa: E402
 from tools import processes, reporting, training  # noqa: E402
 
 GiB = 1 << 30
@@ -77,7 +78,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (gloo, world of one), a few steps")
     p.add_argument("--parts", default="correct,mfu,ckpt,offload,sanitized",
-                   help="comma-separated, run in this order of importance: correct (bench/gpu_checks.py), mfu, ckpt, "
+                   help="comma-separated, run in this order of importance: correct (tools/gpu/checks.py), mfu, ckpt, "
                         "offload, sanitized (the ZeRO/offload parity again under TORCH_CUDA_SANITIZER=1: stream races)")
     p.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run (default 480; smoke 360)")
     p.add_argument("--out", type=Path, default=None,
@@ -185,7 +186,7 @@ def parent_main(args) -> int:
         available = torch.cuda.is_available()
         del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
         if not available:
-            print("bench/gpu.py needs a CUDA GPU; on a CPU use --smoke", file=sys.stderr)
+            print("tools/gpu needs a CUDA GPU; on a CPU use --smoke", file=sys.stderr)
             return 2
     payload = {"benchmark": "gpu", "mode": "smoke (CPU)" if args.smoke else "gpu",
                "started": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -199,7 +200,7 @@ def parent_main(args) -> int:
     if "sanitized" in args.parts:
         jobs.append("sanitized")
     limits = JOB_LIMITS_SMOKE if args.smoke else JOB_LIMITS
-    log(f"bench/gpu.py ({payload['mode']}): parts {', '.join(jobs)}; time budget {args.time_budget:.0f}s; "
+    log(f"tools/gpu ({payload['mode']}): parts {', '.join(jobs)}; time budget {args.time_budget:.0f}s; "
         f"results -> {out}")
     for job in jobs:
         extra = []
@@ -351,7 +352,7 @@ def build_model(cfg, dev, seed: int = 0, dtype=None, meta_init: bool = False):
 
 def param_counts(cfg) -> tuple[int, int, int]:
     """(parameters, parameters per block, parameters outside the blocks) of the reference GPT: the planner's
-    count from the layer shapes, not a build, so a 13b costs nothing. tests/test_bench_gpu_smoke.py checks it
+    count from the layer shapes, not a build, so a 13b costs nothing. tests/test_gpu_runbook_smoke.py checks it
     against the model for every size."""
     shape = training.gpt_shape(cfg)
     block = sum(n for where, n, _ in shape.tensors() if where == "block") // cfg.n_layer
@@ -697,8 +698,8 @@ def job_offload_off(args, dev, result, save):
         log(f"offload_off: out of GPU memory at {phase} (peak before it {gib(dev.peak()) or 0:.2f} GiB): as expected")
 
 
-JOBS = {"correct": gpu_checks.job_correct, "mfu": job_mfu, "ckpt": job_ckpt, "offload": job_offload,
-        "offload_off": job_offload_off, "sanitized": gpu_checks.job_sanitized}
+JOBS = {"correct": checks.job_correct, "mfu": job_mfu, "ckpt": job_ckpt, "offload": job_offload,
+        "offload_off": job_offload_off, "sanitized": checks.job_sanitized}
 
 
 def child_main(args) -> int:
@@ -738,7 +739,7 @@ def _table(rows, columns):
 
 def summarize(payload: dict) -> list[str]:
     jobs = payload["jobs"]
-    lines = ["", "=" * 100, f"bench/gpu.py summary ({payload['mode']})"]
+    lines = ["", "=" * 100, f"tools/gpu summary ({payload['mode']})"]
     correct = jobs.get("correct", {})
     if correct:
         parity = correct.get("zero_parity", {})

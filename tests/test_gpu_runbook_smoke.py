@@ -1,4 +1,4 @@
-"""bench/gpu.py, the one-GPU benchmark, in its CPU smoke mode: every part's code path on a tiny model
+"""tools/gpu, the one-GPU runbook, in its CPU smoke mode: every part's code path on a tiny model
 (the GPU-only branches, memory counters and the micro-batch probe, are not reached here), plus the
 arithmetic that sizes the offload part on the GPU machine."""
 import json
@@ -10,7 +10,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench import gpu  # noqa: E402  (stdlib only at import time)
+from tools.gpu import run as gpu  # noqa: E402
 
 GiB = 1 << 30
 
@@ -20,10 +20,10 @@ def test_smoke_run_prints_and_writes_every_part(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--smoke", "--out", str(out)],
+    run = subprocess.run([sys.executable, "-m", "tools.gpu", "--smoke", "--out", str(out)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "bench/gpu.py summary (smoke (CPU))" in run.stdout
+    assert "tools/gpu summary (smoke (CPU))" in run.stdout
     for marker in ("[0] correctness", "[1] MFU", "[2] offload", "[3] activation checkpointing"):
         assert marker in run.stdout, marker
 
@@ -77,7 +77,7 @@ def test_offload_arithmetic():
 
 
 def test_parameter_count_matches_the_model():
-    """bench/gpu.py counts parameters from the config (building a 13b, even on the meta device, is slow)."""
+    """tools/gpu counts parameters from the config (building a 13b, even on the meta device, is slow)."""
     import torch
     from dataclasses import replace
     from zerotron.models.gpt import GPT, SIZES, config_for
@@ -107,7 +107,7 @@ def test_offload_plan_for_13b_on_the_h200_machine():
 
 
 def test_the_self_check_verdict_reads_every_nested_check():
-    from bench.gpu_checks import all_passed
+    from tools.gpu.checks import all_passed
     passing = {"zero_parity": {"zero2_gas1": {"ok": True}}, "overflow": {"fp16": {"ok": True}, "bf16": {"ok": True}},
                "launch_blocking_rerun": {"skipped": "CUDA only"}, "host_syncs": {"ok": True, "count": 1}}
     assert all_passed(passing)
@@ -119,7 +119,7 @@ def test_the_self_check_verdict_reads_every_nested_check():
 def test_the_overflow_check_expects_what_the_engines_scaler_does():
     """One fp16 overflow at the default hysteresis (2) spends the grace and keeps the scale; at
     hysteresis 1 it halves it: the check's expectation is the engine's scaler's."""
-    from bench.gpu_checks import scale_after_one_overflow
+    from tools.gpu.checks import scale_after_one_overflow
     from zerotron.config_sections import FP16Config
     from zerotron.precision import LossScaler
     for hysteresis in (1, 2, 3):
