@@ -1,6 +1,6 @@
 """Soak test: many short 2-rank jobs with random faults, counting what survives.
 
-Each job (bench/soak_job.py, a DeepSpeed-style script under `zerotron run --max-restarts 2`;
+Each job (tests/faults/soak_job.py, a DeepSpeed-style script under `zerotron run --max-restarts 2`;
 no restarts for the faults that must stop the job) trains the tiny GPT with checkpoints every 2
 steps. One fault is drawn per job:
 
@@ -15,7 +15,7 @@ After every job the newest checkpoint must be complete (meta.json and every file
 no older than the last one written before the fault. Counted: jobs, outcomes as expected, hangs
 (a job still running after --job-timeout) and checkpoints lost (goal: 0 and 0).
 
-    python bench/soak.py --minutes 10
+    python tests/faults/soak.py --minutes 10
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/ (and zerotron) from this checkout
 
 from tools import processes, reporting  # noqa: E402
 
