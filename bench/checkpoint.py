@@ -39,6 +39,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench import common  # noqa: E402
+from tools import processes, reporting, training  # noqa: E402
 from zerotron.checkpoint.files import rank_file, sha256  # noqa: E402
 from zerotron.models.gpt import GPT, config_for  # noqa: E402
 from zerotron.zero import consolidated_state_dict  # noqa: E402
@@ -108,7 +109,7 @@ def model_facts(size: str) -> dict:
 # ---- phase: the 2-rank job ----------------------------------------------------------------------------
 def engine_for(size, stage, per_rank, seed):
     torch.manual_seed(seed)
-    return common.zerotron_step(GPT(config_for(size)), per_rank, 0.0, stage=stage)[0]
+    return training.zerotron_step(GPT(config_for(size)), per_rank, 0.0, stage=stage)[0]
 
 
 def train_steps(engine, batches) -> list[float]:
@@ -212,8 +213,8 @@ def phase_main(args):
     work = args.workdir
     per_rank = args.batch // world
     cfg = config_for(args.model)
-    batches = common.make_batches(3, args.batch, args.seq, cfg.vocab_size, rank, world)
-    res = {"environment": common.environment(), "save": {}, "load": {}, "torch": {}, "sha256": {},
+    batches = training.make_batches(3, args.batch, args.seq, cfg.vocab_size, rank, world)
+    res = {"environment": reporting.environment(), "save": {}, "load": {}, "torch": {}, "sha256": {},
            "ref_losses": {}}
 
     for stage in STAGES:
@@ -249,7 +250,7 @@ def phase_main(args):
         if rank == 0:
             plain = GPT(cfg)
             plain.load_state_dict(full)
-            opt = torch.optim.AdamW(plain.parameters(), **common.ADAMW)
+            opt = torch.optim.AdamW(plain.parameters(), **training.ADAMW)
             for p in plain.parameters():
                 p.grad = torch.zeros_like(p)
             opt.step()  # creates the state: step, exp_avg, exp_avg_sq per parameter
@@ -297,7 +298,7 @@ def phase_reload(args):
     probe_loads()
     work = args.workdir
     main = json.loads((work / "main.json").read_text())
-    batches = common.make_batches(3, args.batch, args.seq, config_for(args.model).vocab_size, rank, world)
+    batches = training.make_batches(3, args.batch, args.seq, config_for(args.model).vocab_size, rank, world)
     res = {}
     for src, stage in ((3, 1), (1, 3)):
         key = f"zero{src}_2ranks->zero{stage}_1rank"
@@ -421,7 +422,7 @@ def run_child(cmd, env=None, launcher: bool = True) -> dict:
 
 
 def torchrun(args, phase, nproc, env):
-    cmd = common.torchrun_cmd(nproc, HERE, "--phase", phase, "--workdir", args.workdir, "--model", args.model,
+    cmd = processes.torchrun_cmd(nproc, HERE, "--phase", phase, "--workdir", args.workdir, "--model", args.model,
                               "--repeats", args.repeats, "--seq", args.seq, "--batch", args.batch)
     t0 = time.perf_counter()
     rc = subprocess.call(cmd, env=env)
@@ -436,7 +437,7 @@ def driver(args):
     created = args.workdir is None
     args.workdir = args.workdir or Path(tempfile.mkdtemp(prefix="zt_ckpt_bench_"))
     args.workdir.mkdir(parents=True, exist_ok=True)
-    env = common.child_env(OMP_NUM_THREADS=1, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
+    env = processes.child_env(OMP_NUM_THREADS=1, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
     facts = model_facts(args.model)
     print(f"GPT {args.model}: {facts['params'] / 1e6:.2f}M params ({mib(facts['fp32_bytes']):.1f} MiB fp32), largest "
           f"tensor {facts['largest_tensor']} {facts['largest_shape']} ({mib(facts['largest_fp32_bytes']):.2f} MiB); "
@@ -559,7 +560,7 @@ def driver(args):
     print(f"  naive wait4 from the driver itself: ru_maxrss {mib(naive['maxrss_bytes']):.1f} MiB "
           f"(driver's own VmHWM {mib(naive['driver_vmhwm_bytes']):.1f} MiB)")
 
-    payload = {"benchmark": "checkpoint", "args": common.json_args(args), "model": facts,
+    payload = {"benchmark": "checkpoint", "args": reporting.json_args(args), "model": facts,
                "environment": {**main["environment"], "loadavg_start": load_start, "loadavg_end": os.getloadavg()[0],
                                "total_s": time.perf_counter() - t_start, "main_job_s": main_s,
                                "reload_job_s": reload_s},
@@ -568,7 +569,7 @@ def driver(args):
                            "summary": rows, "max_abs_diff_vs_saved_weights": convert_diff, "missing": missing,
                            "probes": probes, "naive_wait4_from_driver": naive},
                "summary": {"save": save_rows, "load": load_rows}}
-    path = common.write_json("checkpoint", payload, args.out)
+    path = reporting.write_json("checkpoint", payload, args.out)
     print(f"\nwrote {path} ({time.perf_counter() - t_start:.0f} s)")
 
 

@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import common  # noqa: E402
+from tools import training  # noqa: E402
 
 POLICIES = ("none", "every_block", "every_k", "selective")
 
@@ -29,7 +30,7 @@ def torch_system(cfg):
     for block in model.layers:
         block.forward = functools.partial(torch.utils.checkpoint.checkpoint, type(block).forward.__get__(block),
                                           use_reentrant=False)
-    return common.torch_step(DDP(model), torch.optim.AdamW(model.parameters(), fused=True, **common.ADAMW)), model
+    return training.torch_step(DDP(model), torch.optim.AdamW(model.parameters(), fused=True, **training.ADAMW)), model
 
 
 def forward_bytes(model, tokens, targets) -> int:
@@ -45,7 +46,7 @@ def main():
     rank, world, log, cfg = common.start(args)
     systems, modules = {}, {}
     for policy in POLICIES:
-        engine, systems[f"zt_{policy}"] = common.zerotron_step(common.build_gpt(cfg), args.batch // world, 0.0,
+        engine, systems[f"zt_{policy}"] = training.zerotron_step(common.build_gpt(cfg), args.batch // world, 0.0,
                                                                zerotron={"checkpoint_policy": policy})
         modules[f"zt_{policy}"] = engine.module
     systems["torch_ckpt"], modules["torch_ckpt"] = torch_system(cfg)

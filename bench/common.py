@@ -1,4 +1,4 @@
-"""The benchmark harness: launch, model and data, rounds, comparison, memory, FLOPs, reporting, time limits.
+"""The benchmark harness: launch, model and data, rounds, comparison, memory, reporting.
 
 A side-by-side benchmark runs all of its systems in ONE torchrun job on the same seeded model, data and
 process count, alternating them in rounds so that a noisy machine slows them all alike. A script only
@@ -6,135 +6,47 @@ describes its systems (each a `step(tokens, targets) -> float loss` keeping its 
 
     args = common.base_parser(__doc__.splitlines()[0]).parse_args()
     rank, world, log, cfg = common.start(args)        # re-executes itself under torchrun, joins gloo
-    engine, systems["zt"] = common.zerotron_step(common.build_gpt(cfg), args.batch // world, clip=0.0)
-    systems["ddp"] = common.torch_step(DDP(common.build_gpt(cfg)), opt)
+    engine, systems["zt"] = training.zerotron_step(common.build_gpt(cfg), args.batch // world, clip=0.0)
+    systems["ddp"] = training.torch_step(DDP(common.build_gpt(cfg)), opt)
     res = common.run_rounds(systems, common.batches_for(args, cfg, rank, world), args.warmup, args.steps,
                             args.rounds, log)         # warm-up, then rounds in rotating order, between barriers
     rows = common.compare(res, "ddp", start=args.warmup)   # medians and max |loss difference| vs a baseline
     if rank == 0: common.print_table(list(rows.values()), [("system", "system", "{}"), ...])
     common.finish("dp", args, {"results": ...}, rank)  # rank 0 writes bench/results/dp.json; leaves the job
 
-Launch: base_parser, names_arg, start (relaunch_under_torchrun, init_gloo), child_env, torchrun_cmd; time
-limits: spawn / wait_limited / run_limited (past the limit the child's whole process group is killed).
-Systems: ADAMW, zerotron_config, zerotron_step, engine_step, torch_step, load_deepspeed. Model and data:
-gpt_config, build_gpt, to_pipeline, make_batches, batches_for. FLOPs: gpt_shape, flops_per_token (the planner's
-6N + 12·L·d·s), peak_flops (the planner's hardware table). Rounds: rounds (any entries), run_rounds (ranks).
-Results: compare, pair, paired_ratio, max_loss_diff, max_over_ranks. Memory: tensor_bytes, model_state_bytes,
-measure_after_first_step. Reporting: announce, model_json, environment, table_lines / print_table,
-write_json, finish.
+Launch: base_parser, names_arg, start (relaunch_under_torchrun, init_gloo), load_deepspeed. Model and data:
+gpt_config, build_gpt, to_pipeline, batches_for. Rounds: rounds (any entries), run_rounds (ranks). Results:
+compare, pair, paired_ratio, max_loss_diff, max_over_ranks. Memory: tensor_bytes, model_state_bytes,
+measure_after_first_step. Reporting: announce, model_json, print_table, finish.
+
+What the GPU runbook and the tests use too lives in tools/: the systems, batches and FLOPs
+(tools/training.py), child processes under time limits (tools/processes.py), the environment, tables and
+JSON files (tools/reporting.py).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
-import json
 import os
-import platform
-import signal
 import statistics
 import subprocess
 import sys
 import time
-import traceback
-import weakref
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-LOADAVG_START = os.getloadavg()[0]
-ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}  # every system, every benchmark
-# What torchrun (and torch.distributed.elastic) set for its workers: a child that starts a world of its own
-# must not inherit them.
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-               "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-
-_SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
-          torch.Tensor.__int__, torch.Tensor.__float__}
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # tools/ (and zerotron) from this checkout
+from tools.processes import child_env, torchrun_cmd  # noqa: E402
+from tools.reporting import environment, json_args, table_lines, write_json  # noqa: E402
+from tools.training import gpt_shape, make_batches  # noqa: E402
 
 
-_FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.zeros_like, torch.ones_like,
-              torch.empty_like, torch.full_like, torch.stack, torch.cat}
-_FROM_DATA = {torch.tensor, torch.as_tensor}
-_MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.copy_}
-
-
-class SyncCounter(TorchFunctionMode):
-    """Counts the calls that make the host wait for the device, each with the zerotron line it came
-    from: on a CPU, where nothing has to wait, this is how a test sees the syncs a GPU would pay for.
-    - reads of device values (.item(), .tolist(), bool(t), ...);
-    - copies to the device from pageable host memory, which drain the stream before they start:
-      `torch.tensor(data, device=...)` (Python data goes through a host tensor), and a tensor made on
-      the host (a factory without a device, or what is computed from one) moved or copied to a
-      device. Host buffers made on purpose (zerotron.comm.host_buffer: offload, staging) are
-      page-locked on a GPU and do not count; nor does pinned memory."""
-
-    def __init__(self):
-        super().__init__()
-        self.where = []
-        self._host_born: set[int] = set()  # ids of live tensors made on the host (not a WeakSet: tensors compare elementwise)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _SYNCS or self._pageable_upload(func, args, kwargs):
-            frame = next((f for f in reversed(traceback.extract_stack()[:-1]) if "/zerotron/" in f.filename), None)
-            self.where.append(f"{func.__name__} at {frame.filename.rsplit('/zerotron/', 1)[-1]}:{frame.lineno}"
-                              if frame else func.__name__)
-        out = func(*args, **kwargs)
-        if torch.is_tensor(out) and id(out) not in self._host_born and self._made_on_host(func, args, kwargs):
-            self._host_born.add(id(out))
-            weakref.finalize(out, self._host_born.discard, id(out))
-        return out
-
-    def _on_host(self, t) -> bool:
-        return id(t) in self._host_born
-
-    def _made_on_host(self, func, args, kwargs) -> bool:
-        if func in _FACTORIES or func in _FROM_DATA:
-            return kwargs.get("device") is None and not (func in _FACTORIES and any(
-                not self._on_host(a) for a in _tensors(args)))
-        return func not in _MOVES and any(self._on_host(a) for a in _tensors(args))
-
-    def _pageable_upload(self, func, args, kwargs) -> bool:
-        if func in _FROM_DATA:
-            return kwargs.get("device") is not None and not torch.is_tensor(args[0] if args else None)
-        if func not in _MOVES or not args:
-            return False
-        from zerotron.comm import HostTensor
-        source = args[1] if func is torch.Tensor.copy_ else args[0]
-        if not torch.is_tensor(source) or not self._on_host(source) or isinstance(source, HostTensor) \
-                or source.is_pinned():
-            return False
-        if func is torch.Tensor.copy_:
-            return not self._on_host(args[0])
-        return func is torch.Tensor.cuda or kwargs.get("device") is not None or any(
-            isinstance(a, (torch.device, str)) for a in args[1:])
-
-
-def _tensors(args):
-    for a in args:
-        if torch.is_tensor(a):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            yield from (t for t in a if torch.is_tensor(t))
-
-
-# ---- launch and time limits -----------------------------------------------------------------------
-def child_env(**extra) -> dict:
-    """This process's environment without torchrun's variables, plus `extra` (values made strings)."""
-    return {**{k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}, **{k: str(v) for k, v in extra.items()}}
-
-
-def torchrun_cmd(nproc: int, script, *args) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
-            *map(str, args)]
-
-
+# ---- launch ---------------------------------------------------------------------------------------
 def relaunch_under_torchrun(nproc: int) -> None:
     """Re-execute this script under `torchrun --standalone` (one thread per rank) unless it already is."""
     if "RANK" in os.environ:
@@ -169,30 +81,6 @@ def start(args):
     return rank, world, (print if rank == 0 else (lambda *a, **k: None)), gpt_config(args)
 
 
-def spawn(cmd, env=None, capture: bool = True, **popen) -> subprocess.Popen:
-    """Start `cmd` in a session of its own (so that a time limit can kill all of it), output captured as text."""
-    pipe = subprocess.PIPE if capture else None
-    return subprocess.Popen(cmd, env=env, stdout=pipe, stderr=pipe, text=True, start_new_session=True, **popen)
-
-
-def wait_limited(proc: subprocess.Popen, timeout: float) -> tuple[int | None, str, str]:
-    """(exit status, or None when it ran past `timeout` seconds; stdout; stderr) of a spawn()ed process. Past the
-    limit, or on ^C (re-raised), its whole process group is killed: nothing is left behind."""
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return proc.returncode, out or "", err or ""
-    except BaseException as e:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        if not isinstance(e, subprocess.TimeoutExpired):
-            raise
-        return None, out or "", err or ""
-
-
-def run_limited(cmd, timeout: float, env=None, capture: bool = True, **popen) -> tuple[int | None, str, str]:
-    return wait_limited(spawn(cmd, env, capture, **popen), timeout)
-
-
 def optional_import(name: str):
     """The module, or None when it is not installed (benchmarks skip that peer and say so)."""
     try:
@@ -225,64 +113,6 @@ def names_arg(text: str, allowed, what: str = "systems") -> list[str]:
     return names
 
 
-# ---- systems --------------------------------------------------------------------------------------
-def zerotron_config(per_rank: int, clip: float = 0.0, stage: int = 0, adamw: dict | None = ADAMW, gas: int = 1,
-                    **sections) -> dict:
-    """A DeepSpeed config: `per_rank` sequences per micro-step, `gas` micro-steps, ZeRO `stage`, gradient
-    clipping `clip` (set explicitly: DeepSpeed's default is 1.0), AdamW `adamw` (None: a client optimizer);
-    `sections` add or replace top-level sections."""
-    config = {"train_micro_batch_size_per_gpu": per_rank, "gradient_accumulation_steps": gas,
-              "steps_per_print": 10**9, "zero_optimization": {"stage": stage}, "gradient_clipping": clip}
-    if adamw is not None:
-        config["optimizer"] = {"type": "AdamW", "params": {**adamw, "betas": list(adamw["betas"])}}
-    return {**config, **sections}
-
-
-def phase(name: str, on: bool = True):
-    """A profiler range around one phase of a step (forward, backward, step), or nothing when not `on`."""
-    return torch.profiler.record_function(f"phase:{name}") if on else contextlib.nullcontext()
-
-
-def engine_step(engine, phases: bool = False) -> Callable:
-    """The one-step function of a DeepSpeed-style engine (zerotron's or DeepSpeed's)."""
-    def step(tokens, targets):
-        with phase("forward", phases):
-            loss = engine(tokens, targets)
-        with phase("backward", phases):
-            engine.backward(loss)
-        with phase("step", phases):
-            engine.step()
-        return loss.item()
-    return step
-
-
-def zerotron_step(model, per_rank: int, clip: float, adamw: dict = ADAMW, phases: bool = False, **config):
-    """A zerotron engine on `model` (AdamW as every system) and its one-step function; `config` adds or
-    overrides sections of the DeepSpeed config (zerotron_config's keywords)."""
-    import zerotron
-    engine, *_ = zerotron.initialize(model=model, config=zerotron_config(per_rank, clip, adamw=adamw, **config))
-    return engine, engine_step(engine, phases)
-
-
-def torch_step(model, opt, clip: float = 0.0, phases: bool = False, autocast=None, foreach=None) -> Callable:
-    """Plain torch: forward (under `autocast()` if given), backward, clip_grad_norm_ to `clip` (0: off),
-    opt.step(), opt.zero_grad()."""
-    autocast = autocast or contextlib.nullcontext
-
-    def step(tokens, targets):
-        with phase("forward", phases), autocast():
-            loss = model(tokens, targets)
-        with phase("backward", phases):
-            loss.backward()
-        with phase("step", phases):
-            if clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=foreach)
-            opt.step()
-            opt.zero_grad()
-        return loss.item()
-    return step
-
-
 def load_deepspeed(args, notes: list, log=print):
     """DeepSpeed, joined to torchrun's gloo group, or None with the reason appended to `notes` and logged."""
     if args.no_deepspeed:
@@ -300,7 +130,7 @@ def load_deepspeed(args, notes: list, log=print):
     return None
 
 
-# ---- model, data and FLOPs ------------------------------------------------------------------------
+# ---- model and data ------------------------------------------------------------------------------
 def gpt_config(args):
     from zerotron.models.gpt import GPTConfig
     return GPTConfig(n_layer=args.layers, n_head=args.heads, n_kv_head=args.heads, d_model=args.d_model,
@@ -318,36 +148,6 @@ def to_pipeline(model, stages: int, **kwargs):
     """The GPT as a zerotron PipelineModule of `stages` stages (kwargs: PipelineModule's, e.g. partition_method)."""
     from zerotron.parallelize import to_pipeline
     return to_pipeline(model, stages, **kwargs)
-
-
-def gpt_shape(cfg):
-    """The planner's view of a GPT config: its parameter count and FLOPs without building it."""
-    from zerotron.planner.model import ModelShape
-    return ModelShape.of_gpt(cfg)
-
-
-def flops_per_token(cfg, seq: int) -> float:
-    """6N + 12·L·d·s, N without the embedding (a lookup, not a matmul): the planner's and GPT.flops_per_token."""
-    return gpt_shape(cfg).flops_per_token(seq)
-
-
-def peak_flops(device_name: str) -> float | None:
-    """Dense bf16 peak FLOP/s of a GPU, by its name, from the planner's hardware table (None: not in it)."""
-    from zerotron.planner.hardware import PRESETS
-    name = device_name.lower()
-    return next((hw.peak_flops for key, hw in PRESETS.items() if key != "cpu" and key.split("-")[0] in name), None)
-
-
-def make_batches(n: int, batch: int, seq: int, vocab: int, rank: int = 0, world: int = 1, seed: int = 1234,
-                 device=None):
-    """`n` steps of (tokens, targets) of random bytes: this rank's contiguous slice of each global batch of
-    `batch` sequences (a world of one: all of it), made on `device`."""
-    if batch % world:
-        raise SystemExit(f"--batch {batch} must be divisible by the {world} ranks")
-    g = torch.Generator(device=device or "cpu").manual_seed(seed)
-    data = torch.randint(0, vocab, (n, batch, seq + 1), generator=g, device=device)
-    per = batch // world
-    return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data[:, rank * per:(rank + 1) * per]]
 
 
 def batches_for(args, cfg, rank: int = 0, world: int = 1, rounds: int | None = None):
@@ -509,57 +309,8 @@ def measure_after_first_step(optimizer, params, extra=lambda: 0) -> dict:
 
 
 # ---- reporting ------------------------------------------------------------------------------------
-def zerotron_source() -> dict:
-    """The zerotron commit measured, and whether its files had uncommitted changes."""
-    try:
-        git = ["git", "-C", str(ROOT)]
-        commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run([*git, "status", "--porcelain", "zerotron"], capture_output=True, text=True).stdout
-        return {"zerotron_commit": commit, "zerotron_uncommitted_changes": bool(dirty.strip())}
-    except OSError:
-        return {}
-
-
-def environment(**extra) -> dict:
-    """Versions, machine, threads, the process group (when there is one), the zerotron commit and the load
-    average at the start (this module's import) and now."""
-    import zerotron
-    versions = {"zerotron": getattr(zerotron, "__version__", "?")}
-    if "deepspeed" in sys.modules:
-        versions["deepspeed"] = getattr(sys.modules["deepspeed"], "__version__", "?")
-    group = {"world_size": dist.get_world_size(), "backend": dist.get_backend()} if dist.is_initialized() else {}
-    return {"torch": torch.__version__, **versions, "python": platform.python_version(), "cpu_cores": os.cpu_count(),
-            "omp_threads": torch.get_num_threads(), **group,
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "machine": platform.machine(), "platform": platform.platform(), **zerotron_source(),
-            "loadavg_start": LOADAVG_START, "loadavg_end": os.getloadavg()[0], **extra}
-
-
-def table_lines(rows: list[dict], columns: list[tuple[str, str, str]], missing: str = "", rule: bool = True,
-                indent: str = "") -> list[str]:
-    """rows: dicts; columns: (key, header, format) e.g. ("median_ms", "median ms", "{:.1f}"); a value that is
-    None or absent shows as `missing`. The first column is left-aligned, the others right-aligned."""
-    cells = [[h for _, h, _ in columns]] + [
-        [missing if r.get(k) is None else f.format(r[k]) for k, _, f in columns] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
-    lines = [indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
-             for line in cells]
-    return lines[:1] + [indent + "  ".join("-" * w for w in widths)] * rule + lines[1:]
-
-
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
     print("\n".join(table_lines(rows, columns)))
-
-
-def json_args(args) -> dict:
-    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-
-
-def write_json(name: str, payload: dict, path: Path | None = None) -> Path:
-    path = Path(path or RESULTS / f"{name}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    return path
 
 
 def finish(name: str, args, payload: dict, rank: int = 0) -> None:

@@ -39,8 +39,9 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from bench import common  # noqa: E402
+from tools import reporting, training  # noqa: E402
 
-ADAMW = common.ADAMW
+ADAMW = training.ADAMW
 BASELINE = "torch_fused"
 MODES = ("step", "step+bf16", "offload")
 CLIP = 1.0  # gradient clipping of the offload mode: the benchmark's gradients have norms of ~4-40
@@ -292,7 +293,7 @@ def main():
             names.remove("ds")
             print(f"DeepSpeedCPUAdam skipped: {ds_skip}")
 
-    env = common.environment(deepspeed=getattr(sys.modules.get("deepspeed"), "__version__", None),
+    env = reporting.environment(deepspeed=getattr(sys.modules.get("deepspeed"), "__version__", None),
                              torch_threads=torch.get_num_threads(), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS"),
                              cpu_capability=torch.backends.cpu.get_cpu_capability())
     try:
@@ -321,8 +322,8 @@ def main():
             res["layout"] = desc
         results.append(res)
 
-    path = common.write_json("cpu_adam", {
-        "benchmark": "cpu_adam", "args": common.json_args(args), "adamw": {**ADAMW, "betas": list(ADAMW["betas"])},
+    path = reporting.write_json("cpu_adam", {
+        "benchmark": "cpu_adam", "args": reporting.json_args(args), "adamw": {**ADAMW, "betas": list(ADAMW["betas"])},
         "baseline": BASELINE, "systems": names, "deepspeed_skipped": ds_skip or None,
         "environment": {**env, "loadavg_end": os.getloadavg()[0]}, "results": results}, args.out)
     print(f"\nwrote {path}")

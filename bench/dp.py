@@ -16,25 +16,26 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from bench import common  # noqa: E402
+from tools import training  # noqa: E402
 
 
 def ddp_system(cfg, fused: bool | None, clip):
     from torch.nn.parallel import DistributedDataParallel
     model = DistributedDataParallel(common.build_gpt(cfg))
-    opt = torch.optim.AdamW(model.parameters(), fused=fused, **common.ADAMW)
+    opt = torch.optim.AdamW(model.parameters(), fused=fused, **training.ADAMW)
 
     def buckets():  # gradient_as_bucket_view=False: DDP's buckets are a second copy of the grads
         sizes = str(model._get_ddp_logging_data().get("bucket_sizes", ""))
         return sum(int(b) for b in sizes.split(",") if b.strip())
-    return common.torch_step(model, opt, clip), common.measure_after_first_step(opt, model.parameters, buckets)
+    return training.torch_step(model, opt, clip), common.measure_after_first_step(opt, model.parameters, buckets)
 
 
 def deepspeed_system(deepspeed, cfg, per_rank, clip):
     model = common.build_gpt(cfg)
-    opt = torch.optim.AdamW(model.parameters(), fused=True, **common.ADAMW)
-    config = common.zerotron_config(per_rank, clip, adamw=None)  # clipping explicit: DeepSpeed's default is 1.0
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **training.ADAMW)
+    config = training.zerotron_config(per_rank, clip, adamw=None)  # clipping explicit: DeepSpeed's default is 1.0
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    return common.engine_step(engine), common.measure_after_first_step(opt, engine.module.parameters)
+    return training.engine_step(engine), common.measure_after_first_step(opt, engine.module.parameters)
 
 
 def main():
@@ -48,18 +49,18 @@ def main():
     per_rank = args.batch // world
 
     systems, memory, optimizers, notes = {}, {}, {}, []
-    engine, systems["zerotron"] = common.zerotron_step(common.build_gpt(cfg), per_rank, args.clip)
+    engine, systems["zerotron"] = training.zerotron_step(common.build_gpt(cfg), per_rank, args.clip)
     memory["zerotron"] = common.measure_after_first_step(engine.optimizer, engine.module.parameters)
     optimizers["zerotron"] = "torch AdamW fused=True (zerotron's config optimizer)"
     # reduce_bucket_size 5e8 written out (DeepSpeed's default): the whole model in one bucket, reduced only
     # after backward, against zerotron's unset default (about eight buckets, reduced during backward)
-    engine, systems["zerotron_one_bucket"] = common.zerotron_step(
+    engine, systems["zerotron_one_bucket"] = training.zerotron_step(
         common.build_gpt(cfg), per_rank, args.clip, zero_optimization={"stage": 0, "reduce_bucket_size": 5e8})
     memory["zerotron_one_bucket"] = common.measure_after_first_step(engine.optimizer, engine.module.parameters)
     optimizers["zerotron_one_bucket"] = optimizers["zerotron"]
     for size in filter(None, args.bucket_sizes.split(",")):
         name = f"zerotron_bucket_{size}"
-        engine, systems[name] = common.zerotron_step(
+        engine, systems[name] = training.zerotron_step(
             common.build_gpt(cfg), per_rank, args.clip, zero_optimization={"stage": 0, "reduce_bucket_size": float(size)})
         memory[name] = common.measure_after_first_step(engine.optimizer, engine.module.parameters)
         optimizers[name] = optimizers["zerotron"]
@@ -99,7 +100,7 @@ def main():
             mem = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in r["memory"].items() if k != "total" and v)
             print(f"  {r['system']:<12} {r['optimizer']}; MiB: {mem}")
     common.finish("dp", args, {"model": common.model_json(args, cfg, dtype="fp32"),
-                               "adamw": {**common.ADAMW, "betas": list(common.ADAMW["betas"])},
+                               "adamw": {**training.ADAMW, "betas": list(training.ADAMW["betas"])},
                                "notes": notes, "results": rows, "buckets_vs_one_bucket": overlap,
                                "bucket_sizes_vs_one_bucket": by_size}, rank)
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from bench import common
-from bench.common import ADAMW
+from tools import training
 
 BASE = "dp2 zero1"
 ONE_BUCKET = {"reduce_bucket_size": 5e8}  # DeepSpeed's default written out: this model in one bucket
@@ -88,7 +88,7 @@ def calibrate(cfg, args, rank: int) -> dict:
     peak = r_full * (d + knee) / d
 
     model = common.build_gpt(cfg)
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), **training.ADAMW, fused=True)
     x = torch.randint(0, 256, (args.batch // 2, args.seq))
 
     def train_step():
@@ -148,7 +148,7 @@ def system(cfg, args, spec, rank):
     model = common.build_gpt(cfg)
     per_rank = args.batch // dp
     m = args.micro_batches if pp > 1 else 1
-    config = common.zerotron_config(args.batch // dp // m, 1.0, zero, gas=m,
+    config = training.zerotron_config(args.batch // dp // m, 1.0, zero, gas=m,
                                     tensor_parallel={"autotp_size": tp, **tp_keys},
                                     zerotron={"checkpoint_policy": ckpt, "sequence_parallel": sp})
     config["zero_optimization"].update(zero_keys)
@@ -158,7 +158,7 @@ def system(cfg, args, spec, rank):
         return lambda x, y: engine.train_batch(iter(zip(x.tensor_split(m), y.tensor_split(m)))).item()
     engine, *_ = zerotron.initialize(model=model, config=config)
     lo = (rank % dp) * per_rank if dp > 1 else 0
-    step = common.engine_step(engine)
+    step = training.engine_step(engine)
     return lambda x, y: step(x[lo:lo + per_rank], y[lo:lo + per_rank])
 
 

@@ -39,6 +39,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from bench import common  # noqa: E402
+from tools import training  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed.pipelining")
@@ -108,7 +109,7 @@ def zerotron_system(cfg, args, stages, schedule):
                                 loss_fn=mse, partition_method="type:_PipeBlock")
     else:
         module = common.to_pipeline(common.build_gpt(cfg), stages, partition_method="type:_PipeBlock")
-    engine, _ = common.zerotron_step(module, args.batch // args.micro_batches, args.clip, gas=args.micro_batches,
+    engine, _ = training.zerotron_step(module, args.batch // args.micro_batches, args.clip, gas=args.micro_batches,
                                      pipeline={"schedule": schedule},
                                      wall_clock_breakdown=True)  # pipeline_bubble() needs the stage timing
 
@@ -168,7 +169,7 @@ def torch_system(cfg, args, stage, stages, schedule):
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
         sched = kind(pipe_stage, n_microbatches=args.micro_batches, loss_fn=loss_fn, scale_grads=True)
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, fused=True, **common.ADAMW)
+    opt = torch.optim.AdamW(params, fused=True, **training.ADAMW)
     first, last = stage == 0, stage == stages - 1
 
     def step(tokens, targets):
@@ -284,7 +285,7 @@ def main():
                                    balanced=args.balanced,
                                    zerotron_layer_cuts=list(parts), micro_batches=args.micro_batches,
                                    micro_batch_size=mb),
-        "adamw": {**common.ADAMW, "betas": list(common.ADAMW["betas"]), "fused": True},
+        "adamw": {**training.ADAMW, "betas": list(training.ADAMW["betas"]), "fused": True},
         "baseline": baseline, "pairs": pairs, "results": rows}, rank)
 
 

@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from bench import common  # noqa: E402
+from tools import training  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
@@ -49,7 +50,7 @@ def parse_args():
 
 
 def zerotron_system(cfg, batch, tp, clip, sequence_parallel, overlap=False):
-    engine, step = common.zerotron_step(common.build_gpt(cfg), batch, clip,
+    engine, step = training.zerotron_step(common.build_gpt(cfg), batch, clip,
                                         tensor_parallel={"autotp_size": tp, "tp_overlap_comm": overlap},
                                         zerotron={"sequence_parallel": sequence_parallel})
     return step, common.measure_after_first_step(engine.optimizer, engine.module.parameters)
@@ -90,7 +91,7 @@ def torch_system(cfg, mesh, clip, sequence_parallel):
     params = list(model.parameters())
     groups = [g for g in ([p for p in params if isinstance(p, DTensor)],
                           [p for p in params if not isinstance(p, DTensor)]) if g]
-    opt = torch.optim.AdamW([{"params": g} for g in groups], fused=True, **common.ADAMW)
+    opt = torch.optim.AdamW([{"params": g} for g in groups], fused=True, **training.ADAMW)
 
     def clip_grads():
         # clip_grad_norm_ cannot mix DTensor and plain-tensor gradients: norm each group, then combine.
@@ -164,7 +165,7 @@ def main():
               "state per rank after the first step (not activations).")
     common.finish("tp", args, {
         "model": common.model_json(args, cfg, dtype="fp32", tensor_parallel=tp),
-        "adamw": {**common.ADAMW, "betas": list(common.ADAMW["betas"]), "fused": True},
+        "adamw": {**training.ADAMW, "betas": list(training.ADAMW["betas"]), "fused": True},
         "baseline": baseline, "pairs": pairs, "results": rows}, rank)
 
 

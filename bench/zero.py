@@ -27,11 +27,12 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from bench import common  # noqa: E402
+from tools import reporting, training  # noqa: E402
 
 # DeepSpeed and FSDP2 call collectives that torch 2.13 renamed; one warning per call buries the tables.
 warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
-ADAMW = common.ADAMW
+ADAMW = training.ADAMW
 # zerotron system -> the peers it is compared with
 PAIRS = {"zt1": ["torch_zero1", "ds1"], "zt2": ["fsdp2_noreshard", "ds2"], "zt2_fsdp": ["fsdp2_noreshard", "ds2"],
          "zt3": ["fsdp2_reshard", "ds3"], "zt3_fsdp": ["fsdp2_reshard", "ds3"]}
@@ -198,7 +199,7 @@ def zero_section(stage, args, **extra) -> dict:
 
 def zerotron_system(cfg, per_rank, stage, precision, args, **zero_extra):
     zero = zero_section(stage, args, **zero_extra)
-    engine, step = common.zerotron_step(common.build_gpt(cfg), per_rank, args.clip, phases=True, zero_optimization=zero,
+    engine, step = training.zerotron_step(common.build_gpt(cfg), per_rank, args.clip, phases=True, zero_optimization=zero,
                                         bf16={"enabled": precision == "bf16"})
     probe = MemoryProbe(engine.module.layers, engine.module.parameters, [engine.optimizer], lambda: [engine],
                         lambda: zerotron_hints(engine.states))
@@ -232,7 +233,7 @@ def ddp_system(cfg, precision, clip, zero1: bool):
         opt = inner = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else None
     probe = MemoryProbe(model.module.layers, model.parameters, [inner], lambda: [model, opt])
-    return probe.wrap(common.torch_step(model, opt, clip, phases=True, autocast=autocast)), probe, {}
+    return probe.wrap(training.torch_step(model, opt, clip, phases=True, autocast=autocast)), probe, {}
 
 
 def fsdp2_system(cfg, precision, clip, reshard: bool, mesh):
@@ -247,7 +248,7 @@ def fsdp2_system(cfg, precision, clip, reshard: bool, mesh):
     opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)  # after sharding: DTensor parameters
     states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
     probe = MemoryProbe(model.layers, model.parameters, [opt], lambda: [model, opt, states])
-    return probe.wrap(common.torch_step(model, opt, clip, phases=True)), probe, {}
+    return probe.wrap(training.torch_step(model, opt, clip, phases=True)), probe, {}
 
 
 def deepspeed_system(cfg, per_rank, stage, precision, args):
@@ -255,7 +256,7 @@ def deepspeed_system(cfg, per_rank, stage, precision, args):
     model = common.build_gpt(cfg)
     opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
     zero = zero_section(stage, args)
-    config = common.zerotron_config(per_rank, args.clip, adamw=None, zero_optimization=zero,
+    config = training.zerotron_config(per_rank, args.clip, adamw=None, zero_optimization=zero,
                                     **({"bf16": {"enabled": True}} if precision == "bf16" else {}))
     functional = torch.nn.functional
     linear = functional.linear
@@ -264,7 +265,7 @@ def deepspeed_system(cfg, per_rank, stage, precision, args):
     # autograd function (zero_optimization.memory_efficient_linear, on by default). Keep that for
     # DeepSpeed's own steps only, so that the other systems run torch's linear.
     own_linear, functional.linear = functional.linear, linear
-    inner = common.engine_step(engine, phases=True)
+    inner = training.engine_step(engine, phases=True)
 
     def step(tokens, targets):
         functional.linear = own_linear
@@ -422,7 +423,7 @@ def profile(name, step, batches, precision, args, rank, log):
     lines = [f"{name} ({precision}), rank 0, {args.profile_steps} steps, {wall:.1f} ms/step with the profiler on",
              "phases, ms/step: " + ", ".join(f"{k[6:]} {v:.1f}" for k, v in phases.items()), "",
              events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)]
-    path = (args.out.parent if args.out else common.RESULTS) / f"zero_profile_{precision}_{name}.txt"
+    path = (args.out.parent if args.out else reporting.RESULTS) / f"zero_profile_{precision}_{name}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     log(f"profile of {name}: {lines[1]} -> {path}")

@@ -1,9 +1,10 @@
 import os
 import sys
 
-# Tests import their helpers (distributed.py, parity.py) as top-level modules, and bench/'s
-# pieces they share (bench.common, bench.soak) from the repository root, in this process and in
-# the rank processes the fork server starts.
+# Tests import their helpers (distributed.py, parity.py, the faults/ and planner_published/ packages)
+# as top-level modules, and what they share with the GPU runbook (tools.sync_counter, tools.processes)
+# from the repository root, in this process and in the rank processes the fork server starts. No
+# test imports bench/ (tests/test_layering.py holds that).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("PYTHONPATH", os.path.dirname(__file__))

@@ -651,7 +651,7 @@ def test_zero_allow_untested_optimizer_is_a_setting():
 
 # =============================================================================== the survey script
 def test_config_survey_counts_and_reasons(tmp_path, capsys):
-    from bench.config_survey import main
+    from tools.config_survey import main
     configs = {
         "clean.json": {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
                        "optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "bias_correction": False}}},

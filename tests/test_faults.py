@@ -12,11 +12,10 @@ import torch
 
 import zerotron
 from distributed import run_ranks
+from faults.soak import children, env, latest_step  # the soak test's launcher environment and probes
 from parity import ds_config, make_model
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.soak import children, env, latest_step  # noqa: E402  (the soak test's launcher environment and probes)
 
 # A 2-rank job on the tiny GPT: rank 1 skips step `SKIP` (a branch taken on one rank only).
 DIVERGING_JOB = """
@@ -299,7 +298,7 @@ def test_the_watchdog_thread_stops_before_the_interpreter_finalizes():
 
 @pytest.mark.timeout(900)
 def test_finished_jobs_exit_zero():
-    # bench/exits.py, short: the 3D and ZeRO-2 bf16 runs that used to abort at teardown now and then
-    from bench.exits import soak
+    # tests/faults/exits.py, short: the 3D and ZeRO-2 bf16 runs that used to abort at teardown now and then
+    from faults.exits import soak
     counts = soak({"3d-8-ranks": 2, "zero2-bf16-2-ranks": 3}, log=lambda *a: None)
     assert counts == {"3d-8-ranks": {0: 2}, "zero2-bf16-2-ranks": {0: 3}}, counts

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import zerotron
-from bench.common import SyncCounter
+from tools.sync_counter import SyncCounter
 from distributed import RankError, run_ranks
 from parity import ds_config, global_batches, make_model, micro_batches
 from zerotron.parallelize import to_pipeline

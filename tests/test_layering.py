@@ -2,13 +2,18 @@
 topology/comm -> parallelize -> engine -> integrations) with no circles between its files and
 folders, the DeepSpeed/Hugging Face compatibility surface (zerotron/compat) is imported by no
 core module, every ZeRO stage's model states present the ModelStates interface, and no file of
-the package is much over 400 lines."""
+the package is much over 400 lines. Around the package: bench/ holds side-by-side comparisons only
+(no test and no tool imports it, and it stays a small part of the code), tools/ and tests/ hold the
+rest."""
 import ast
 import collections
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "zerotron"
+REPO = PACKAGE.parent
 MAX_LINES = 420
+BENCH_SHARE = 0.15  # bench/'s lines over the non-test code's (zerotron, examples, bench, tools)
 
 
 def _modules():
@@ -159,3 +164,26 @@ def test_a_split_head_goes_only_to_a_model_that_takes_its_loss():
     model = GPT(config_for("tiny"))
     adapter_for(model).use_split_head(model, head)
     assert model.loss_fn is head.loss_fn and model.output_fn is head.output_fn
+
+
+# An import of bench anywhere in a file, code or a script it runs (`from bench...`, `import bench`).
+_IMPORTS_BENCH = re.compile(r"^\s*(from\s+bench(\.\w+)*\s+import|import\s+bench\b)", re.M)
+
+
+def test_nothing_but_a_benchmark_imports_bench():
+    """What a test or a tool needs from a benchmark belongs in tools/ (shared) or tests/ (fault
+    harnesses, the planner's published runs); bench/ itself only compares."""
+    files = [*(REPO / "tests").rglob("*.py"), *(REPO / "tools").rglob("*.py"), *PACKAGE.rglob("*.py"),
+             *(REPO / "examples").rglob("*.py")]
+    importers = sorted(str(p.relative_to(REPO)) for p in files if _IMPORTS_BENCH.search(p.read_text()))
+    assert not importers, f"these import bench/: {importers}"
+
+
+def _py_lines(folder: str) -> int:
+    return sum(len(p.read_text().splitlines()) for p in (REPO / folder).rglob("*.py"))
+
+
+def test_bench_stays_a_small_part_of_the_code():
+    lines = {folder: _py_lines(folder) for folder in ("zerotron", "examples", "bench", "tools")}
+    share = lines["bench"] / sum(lines.values())
+    assert share <= BENCH_SHARE, f"bench/ is {share:.1%} of the non-test code ({lines}): move what is not a comparison"

@@ -273,7 +273,7 @@ def test_an_offloaded_step_casts_the_masters_only_when_the_optimizer_does_not(cl
 
 
 def _uploads_in_an_offloaded_fp16_step():
-    from bench.common import SyncCounter
+    from tools.sync_counter import SyncCounter
     zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
     config = ds_config(2, 1, zero_optimization=zero, fp16={"enabled": True, "initial_scale_power": 8})
     engine, *_ = zerotron.initialize(model=make_model(n_kv_head=4), config=config)

@@ -1,9 +1,9 @@
-"""The planner against published training runs (bench/planner_published.py): the comparison stays
+"""The planner against published training runs (tests/planner_published/): the comparison stays
 within the bounds docs/planner.md states, and each term the published engines need does what its
 docstring says. No GPU and no processes: the comparison is arithmetic."""
 import pytest
 
-from bench import planner_published as published
+from planner_published import comparison as published
 from zerotron.planner import ModelShape
 from zerotron.planner.cost import Layout, _group_link, _ring, score_traffic_s, step_time
 from zerotron.planner.hardware import hardware

@@ -1,14 +1,14 @@
 """The planner's predicted throughput against PUBLISHED large training runs (no GPU needed).
 
-For each published run (bench/published_runs.py: Megatron-LM, Korthikanti et al., BLOOM, MosaicML
+For each published run (runs.py and more_runs.py: Megatron-LM, Korthikanti et al., BLOOM, MosaicML
 MPT, torchtitan, Llama 3, ...) the script takes the model shape and the parallel layout the source
 reports, asks the planner for its predicted tokens/s per GPU (`throughput(...)["tokens_per_s"] /
 gpus`) and its memory per GPU (`memory(...)["total"]`, and `fits`), and compares them with what the
 source achieved, converted to tokens/s per GPU from the source's own FLOP convention (the
-conventions and every row's arithmetic are in bench/published_runs.py). It prints a markdown
+conventions and every row's arithmetic are in runs.py). It prints a markdown
 table and a summary, and writes every row to bench/results/planner_published.json.
 
-    python bench/planner_published.py
+    python tests/planner_published/comparison.py
 
 The planner's and the published MFU are then both re-expressed in ONE convention (the planner's
 own: 6N + 12·l·d·s per token, `ModelShape.flops_per_token`, over the preset's dense bf16 peak),
@@ -24,12 +24,15 @@ import statistics
 import sys
 from dataclasses import asdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for path in (os.path.dirname(TESTS), TESTS):  # run as a script: tools/ and zerotron, and this package, importable
+    if path not in sys.path:
+        sys.path.insert(0, path)
 
-from bench import common  # noqa: E402
-from bench.published_runs import SKIPPED, Run, bloom, korthikanti, llama3, mosaic, narayanan_table1, \
+from planner_published.more_runs import wider  # noqa: E402
+from planner_published.runs import SKIPPED, Run, bloom, korthikanti, llama3, mosaic, narayanan_table1, \
     narayanan_table2, torchtitan  # noqa: E402
-from bench.published_runs_more import wider  # noqa: E402
+from tools import reporting  # noqa: E402
 from zerotron.planner.cost import fits, memory, throughput  # noqa: E402
 from zerotron.planner.hardware import GIB, hardware  # noqa: E402
 
@@ -45,7 +48,7 @@ def runs() -> list[Run]:
 
 BEYOND = 0.25  # every run off by more than this is explained in docs/planner.md
 # The one engine value fitted to published runs: pooled_nics=False was read off Narayanan's six
-# DeepSpeed ZeRO-3 rows (Table 2; bench/published_runs.py, DEEPSPEED_ZERO3), so they are no test of
+# DeepSpeed ZeRO-3 rows (Table 2; runs.py, DEEPSPEED_ZERO3), so they are no test of
 # it and the summary reports them apart from the other runs.
 FITTED_FAMILY = "DeepSpeed ZeRO-3 2021"
 
@@ -164,7 +167,7 @@ def main() -> None:
     print(table(rows))
     print()
     print(summary_text(s, rows))
-    path = common.write_json("planner_published", {
+    path = reporting.write_json("planner_published", {
         "benchmark": "planner_published", "date": datetime.date.today().isoformat(),
         "what": "planner throughput / memory predictions vs published training runs (see the module docstring "
                 "for the conventions)", "rows": rows, "summary": s,

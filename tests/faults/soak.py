@@ -1,6 +1,6 @@
 """Soak test: many short 2-rank jobs with random faults, counting what survives.
 
-Each job (bench/soak_job.py, a DeepSpeed-style script under `zerotron run --max-restarts 2`;
+Each job (tests/faults/soak_job.py, a DeepSpeed-style script under `zerotron run --max-restarts 2`;
 no restarts for the faults that must stop the job) trains the tiny GPT with checkpoints every 2
 steps. One fault is drawn per job:
 
@@ -15,7 +15,7 @@ After every job the newest checkpoint must be complete (meta.json and every file
 no older than the last one written before the fault. Counted: jobs, outcomes as expected, hangs
 (a job still running after --job-timeout) and checkpoints lost (goal: 0 and 0).
 
-    python bench/soak.py --minutes 10
+    python tests/faults/soak.py --minutes 10
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tools/ (and zerotron) from this checkout
 
-from bench import common  # noqa: E402
+from tools import processes, reporting  # noqa: E402
 
 JOB = Path(__file__).resolve().parent / "soak_job.py"
 FAULTS = ("none", "kill", "sigterm", "nan", "nan3", "diverge")
@@ -50,7 +50,7 @@ def parse_args():
 
 def env():
     """The environment of a job started from here (or from a test): its own world, one thread per rank."""
-    return common.child_env(OMP_NUM_THREADS=1, PYTHONUNBUFFERED=1)
+    return processes.child_env(OMP_NUM_THREADS=1, PYTHONUNBUFFERED=1)
 
 
 def latest_step(save: Path) -> int:
@@ -89,7 +89,7 @@ def children(pid: int) -> list[int]:
 
 
 def launch(save: Path, steps: int, extra: list[str], restarts: int = 2) -> subprocess.Popen:
-    return common.spawn([sys.executable, "-m", "zerotron.cli", "run", "-n", "2", "--max-restarts", str(restarts),
+    return processes.spawn([sys.executable, "-m", "zerotron.cli", "run", "-n", "2", "--max-restarts", str(restarts),
                          str(JOB), "--save-dir", str(save), "--steps", str(steps), *extra], env())
 
 
@@ -118,12 +118,12 @@ def one_job(fault: str, rng: random.Random, args, root: Path) -> dict:
                 os.kill(rng.choice(children(job.pid)), signal.SIGKILL)
             elif fault == "sigterm":
                 os.killpg(job.pid, signal.SIGTERM)
-    code, out, err = common.wait_limited(job, args.job_timeout - (time.monotonic() - start))
+    code, out, err = processes.wait_limited(job, args.job_timeout - (time.monotonic() - start))
     record = {"fault": fault, "args": extra, "exit": code, "seconds": round(time.monotonic() - start, 1),
               "hang": code is None}
     if fault == "sigterm" and code == 75:  # preempted: the rerun must finish from the checkpoint
         record["preempted_at"] = latest_step(save)
-        code2, out, err = common.wait_limited(launch(save, args.steps, []), args.job_timeout)
+        code2, out, err = processes.wait_limited(launch(save, args.steps, []), args.job_timeout)
         record["rerun_exit"] = code2
         record["hang"] |= code2 is None
         code = code2
@@ -155,7 +155,7 @@ def main():
                "hangs": sum(r["hang"] for r in records), "checkpoints_lost": sum(r["checkpoint_lost"] for r in records),
                "by_fault": {f: sum(r["fault"] == f for r in records) for f in FAULTS}}
     print(json.dumps(summary, indent=1))
-    common.write_json("soak", {"args": common.json_args(args), "summary": summary, "jobs": records}, args.out)
+    reporting.write_json("soak", {"args": reporting.json_args(args), "summary": summary, "jobs": records}, args.out)
 
 
 if __name__ == "__main__":

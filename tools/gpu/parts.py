@@ -1,135 +1,30 @@
-"""One-GPU benchmark (H100 / H200): zerotron's MFU next to plain PyTorch, CPU offload, activation checkpointing.
-
-    python bench/gpu.py                          # on the GPU machine: all parts, about 4-6 minutes
-    python bench/gpu.py --out $OUT/gpu.json      # ... and keep the JSON somewhere that comes back
-    python bench/gpu.py --smoke                  # tiny model on the CPU (gloo, world of one): every code path, < 1 min
-    python bench/gpu.py --parts mfu --micro-batch 16
-
-Each part runs in a child process of its own under a time limit (the parent only asks NVML whether there is a
-GPU), so a part that fails, runs out of memory, hangs or is killed is recorded as such and the others still run;
-results print as they come, then a summary, and the JSON is rewritten after each part:
-
-0. `correct`: bench/gpu_checks.py (ZeRO/offload parity, overflow, checkpoint round trip, host syncs).
-1. `mfu`: the reference GPT (`--mfu-model 1.3b`, seq 2048, micro-batch 8) in bf16 with fp32 masters and fused
-   AdamW, by `zerotron.initialize` (ZeRO 0) and by a plain PyTorch loop doing the same math (`--systems ...,
-   plain_autocast` adds torch's usual AMP); same seed and batches; tokens/s from the median step between
-   synchronizations; MFU = the model's FLOPs per token (the planner's 6N + 12·L·d·s) x tokens/s / the GPU's
-   peak in the planner's hardware table; peak memory = `torch.cuda.max_memory_allocated()`.
-2. `offload` (+ `offload_off`): ZeRO-Offload (stage 2, `offload_optimizer` pinned): the memory arithmetic of
-   `--offload-model` (13b) against GPU and host memory, then as many of its layers as the host holds at the
-   largest micro-batch that fits (two probe steps); `offload_off` repeats that without offload (OOM expected).
-3. `ckpt`: `checkpoint_policy` none | every_block | selective on `--ckpt-model 350m`: step time, tokens/s, MFU
-   (recomputation not counted), peak memory and its activation part.
-
-Models are built directly in bf16 on the device: no fp32 copy in host memory. Details: bench/README.md.
-"""
+"""The GPU runbook's parts, each run in a child process of its own by tools/gpu/run.py: the device, the
+models, `mfu`, `ckpt`, `offload` and `offload_off` (`correct` and `sanitized` are in checks.py), and the
+arithmetic that sizes the offload part (no torch: unit-tested in tests/test_gpu_runbook_smoke.py)."""
 from __future__ import annotations
 
-import argparse
 import datetime
 import gc
-import json
 import math
 import os
 import resource
-import signal
 import statistics
-import sys
-import tempfile
 import time
 import traceback
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # zerotron from this checkout, installed or not
-from bench import common, gpu_checks  # noqa: E402
+from tools import reporting, training
+from tools.gpu import checks
 
 GiB = 1 << 30
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 T0 = float(os.environ.get("ZT_GPU_BENCH_T0", time.time()))
 
-# Seconds each part may take on the GPU (capped by what is left of --time-budget).
-JOB_LIMITS = {"correct": 150, "mfu": 150, "ckpt": 120, "offload": 240, "offload_off": 100, "sanitized": 120}
-JOB_LIMITS_SMOKE = {"correct": 150, "mfu": 90, "ckpt": 90, "offload": 90, "offload_off": 90, "sanitized": 90}
-MIN_JOB_S = 20       # a part gets at least this much time, or is skipped
-GRACE_S = 20         # beyond a child's own deadline before it is killed
-
 
 def log(msg: str) -> None:
     print(f"[{datetime.datetime.now():%H:%M:%S} +{time.time() - T0:6.1f}s] {msg}", flush=True)
-
-
-# ---- arguments ---------------------------------------------------------------------------------------
-SMOKE = {"seq": 64, "mfu_model": "tiny", "micro_batch": 2, "warmup": 1, "steps": 2,
-         "systems": "zerotron,plain,plain_autocast", "ckpt_model": "tiny", "ckpt_micro_batch": 2,
-         "offload_model": "tiny", "offload_micro_batch": "2", "offload_steps": 2, "time_budget": 360}
-GPU = {"seq": 2048, "mfu_model": "1.3b", "micro_batch": 8, "warmup": 3, "steps": 10, "systems": "zerotron,plain",
-       "ckpt_model": "350m", "ckpt_micro_batch": 8, "offload_model": "13b", "offload_micro_batch": "auto",
-       "offload_steps": 2, "time_budget": 480}
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (gloo, world of one), a few steps")
-    p.add_argument("--parts", default="correct,mfu,ckpt,offload,sanitized",
-                   help="comma-separated, run in this order of importance: correct (bench/gpu_checks.py), mfu, ckpt, "
-                        "offload, sanitized (the ZeRO/offload parity again under TORCH_CUDA_SANITIZER=1: stream races)")
-    p.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run (default 480; smoke 360)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="result JSON (default bench/results/gpu.json; smoke: bench/results/gpu_smoke.json)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default 2048)")
-    p.add_argument("--clip", type=float, default=1.0, help="gradient clipping for every system (0: off)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps per system (default 3)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per system (default 10)")
-    g = p.add_argument_group("part 1: MFU")
-    g.add_argument("--mfu-model", default=None, help="reference GPT size (default 1.3b)")
-    g.add_argument("--micro-batch", type=int, default=None, help="sequences per step (default 8)")
-    g.add_argument("--systems", default=None, help="zerotron,plain[,plain_autocast] (default zerotron,plain)")
-    g = p.add_argument_group("part 2: offload")
-    g.add_argument("--offload-model", default=None, help="reference GPT size to assess and train (default 13b)")
-    g.add_argument("--offload-layers", default="auto",
-                   help="layers of that shape to train; auto: all, or as many as host memory holds")
-    g.add_argument("--offload-stage", type=int, choices=[2, 3], default=2,
-                   help="ZeRO stage (3 adds offload_param and builds the model under zerotron.zero.Init)")
-    g.add_argument("--offload-micro-batch", default=None,
-                   help="sequences per step, or auto: the largest that fits --offload-mem-fraction (default auto)")
-    g.add_argument("--offload-max-micro-batch", type=int, default=32)
-    g.add_argument("--offload-mem-fraction", type=float, default=0.85,
-                   help="auto micro-batch: predicted peak at most this fraction of GPU memory")
-    g.add_argument("--offload-steps", type=int, default=None, help="timed offload steps (default 2)")
-    g.add_argument("--host-mem-gib", type=float, default=None,
-                   help="host memory to plan with (default 128 on a GPU, the H200 machine's; MemTotal on a CPU). "
-                        "Not MemTotal on the GPU machine: its memory grows as it is used")
-    g.add_argument("--host-reserve-gib", type=float, default=16.0, help="host memory left for everything else")
-    g.add_argument("--no-oom-demo", action="store_true", help="skip the run without offload")
-    g.add_argument("--cpu-threads", type=int, default=0,
-                   help="threads for the host-side AdamW on a GPU machine (default 0: every core)")
-    g = p.add_argument_group("part 3: activation checkpointing")
-    g.add_argument("--ckpt-model", default=None, help="reference GPT size (default 350m)")
-    g.add_argument("--ckpt-micro-batch", type=int, default=None, help="sequences per step (default 8)")
-    g.add_argument("--ckpt-policies", default="none,every_block,selective")
-    # Internal: how the parent runs one part in a child process.
-    p.add_argument("--job", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--result-file", type=Path, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    for key, value in (SMOKE if args.smoke else GPU).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    args.parts = [s for s in args.parts.split(",") if s]
-    args.systems = [s for s in args.systems.split(",") if s]
-    args.ckpt_policies = [s for s in args.ckpt_policies.split(",") if s]
-    for name, allowed in (("parts", ("correct", "mfu", "ckpt", "offload", "sanitized")), ("systems", ("zerotron", "plain", "plain_autocast")),
-                          ("ckpt_policies", ("none", "every_block", "every_k", "selective"))):
-        bad = [v for v in getattr(args, name) if v not in allowed]
-        if bad:
-            p.error(f"--{name.replace('_', '-')}: unknown {bad}; choose from {', '.join(allowed)}")
-    return args
 
 
 # ---- arithmetic (no torch: also unit-tested) ------------------------------------------------------
@@ -174,88 +69,6 @@ def gib(n) -> float | None:
     return None if n is None else n / GiB
 
 
-# ---- the parent: runs each part in a child process ------------------------------------------------
-def parent_main(args) -> int:
-    os.environ["ZT_GPU_BENCH_T0"] = str(T0)
-    deadline = T0 + args.time_budget
-    out = args.out or common.RESULTS / ("gpu_smoke.json" if args.smoke else "gpu.json")
-    if not args.smoke:
-        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # ask NVML: the parent never initializes CUDA
-        available = torch.cuda.is_available()
-        del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
-        if not available:
-            print("bench/gpu.py needs a CUDA GPU; on a CPU use --smoke", file=sys.stderr)
-            return 2
-    payload = {"benchmark": "gpu", "mode": "smoke (CPU)" if args.smoke else "gpu",
-               "started": datetime.datetime.now().isoformat(timespec="seconds"),
-               "command": " ".join([Path(sys.executable).name, *sys.argv]),
-               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                        if k not in ("job", "result_file", "deadline", "argv")},
-               "jobs": {}}
-    jobs = [j for j in ("correct", "mfu", "ckpt") if j in args.parts]
-    if "offload" in args.parts:
-        jobs += ["offload"] + ([] if args.no_oom_demo else ["offload_off"])
-    if "sanitized" in args.parts:
-        jobs.append("sanitized")
-    limits = JOB_LIMITS_SMOKE if args.smoke else JOB_LIMITS
-    log(f"bench/gpu.py ({payload['mode']}): parts {', '.join(jobs)}; time budget {args.time_budget:.0f}s; "
-        f"results -> {out}")
-    for job in jobs:
-        extra = []
-        if job == "offload_off":
-            done = payload["jobs"].get("offload", {})
-            if not done.get("layers") or not done.get("micro_batch"):
-                payload["jobs"][job] = {"skipped": "the offload part gave no model/micro-batch to repeat"}
-                log(f"{job}: skipped ({payload['jobs'][job]['skipped']})")
-                continue
-            extra = ["--offload-layers", str(done["layers"]), "--offload-micro-batch", str(done["micro_batch"])]
-        left = deadline - time.time()
-        if left < MIN_JOB_S:
-            payload["jobs"][job] = {"skipped": f"time budget: {left:.0f}s left"}
-            log(f"{job}: skipped ({payload['jobs'][job]['skipped']})")
-            continue
-        payload["jobs"][job] = run_child(job, min(limits[job], left), extra, args.smoke, args.argv)
-        common.write_json("gpu", payload, out)
-    payload["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
-    payload["wall_s"] = round(time.time() - T0, 1)
-    payload["summary"] = summarize(payload)
-    common.write_json("gpu", payload, out)
-    print("\n".join(payload["summary"]), flush=True)
-    log(f"done in {payload['wall_s']:.0f}s; wrote {out}")
-    failed = [j for j, r in payload["jobs"].items() if r.get("error")]
-    return 1 if failed else 0
-
-
-def run_child(job: str, limit: float, extra: list[str], smoke: bool, argv: list[str]) -> dict:
-    """Run one part in a fresh process (a world of one: no launcher variables), at most `limit` seconds."""
-    env = common.child_env(**({"CUDA_VISIBLE_DEVICES": ""} if smoke else {}),  # smoke: the CPU path, even on a GPU
-                           **({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if job == "correct" else {}),  # deterministic
-                           # torch's CUDA sanitizer: a kernel reading memory another stream writes unsynchronized
-                           # raises (offload's side streams, ZeRO-3's gathers); set before torch is imported
-                           **({"TORCH_CUDA_SANITIZER": "1"} if job == "sanitized" and not smoke else {}))
-    start = time.time()
-    with tempfile.TemporaryDirectory(prefix="zt_gpu_bench_") as tmp:
-        result_file = Path(tmp) / "result.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--job", job,
-               "--result-file", str(result_file), "--deadline", str(start + limit), *extra]
-        log(f"{job}: starting (limit {limit:.0f}s)")
-        rc, _, _ = common.run_limited(cmd, limit + GRACE_S, env, capture=False)
-        try:
-            result = json.loads(result_file.read_text())
-        except (OSError, ValueError):
-            result = {}
-    result["wall_s"] = round(time.time() - start, 1)
-    if rc != 0 and not result.get("error"):
-        if rc is None:
-            result["error"] = f"killed after {limit + GRACE_S:.0f}s (time limit)"
-        elif rc < 0:
-            result["error"] = f"killed by signal {-rc}" + (" (host out of memory?)" if -rc == signal.SIGKILL else "")
-        else:
-            result["error"] = f"exit status {rc}"
-    log(f"{job}: {'FAILED: ' + result['error'] if result.get('error') else 'done'} ({result['wall_s']:.0f}s)")
-    return result
-
-
 # ---- the child: one part --------------------------------------------------------------------------
 class Device:
     """The one device a child uses, and its memory counters (None on a CPU)."""
@@ -271,7 +84,7 @@ class Device:
 
     def describe(self) -> dict:
         t = self.torch
-        d = {"type": self.device.type, **common.environment(torch_threads=t.get_num_threads())}
+        d = {"type": self.device.type, **reporting.environment(torch_threads=t.get_num_threads())}
         if self.cuda:
             props = t.cuda.get_device_properties(0)
             d.update(name=t.cuda.get_device_name(0), total_memory_gib=round(props.total_memory / GiB, 2),
@@ -302,7 +115,7 @@ class Device:
             self.torch.cuda.empty_cache()
 
     def peak_flops(self) -> float | None:
-        return common.peak_flops(self.torch.cuda.get_device_name(0)) if self.cuda else None
+        return training.peak_flops(self.torch.cuda.get_device_name(0)) if self.cuda else None
 
 
 def is_oom(e: BaseException) -> bool:
@@ -350,19 +163,19 @@ def build_model(cfg, dev, seed: int = 0, dtype=None, meta_init: bool = False):
 
 def param_counts(cfg) -> tuple[int, int, int]:
     """(parameters, parameters per block, parameters outside the blocks) of the reference GPT: the planner's
-    count from the layer shapes, not a build, so a 13b costs nothing. tests/test_bench_gpu_smoke.py checks it
+    count from the layer shapes, not a build, so a 13b costs nothing. tests/test_gpu_runbook_smoke.py checks it
     against the model for every size."""
-    shape = common.gpt_shape(cfg)
+    shape = training.gpt_shape(cfg)
     block = sum(n for where, n, _ in shape.tensors() if where == "block") // cfg.n_layer
     return shape.parameters, block, shape.parameters - cfg.n_layer * block
 
 
-flops_per_token = common.flops_per_token  # GPT.flops_per_token from the config: 6N + 12*L*d*s, N without the embedding
+flops_per_token = training.flops_per_token  # GPT.flops_per_token from the config: 6N + 12*L*d*s, N without the embedding
 
 
 def zerotron_engine(model, micro_batch: int, clip: float, **sections):
     """zerotron in bf16 with this script's AdamW."""
-    return common.zerotron_step(model, micro_batch, clip, adamw=ADAMW, **{"bf16": {"enabled": True}, **sections})
+    return training.zerotron_step(model, micro_batch, clip, adamw=ADAMW, **{"bf16": {"enabled": True}, **sections})
 
 
 def plain_bf16(model, clip: float):
@@ -393,7 +206,7 @@ def plain_autocast(model, clip: float):
     model.float()
     opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
     device_type = next(model.parameters()).device.type
-    return opt, common.torch_step(model, opt, clip, autocast=lambda: torch.autocast(device_type, dtype=torch.bfloat16),
+    return opt, training.torch_step(model, opt, clip, autocast=lambda: torch.autocast(device_type, dtype=torch.bfloat16),
                                   foreach=True)
 
 
@@ -435,7 +248,7 @@ def add_rates(r: dict, tokens_per_step: int, fpt: float, peak_flops: float | Non
 
 def model_info(name: str, cfg, seq: int) -> dict:
     """Size, parameters and FLOPs per token, from the planner's count of the config."""
-    shape = common.gpt_shape(cfg)
+    shape = training.gpt_shape(cfg)
     return {"size": name, "n_layer": cfg.n_layer, "d_model": cfg.d_model, "n_head": cfg.n_head, "ffn": cfg.ffn,
             "params": shape.parameters, "flops_per_token": shape.flops_per_token(seq), "seq": seq}
 
@@ -443,7 +256,7 @@ def model_info(name: str, cfg, seq: int) -> dict:
 def measure(part: str, cases, cfg, b: int, args, dev, result, out: dict, save, make) -> None:
     """For each case, a fresh model and `make(case, model) -> (engine or optimizer, step)`, then timed():
     tokens/s, MFU, memory; out[case] is saved as soon as it is measured, an exception recorded as its error."""
-    batches = common.make_batches(args.warmup + args.steps, b, args.seq, cfg.vocab_size, device=dev.device)
+    batches = training.make_batches(args.warmup + args.steps, b, args.seq, cfg.vocab_size, device=dev.device)
     for case in cases:
         try:
             t = time.perf_counter()
@@ -581,7 +394,7 @@ def job_offload(args, dev, result, save):
         f"host RSS peak {gib(host_peak_rss()):.1f} GiB")
 
     def one_step(b, seed):
-        x, y = common.make_batches(1, b, args.seq, cfg.vocab_size, seed=seed, device=dev.device)[0]
+        x, y = training.make_batches(1, b, args.seq, cfg.vocab_size, seed=seed, device=dev.device)[0]
         dev.sync()
         t0 = time.perf_counter()
         loss = engine(x, y)
@@ -678,7 +491,7 @@ def job_offload_off(args, dev, result, save):
         result["states_gib"] = gib(dev.allocated())
         dev.reset_peak()
         for i in range(2):
-            x, y = common.make_batches(1, mb, args.seq, cfg.vocab_size, seed=100 + i, device=dev.device)[0]
+            x, y = training.make_batches(1, mb, args.seq, cfg.vocab_size, seed=100 + i, device=dev.device)[0]
             phase = f"step {i + 1} forward"
             loss = engine(x, y)
             phase = f"step {i + 1} backward"
@@ -696,8 +509,8 @@ def job_offload_off(args, dev, result, save):
         log(f"offload_off: out of GPU memory at {phase} (peak before it {gib(dev.peak()) or 0:.2f} GiB): as expected")
 
 
-JOBS = {"correct": gpu_checks.job_correct, "mfu": job_mfu, "ckpt": job_ckpt, "offload": job_offload,
-        "offload_off": job_offload_off, "sanitized": gpu_checks.job_sanitized}
+JOBS = {"correct": checks.job_correct, "mfu": job_mfu, "ckpt": job_ckpt, "offload": job_offload,
+        "offload_off": job_offload_off, "sanitized": checks.job_sanitized}
 
 
 def child_main(args) -> int:
@@ -707,7 +520,7 @@ def child_main(args) -> int:
 
     def save():
         if args.result_file is not None:
-            common.write_json(args.job, result, args.result_file)
+            reporting.write_json(args.job, result, args.result_file)
 
     try:
         dev = Device()
@@ -720,140 +533,3 @@ def child_main(args) -> int:
     save()
     return 0
 
-
-# ---- summary -----------------------------------------------------------------------------------------
-def _f(v, fmt):
-    return "-" if v is None else fmt.format(v)
-
-
-def _status(r: dict) -> list[str]:
-    """A job's error or skip reason, as a report line (none when it ran)."""
-    return [f"  {r.get('error') or 'skipped: ' + r['skipped']}"] if r.get("error") or r.get("skipped") else []
-
-
-def _table(rows, columns):
-    return common.table_lines(rows, columns, missing="-", rule=False, indent="  ")
-
-
-def summarize(payload: dict) -> list[str]:
-    jobs = payload["jobs"]
-    lines = ["", "=" * 100, f"bench/gpu.py summary ({payload['mode']})"]
-    correct = jobs.get("correct", {})
-    if correct:
-        parity = correct.get("zero_parity", {})
-        bad = [k for k, v in parity.items() if not v.get("ok")]
-        worst = max((v.get("max_weight_diff", 0) for v in parity.values()), default=None)
-        lines.append(f"[0] correctness: {'all checks passed' if correct.get('all_ok') else 'FAILED'}; ZeRO/offload "
-                     f"parity {len(parity) - len(bad)}/{len(parity)} (worst weight diff {_f(worst, '{:.1e}')})"
-                     + (f", failing {bad}" if bad else ""))
-        for key in ("overflow", "checkpoint_round_trip", "host_syncs", "launch_blocking_rerun"):
-            lines.append(f"    {key}: {json.dumps(correct.get(key), default=str)[:200]}")
-    sanitized = jobs.get("sanitized", {})
-    if sanitized:
-        lines.append(f"[4] under TORCH_CUDA_SANITIZER=1: {'no race found' if sanitized.get('all_ok') else 'FAILED'}; "
-                     f"{json.dumps({k: v.get('ok') for k, v in sanitized.get('zero_parity', {}).items()})[:300]}"
-                     + (f"; {sanitized['error']}" if sanitized.get("error") else ""))
-    dev = next((r["device"] for r in jobs.values() if r.get("device")), {})
-    if dev:
-        memory = f", {dev['total_memory_gib']:.1f} GiB, CUDA {dev.get('cuda')}" if "total_memory_gib" in dev else ""
-        lines.append(f"device: {dev.get('name', dev.get('type'))}" + memory
-                     + f"; torch {dev.get('torch')}, zerotron {dev.get('zerotron')}, Python {dev.get('python')}")
-    cols = [("name", "system", "{}"), ("median_ms", "median ms", "{:.1f}"), ("tokens_per_s", "tokens/s", "{:,.0f}"),
-            ("mfu", "MFU", "{:.1%}"), ("peak_gib", "peak GiB", "{:.2f}"), ("activations_gib", "activ. GiB", "{:.2f}"),
-            ("n", "steps", "{}")]
-
-    def rows_of(d):
-        rows = []
-        for name, r in d.items():
-            if "median_s" in r:
-                rows.append({**r, "name": name, "median_ms": r["median_s"] * 1e3, "n": len(r["step_s"])})
-            else:
-                rows.append({"name": f"{name}: {r.get('error', 'no result')}"})
-        return rows
-
-    r = jobs.get("mfu")
-    if r:
-        lines.append("")
-        if r.get("model"):
-            m = r["model"]
-            lines.append(f"[1] MFU: {m['size']} GPT ({m['params'] / 1e9:.3f}B params), {r['micro_batch']} x {m['seq']} "
-                         f"tokens/step, bf16 + fp32 masters, fused AdamW, clip {r.get('clip')}")
-        if r.get("systems"):
-            lines += _table(rows_of(r["systems"]), cols)
-        if r.get("zerotron_vs_plain"):
-            c = r["zerotron_vs_plain"]
-            lines.append(f"  zerotron / plain: step time {c['step_time_ratio']:.3f}, peak memory "
-                         f"{_f(c['peak_memory_ratio'], '{:.3f}')}, max |dloss| {c['max_abs_dloss']:.2e}")
-        lines += _status(r)
-    r = jobs.get("offload")
-    if r:
-        lines.append("")
-        a = r.get("assessment")
-        if a:
-            fits = {True: "fits", False: "does not fit", None: "?"}
-            gpu_part = (f" (of {a['gpu_total_gib']:.1f}): {fits[a['fits_gpu_without_offload']]}"
-                        if a["gpu_total_gib"] else "")
-            lines.append(f"[2] offload: {a['model']} ({a['params'] / 1e9:.2f}B params): without offload "
-                         f"{a['gpu_states_without_offload_gib']:.0f} GiB of model states on the GPU{gpu_part}; with "
-                         f"offload {a['host_with_offload_gib']:.0f} GiB of host memory (budget "
-                         f"{a['host_budget_gib']:.0f}): {fits[a['fits_host_with_offload']]}")
-        if r.get("model"):
-            m = r["model"]
-            what = "offload_optimizer" + (" + offload_param" if r.get("stage") == 3 else "")
-            lines.append(f"  trained: {m['size']} shape, {m['n_layer']} layers, {m['params'] / 1e9:.2f}B params, "
-                         f"stage {r.get('stage')} + {what} (pinned), micro-batch {r.get('micro_batch')}")
-        if "median_s" in r:
-            mr = r.get("memory_report_gib", {})
-            lines.append(f"  with offload: {r['median_s']:.2f} s/step, {r['tokens_per_s']:,.0f} tokens/s"
-                         + (f", MFU {r['mfu']:.1%}" if r.get("mfu") else "")
-                         + f"; GPU peak {_f(r.get('peak_gib'), '{:.2f}')} GiB; host (memory_report) "
-                         f"{_f(mr.get('host'), '{:.2f}')} GiB, host RSS peak "
-                         f"{_f(r.get('host_peak_rss_gib'), '{:.1f}')} GiB")
-            s = r["steps"]
-            fwd_bwd, opt = (statistics.median(x[k] for x in s) for k in ("fwd_bwd_s", "step_s"))
-            lines.append(f"  per step: fwd+bwd {fwd_bwd:.2f}s, optimizer step (gradients to the host, CPU AdamW, "
-                         f"weights back) {opt:.2f}s")
-        if r.get("predicted_without_offload"):
-            p = r["predicted_without_offload"]
-            lines.append(f"  predicted without offload: peak {p['peak_gib']:.1f} GiB at micro-batch "
-                         f"{r['micro_batch']}; largest micro-batch that would fit: {p['max_micro_batch']}")
-        off = jobs.get("offload_off")
-        if off and off.get("outcome"):
-            lines.append(f"  without offload, same model and micro-batch: {off['outcome']}"
-                         + (f" at {off['oom_at']} (peak before {_f(off.get('peak_before_oom_gib'), '{:.1f}')} GiB)"
-                            if off["outcome"] == "OOM" else f" (peak {_f(off.get('peak_gib'), '{:.2f}')} GiB)"))
-        elif off:
-            lines.append(f"  without offload: {off.get('error') or off.get('skipped') or 'no result'}")
-        lines += _status(r)
-    r = jobs.get("ckpt")
-    if r:
-        lines.append("")
-        if r.get("model"):
-            m = r["model"]
-            lines.append(f"[3] activation checkpointing: {m['size']} GPT ({m['params'] / 1e6:.0f}M params), "
-                         f"{r['micro_batch']} x {m['seq']} tokens/step, zerotron bf16 stage 0")
-        if r.get("policies"):
-            lines += _table(rows_of(r["policies"]), cols[:-1] + [("step_time_vs_none", "time/none", "{:.3f}"),
-                                                                  ("peak_vs_none", "peak/none", "{:.3f}"), cols[-1]])
-        lines += _status(r)
-    failed = {j: r.get("error") for j, r in jobs.items() if r.get("error")}
-    if failed:
-        lines.append("")
-        lines += [f"FAILED {j}: {e}" for j, e in failed.items()]
-    lines.append("=" * 100)
-    return lines
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.job:
-        rc = child_main(args)
-        # The result is written: skip torch's teardown (process group, CUDA context), seconds per part.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
-    return parent_main(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

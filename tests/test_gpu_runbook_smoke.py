@@ -1,4 +1,4 @@
-"""bench/gpu.py, the one-GPU benchmark, in its CPU smoke mode: every part's code path on a tiny model
+"""tools/gpu, the one-GPU runbook, in its CPU smoke mode: every part's code path on a tiny model
 (the GPU-only branches, memory counters and the micro-batch probe, are not reached here), plus the
 arithmetic that sizes the offload part on the GPU machine."""
 import json
@@ -10,7 +10,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench import gpu  # noqa: E402  (stdlib only at import time)
+from tools.gpu import parts  # noqa: E402
 
 GiB = 1 << 30
 
@@ -20,10 +20,10 @@ def test_smoke_run_prints_and_writes_every_part(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu.py"), "--smoke", "--out", str(out)],
+    run = subprocess.run([sys.executable, "-m", "tools.gpu", "--smoke", "--out", str(out)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "bench/gpu.py summary (smoke (CPU))" in run.stdout
+    assert "tools/gpu summary (smoke (CPU))" in run.stdout
     for marker in ("[0] correctness", "[1] MFU", "[2] offload", "[3] activation checkpointing"):
         assert marker in run.stdout, marker
 
@@ -66,18 +66,18 @@ def test_smoke_run_prints_and_writes_every_part(tmp_path):
 
 
 def test_offload_arithmetic():
-    assert gpu.pinned_bytes(1) == 1 and gpu.pinned_bytes(4096) == 4096 and gpu.pinned_bytes(4097) == 8192
+    assert parts.pinned_bytes(1) == 1 and parts.pinned_bytes(4096) == 4096 and parts.pinned_bytes(4097) == 8192
     psi = 10 ** 9
-    assert gpu.offload_host_bytes(psi) == 4 * GiB + 2 * GiB + 8 * psi  # 4e9 B -> 4 GiB, 2e9 B -> 2 GiB
-    assert gpu.states_bytes_without_offload(psi) == (16 * psi, 20 * psi)
-    assert gpu.choose_micro_batch(base=10 * GiB, per_sample=5 * GiB, capacity=100 * GiB, fraction=0.85, cap=32) == 15
-    assert gpu.choose_micro_batch(base=10 * GiB, per_sample=5 * GiB, capacity=100 * GiB, fraction=0.85, cap=8) == 8
-    assert gpu.choose_micro_batch(base=90 * GiB, per_sample=5 * GiB, capacity=100 * GiB, fraction=0.85, cap=8) == 1
-    assert gpu.choose_micro_batch(base=1, per_sample=0, capacity=100, fraction=0.85, cap=8) is None
+    assert parts.offload_host_bytes(psi) == 4 * GiB + 2 * GiB + 8 * psi  # 4e9 B -> 4 GiB, 2e9 B -> 2 GiB
+    assert parts.states_bytes_without_offload(psi) == (16 * psi, 20 * psi)
+    assert parts.choose_micro_batch(base=10 * GiB, per_sample=5 * GiB, capacity=100 * GiB, fraction=0.85, cap=32) == 15
+    assert parts.choose_micro_batch(base=10 * GiB, per_sample=5 * GiB, capacity=100 * GiB, fraction=0.85, cap=8) == 8
+    assert parts.choose_micro_batch(base=90 * GiB, per_sample=5 * GiB, capacity=100 * GiB, fraction=0.85, cap=8) == 1
+    assert parts.choose_micro_batch(base=1, per_sample=0, capacity=100, fraction=0.85, cap=8) is None
 
 
 def test_parameter_count_matches_the_model():
-    """bench/gpu.py counts parameters from the config (building a 13b, even on the meta device, is slow)."""
+    """tools/gpu counts parameters from the config (building a 13b, even on the meta device, is slow)."""
     import torch
     from dataclasses import replace
     from zerotron.models.gpt import GPT, SIZES, config_for
@@ -87,9 +87,9 @@ def test_parameter_count_matches_the_model():
     for cfg in cases:
         with torch.device("meta"):
             model = GPT(cfg)
-        total, per_layer, fixed = gpu.param_counts(cfg)
+        total, per_layer, fixed = parts.param_counts(cfg)
         assert total == model.num_params() and fixed + cfg.n_layer * per_layer == total, cfg
-        assert gpu.flops_per_token(cfg, 2048) == model.flops_per_token(2048), cfg
+        assert parts.flops_per_token(cfg, 2048) == model.flops_per_token(2048), cfg
 
 
 def test_offload_plan_for_13b_on_the_h200_machine():
@@ -97,17 +97,17 @@ def test_offload_plan_for_13b_on_the_h200_machine():
     host memory with it, so it trains 27 of the 40 layers (8.57B parameters: 14 host bytes each)."""
     from zerotron.models.gpt import config_for
     cfg = config_for("13b", max_seq_len=2048)
-    psi, per_layer, fixed = gpu.param_counts(cfg)
+    psi, per_layer, fixed = parts.param_counts(cfg)
     assert 12.6e9 < psi < 12.8e9
-    assert gpu.states_bytes_without_offload(psi)[0] > 139 * GiB
-    assert gpu.offload_host_bytes(psi) > 128 * GiB
-    layers = gpu.pick_layers(fixed, per_layer, cfg.n_layer, (128 - 16) * GiB)
+    assert parts.states_bytes_without_offload(psi)[0] > 139 * GiB
+    assert parts.offload_host_bytes(psi) > 128 * GiB
+    layers = parts.pick_layers(fixed, per_layer, cfg.n_layer, (128 - 16) * GiB)
     assert layers == 27
-    assert gpu.offload_host_bytes(fixed + layers * per_layer) < 112 * GiB
+    assert parts.offload_host_bytes(fixed + layers * per_layer) < 112 * GiB
 
 
 def test_the_self_check_verdict_reads_every_nested_check():
-    from bench.gpu_checks import all_passed
+    from tools.gpu.checks import all_passed
     passing = {"zero_parity": {"zero2_gas1": {"ok": True}}, "overflow": {"fp16": {"ok": True}, "bf16": {"ok": True}},
                "launch_blocking_rerun": {"skipped": "CUDA only"}, "host_syncs": {"ok": True, "count": 1}}
     assert all_passed(passing)
@@ -119,7 +119,7 @@ def test_the_self_check_verdict_reads_every_nested_check():
 def test_the_overflow_check_expects_what_the_engines_scaler_does():
     """One fp16 overflow at the default hysteresis (2) spends the grace and keeps the scale; at
     hysteresis 1 it halves it: the check's expectation is the engine's scaler's."""
-    from bench.gpu_checks import scale_after_one_overflow
+    from tools.gpu.checks import scale_after_one_overflow
     from zerotron.config import FP16Config
     from zerotron.precision import LossScaler
     for hysteresis in (1, 2, 3):

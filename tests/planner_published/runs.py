@@ -1,4 +1,4 @@
-"""Published large training runs, rebuilt as the planner sees them (bench/planner_published.py
+"""Published large training runs, rebuilt as the planner sees them (comparison.py
 compares them with its predictions).
 
 Achieved throughput, as tokens/s per GPU, is converted EXACTLY from each source's own convention
@@ -84,7 +84,7 @@ SCORES_IN_HBM = dict(flash_attention=False)
 # pooled_nics=False is NOT a property of DeepSpeed: NCCL builds the rings for DeepSpeed and FSDP
 # alike. It is a value FITTED to Narayanan's six ZeRO-3 rows (Table 2), whose iterations stay flat
 # while compute halves, as if each GPU moved one HDR NIC's worth (21-23 GB/s); the Azure rows reuse
-# it. bench/planner_published.py reports those six rows apart from the others.
+# it. comparison.py reports those six rows apart from the others.
 DEEPSPEED_ZERO3 = dict(flash_attention=False, zero3_regather=True, pooled_nics=False)
 DEEPSPEED_DEFAULT_REUSE = 1e9  # stage3_max_reuse_distance's default in DeepSpeed 0.3.13 (stage3.py)
 

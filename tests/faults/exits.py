@@ -1,7 +1,7 @@
 """Finished jobs exit 0: consecutive short `zerotron train` runs, counting their exit statuses.
 
-    python bench/exits.py --runs 50               # 50 8-rank 3D runs and 50 2-rank runs
-    python bench/exits.py --runs 3 --small 5      # what CI runs (tests/test_faults.py)
+    python tests/faults/exits.py --runs 50               # 50 8-rank 3D runs and 50 2-rank runs
+    python tests/faults/exits.py --runs 3 --small 5      # what CI runs (tests/test_faults.py)
 
 The 8-rank run is `--dp 2 --tp 2 --pp 2 --steps 3` and the 2-rank one ZeRO-2 in bf16, the two
 layouts that used to end with "terminate called without an active exception" (SIGABRT at
@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from bench import common  # noqa: E402
+from tools import processes, reporting  # noqa: E402
 
 ARGS = ("--model", "tiny", "--seq-len", "32", "--eval-batches", "1", "--sample-bytes", "0",
         "--corpus-bytes", "300000", "--micro-batch", "2")
@@ -29,8 +29,8 @@ LAYOUTS = {
 
 
 def run_once(layout: str, timeout: float = 300) -> tuple[int, str]:
-    rc, _, err = common.run_limited([sys.executable, "-m", "zerotron.cli", "train", *ARGS, *LAYOUTS[layout]], timeout,
-                                    common.child_env(OMP_NUM_THREADS=1, PYTHONUNBUFFERED=1), cwd=ROOT)
+    rc, _, err = processes.run_limited([sys.executable, "-m", "zerotron.cli", "train", *ARGS, *LAYOUTS[layout]], timeout,
+                                    processes.child_env(OMP_NUM_THREADS=1, PYTHONUNBUFFERED=1), cwd=ROOT)
     return (-999, f"timed out after {timeout:.0f} s\n{err}") if rc is None else (rc, err)
 
 
@@ -58,7 +58,7 @@ def main():
     start = time.monotonic()
     counts = soak({"3d-8-ranks": args.runs, "zero2-bf16-2-ranks": args.small if args.small is not None else args.runs})
     result = {"counts": counts, "minutes": round((time.monotonic() - start) / 60, 1)}
-    common.write_json("exits", result, args.out)
+    reporting.write_json("exits", result, args.out)
     print(json.dumps(result))
     sys.exit(0 if all(set(c) == {0} for c in counts.values()) else 1)
 

@@ -1,6 +1,6 @@
 """Survey: does zerotron load the DeepSpeed JSON configs found in the wild?
 
-    python bench/config_survey.py DIR... [--list] [--deepspeed] [--json OUT]
+    python tools/config_survey.py DIR... [--list] [--deepspeed] [--json OUT]
 
 Walks each DIR for *.json files, keeps those that are DeepSpeed configs (a top-level object with
 at least one of DeepSpeed's own keys: train_batch_size, train_micro_batch_size_per_gpu,
@@ -36,7 +36,7 @@ import re
 import sys
 import warnings
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # zerotron from this checkout
 
 DS_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
            "fp16", "bf16", "bfloat16", "optimizer", "scheduler", "gradient_clipping", "activation_checkpointing")

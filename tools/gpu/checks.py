@@ -1,4 +1,5 @@
-"""bench/gpu.py's `correct` part: the correctness checks one GPU allows (one process, a world of one).
+"""The GPU runbook's `correct` part (tools/gpu/run.py): the correctness checks one GPU allows (one process,
+a world of one).
 
 - ZeRO 0-3 x accumulation 1-2, fp32 with deterministic kernels, against a plain PyTorch loop
   (the same fused AdamW): each step's loss within 1e-5 relative, final weights within 1e-5;
@@ -26,10 +27,10 @@ import traceback
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from bench import common  # noqa: E402
+from tools import sync_counter, training  # noqa: E402
 
 STEPS, SEQ, MICRO = 4, 64, 4
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-6, "weight_decay": 0.1}
@@ -43,21 +44,21 @@ def _model(device, **overrides):
 
 
 def _batches(device, n=STEPS, rows=2 * MICRO):
-    return [(x.to(device), y.to(device)) for x, y in common.make_batches(n, rows, SEQ, 256, seed=1)]
+    return [(x.to(device), y.to(device)) for x, y in training.make_batches(n, rows, SEQ, 256, seed=1)]
 
 
 def _reference(device):
     import torch
     model = _model(device)
     opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
-    step = common.torch_step(model, opt, clip=1.0)
+    step = training.torch_step(model, opt, clip=1.0)
     losses = [step(x, y) for x, y in _batches(device)]
     return losses, {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
 
 
 def _engine(device, stage, gas, dtype="fp32", **zero):
     import zerotron
-    config = common.zerotron_config(2 * MICRO // gas, 1.0, adamw=ADAMW, gas=gas, zero_optimization={
+    config = training.zerotron_config(2 * MICRO // gas, 1.0, adamw=ADAMW, gas=gas, zero_optimization={
         "stage": stage, "stage3_param_persistence_threshold": 0, **zero})
     if dtype != "fp32":
         config[dtype] = {"enabled": True}
@@ -176,7 +177,7 @@ def host_syncs(device) -> dict:
                 torch.cuda.set_sync_debug_mode(0)
         where = [str(w.message).splitlines()[0][:160] for w in seen if "synchroniz" in str(w.message)]
     else:
-        with common.SyncCounter() as counter:
+        with sync_counter.SyncCounter() as counter:
             _train(engine, batches[1:])
         where = counter.where
     return {"count": len(where), "where": where[:20], "ok": len(where) <= 2}  # the step's agreement (+ the loss)
@@ -228,9 +229,9 @@ def _rerun_blocking(args, result) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rerun.json"
         env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1"}
-        code = ("import sys, json; sys.path.insert(0, %r); from bench import gpu_checks; import torch; "
+        code = ("import sys, json; sys.path.insert(0, %r); from tools.gpu import checks; import torch; "
                 "torch.use_deterministic_algorithms(True, warn_only=True); torch.backends.cuda.matmul.allow_tf32 = False; "
-                "json.dump(gpu_checks.zero_parity(torch.device('cuda', 0)), open(%r, 'w'))") % (str(ROOT), str(out))
+                "json.dump(checks.zero_parity(torch.device('cuda', 0)), open(%r, 'w'))") % (str(ROOT), str(out))
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             return {"ok": False, "error": proc.stderr[-800:]}

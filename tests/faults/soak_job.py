@@ -1,9 +1,9 @@
-"""One job of the soak test (bench/soak.py): the tiny GPT trained by a DeepSpeed-style script on 2
+"""One job of the soak test (tests/faults/soak.py): the tiny GPT trained by a DeepSpeed-style script on 2
 ranks, checkpointing every 2 steps and resuming from the newest checkpoint, with the fault it is
 told to inject. Batches are a function of the step, so a resumed run sees exactly the data an
 uninterrupted one would.
 
-    zerotron run -n 2 [--max-restarts K] bench/soak_job.py --save-dir D --steps N [fault flags]
+    zerotron run -n 2 [--max-restarts K] tests/faults/soak_job.py --save-dir D --steps N [fault flags]
 """
 import argparse
 import sys
