@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,12 @@ from .engine import Engine
 from .errors import BadBatchError, CollectiveMismatch, ConfigError, NonFiniteError, ZerotronError
 from .hf.takeover import hand_back, hold
 from .topology import Topology
-from . import checkpointing, error_report, hf, watchdog  # noqa: E402  (zerotron.checkpointing / zerotron.hf as DeepSpeed users expect)
+from . import activation_checkpointing, error_report, hf, watchdog  # noqa: F401 (zerotron.hf as DeepSpeed users expect)
+
+# `zerotron.checkpointing` is activation checkpointing under DeepSpeed's name (deepspeed.checkpointing);
+# the module's own name keeps it apart from checkpoint/ (saved training state).
+checkpointing = activation_checkpointing
+sys.modules[__name__ + ".checkpointing"] = activation_checkpointing
 
 __version__ = "0.1.0"
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "Config", "ConfigError", "Engine",

@@ -39,7 +39,7 @@ PATHS: dict[str, str] = {
     "runtime.zero": "zerotron.compat.runtime.zero",
     "runtime.zero.partition_parameters": "zerotron.compat.runtime.zero.partition_parameters",
     "runtime.activation_checkpointing": "zerotron.compat.runtime.activation_checkpointing",
-    "runtime.activation_checkpointing.checkpointing": "zerotron.checkpointing",  # as deepspeed.checkpointing
+    "runtime.activation_checkpointing.checkpointing": "zerotron.activation_checkpointing",  # as deepspeed.checkpointing
     "runtime.pipe": "zerotron.compat.runtime.pipe",
     "runtime.pipe.module": "zerotron.compat.runtime.pipe.module",
     "runtime.pipe.engine": "zerotron.compat.runtime.pipe.engine",
@@ -60,7 +60,7 @@ PATHS: dict[str, str] = {
     # zerotron's core, where DeepSpeed has the same top-level names
     "zero": "zerotron.zero",
     "pipe": "zerotron.pipe",
-    "checkpointing": "zerotron.checkpointing",
+    "checkpointing": "zerotron.activation_checkpointing",
     # ops: DeepSpeed's packages of one optimizer each are one module each in zerotron
     "ops": "zerotron.ops",
     "ops.adam": "zerotron.ops.adam",

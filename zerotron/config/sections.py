@@ -11,7 +11,7 @@ from ..errors import ConfigError
 from ..log import warn
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # zerotron/pipe/schedule.py builds each
-CHECKPOINT_POLICIES = ("none", "every_block", "every_k", "selective")  # zerotron/checkpointing.py applies each
+CHECKPOINT_POLICIES = ("none", "every_block", "every_k", "selective")  # zerotron/activation_checkpointing.py applies each
 
 AUTO = "auto"
 

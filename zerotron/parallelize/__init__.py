@@ -28,7 +28,7 @@ def parallelize(module, config, topology, tp_comm, device) -> None:
             if head is not None:  # before the probe runs the split model
                 adapter.use_split_head(module, head)
             module.to(device)  # the probe then runs the split model there, with its collectives
-    from .. import checkpointing
+    from .. import activation_checkpointing as checkpointing
     checkpointing.reset()
     checkpointing.configure(deepspeed_config=config, tp_comm=tp_comm)
     z = config.zerotron

@@ -171,7 +171,7 @@ class PipelineModule(nn.Module):
         funcs = self.chunks[chunk]
         interval = self.activation_checkpoint_interval
         if interval and self.training and torch.is_grad_enabled():
-            from ..checkpointing import checkpoint
+            from ..activation_checkpointing import checkpoint
             run = self.activation_checkpoint_func or checkpoint
             for start in range(0, len(funcs), interval):
                 group = funcs[start:start + interval]

@@ -38,7 +38,7 @@ def _walk():
     Engines first seen in one walk are ordered by when they last reset their step clock, which
     for a new engine is the end of its construction."""
     global _walked_at
-    from ... import checkpointing
+    from ... import activation_checkpointing as checkpointing
     settings = checkpointing._settings
     if settings is _walked_at:
         return

@@ -2,7 +2,7 @@
 (one module object, so its configure() settings are the engine's)."""
 import sys
 
-from .... import checkpointing
+from .... import activation_checkpointing as checkpointing
 
 sys.modules[__name__ + ".checkpointing"] = checkpointing
 
