@@ -165,10 +165,10 @@ def _train_varying_lengths(schedule):
     engine, *_ = zerotron.initialize(model=module, config=ds_config(1, 2, pipeline={"schedule": schedule}))
     posted, post = [], engine.p2p._post
 
-    def counting(kind, src, dst, ops):  # every activation message this rank posts (a send or a receive)
+    def counting(kind, src, dst, ops, **how):  # every activation message this rank posts (a send or a receive)
         if kind == "act":
             posted.append(len(ops))
-        return post(kind, src, dst, ops)
+        return post(kind, src, dst, ops, **how)
     engine.p2p._post = counting
     losses, messages = [], []
     for step, batch in enumerate(_batches_of_varying_length()):

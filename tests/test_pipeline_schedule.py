@@ -93,6 +93,12 @@ def test_interleaved_bounds_activations_in_flight():
         assert peak <= (p - s - 1) * 2 + (v - 1) * p + 1 < m * v
 
 
+def test_interleaved_is_refused_without_model_chunks():
+    from zerotron.errors import ConfigError
+    with pytest.raises(ConfigError, match="pipeline.schedule.*num_virtual_stages=2 or more"):
+        build_schedule("interleaved", 2, 4, 1)
+
+
 def test_interleaved_needs_whole_rounds_of_micro_batches():
     with pytest.raises(ValueError, match="multiple of the pipeline stages"):
         build_schedule("interleaved", 4, 6, 2)

@@ -99,27 +99,27 @@ def test_overlap_trains_as_plain_tensor_parallelism_and_one_process(world, tp, s
         torch.testing.assert_close(overlapped["logits"], plain["logits"], rtol=1e-5, atol=1e-5)
 
 
-def _halves_alive_after_steps(steps=3):
-    """How many of overlap's per-call Half records are still alive after each training step (they
+def _spans_alive_after_steps(steps=3):
+    """How many of overlap's per-call Span handles are still alive after each training step (they
     join a block's two halves to the autograd graph: one kept past its step would keep the step's
     activations and graph with it)."""
     import gc
-    from zerotron.parallel.overlap import Half
+    from zerotron.parallel.overlap import Span
     engine, *_ = zerotron.initialize(model=make_model(n_kv_head=4, n_layer=LAYERS),
                                      config=ds_config(2, 1, tensor_parallel={"autotp_size": 2, "tp_overlap_comm": True}))
     alive = []
     for b in global_batches(steps, 2):
         engine.train_batch(iter(micro_batches(b, 0, 1, 1)))
         gc.collect()
-        alive.append(sum(isinstance(o, Half) for o in gc.get_objects()))
+        alive.append(sum(isinstance(o, Span) for o in gc.get_objects()))
     return alive
 
 
 def test_nothing_of_a_step_outlives_it():
-    for alive in run_ranks(_halves_alive_after_steps, 2):
-        # at most the last step's (its graph lives while the engine keeps its loss): 2 halves of 2
-        # blocks per layer; never more as steps go by
-        assert alive == [2 * 2 * LAYERS] * 3
+    for alive in run_ranks(_spans_alive_after_steps, 2):
+        # at most the last step's (its graph lives while the engine keeps its loss): an entry and an
+        # exit for each of 2 halves of 2 blocks per layer; never more as steps go by
+        assert alive == [2 * 2 * 2 * LAYERS] * 3
 
 
 def _pipeline(overlap):

@@ -98,11 +98,19 @@ class Comm:
     def reset_stats(self):
         self.bytes.clear()
 
-    # Every collective goes through _issue: `call(outputs)` issues the backend operation writing
-    # into `outputs` and returns its work. Under strict mode (ZEROTRON_STRICT_COMM=1, for tests) an
-    # asynchronous operation writes into scratch buffers that reach `outputs` only at wait(), as
-    # NCCL's outputs are valid only then: code that reads a buffer before waiting reads stale values.
-    def _issue(self, op: str, call, tensors: tuple, outputs: tuple, async_op: bool, in_place: bool = False):
+    def count_into(self, other: "Comm") -> None:
+        """Count this group's bytes in `other`'s counters (a pipeline's stage-to-stage flows, one
+        group each, report as the pipeline group)."""
+        self.bytes = other.bytes
+
+    # Every operation goes through _issue: `call(outputs)` issues the backend operation writing
+    # into `outputs` and returns its work (a list of works for a point-to-point batch). Under strict
+    # mode (ZEROTRON_STRICT_COMM=1, for tests) an asynchronous operation writes into scratch buffers
+    # that reach `outputs` only at wait(), as NCCL's outputs are valid only then: code that reads a
+    # buffer before waiting reads stale values. `details`: what the watchdog says of each operation
+    # (default: one operation, described by its first tensor's dtype and shape).
+    def _issue(self, op: str, call, tensors: tuple, outputs: tuple, async_op: bool, in_place: bool = False,
+               details: list[str] | None = None):
         if strict():
             _first_operation(self)
             for t in tensors:
@@ -112,17 +120,19 @@ class Comm:
         if deferred:
             targets = tuple(o.clone() if in_place else torch.empty_like(o) for o in outputs)
         watch = watchdog.get() if self.size > 1 else None
-        record = None
+        records = []
         if watch is not None:
-            shape = next((t for t in tensors if t is not None), None)
-            detail = "" if shape is None else f"{str(shape.dtype).removeprefix('torch.')}{list(shape.shape)}"
-            record = watch.begin(op, f"{self.name}{self.ranks}", self.ranks, detail)
+            if details is None:
+                shape = next((t for t in tensors if t is not None), None)
+                details = ["" if shape is None else f"{str(shape.dtype).removeprefix('torch.')}{list(shape.shape)}"]
+            records = [watch.begin(op, f"{self.name}{self.ranks}", self.ranks, d) for d in details]
         work = call(targets)
         if not async_op:
-            if watch is not None:
+            for record in records:
                 watch.end(record)
             return work
-        return Work([work], watch, [record], list(zip(targets, outputs)) if deferred else [])
+        return Work(work if isinstance(work, list) else [work], watch, records,
+                    list(zip(targets, outputs)) if deferred else [])
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False):
         self._count("all_reduce", tensor)
@@ -172,31 +182,25 @@ class Comm:
     def barrier(self):
         self._issue("barrier", lambda o: dist.barrier(group=self.group), (), (), False)
 
-    def batch_p2p(self, ops: list) -> "Work":
+    def batch_p2p(self, ops: list, header: int = 0) -> "Work":
         """Post point-to-point sends and receives together. Returns one work for the whole batch,
-        as NCCL coalesces them (gloo gives one per operation): waiting on it waits for every one."""
-        if strict():
-            _first_operation(self)
-            for o in ops:
-                check_device(o.tensor, "p2p", self)
-        deferred = []
-        if strict():  # a receive's buffer is written at wait(), not before
-            posted = []
-            for o in ops:
-                if o.op in (dist.irecv, dist.recv):
-                    scratch = torch.empty_like(o.tensor)
-                    deferred.append((scratch, o.tensor))
-                    o = dist.P2POp(o.op, scratch, o.peer, o.group, o.tag)
-                posted.append(o)
-            ops = posted
-        watch = watchdog.get() if self.size > 1 else None
-        records = []
-        if watch is not None:
-            for o in ops:
-                kind = "send to" if o.op in (dist.isend, dist.send) else "recv from"
-                records.append(watch.begin("p2p", f"{self.name}{self.ranks}", self.ranks, f"{kind} rank {o.peer}"))
-        works = dist.batch_isend_irecv(ops)
-        return Work(works, watch, records, deferred)
+        as NCCL coalesces them (gloo gives one per operation): waiting on it waits for every one.
+        The sends' bytes count as "p2p", except the first `header` operations' (a description of
+        the others, such as a pipeline message's header)."""
+        for o in ops[header:]:
+            if o.op in (dist.isend, dist.send):
+                self._count("p2p", o.tensor)
+        receives = [i for i, o in enumerate(ops) if o.op in (dist.irecv, dist.recv)]
+
+        def post(buffers):  # a receive's buffer may be a scratch one (strict mode), written at wait()
+            landing = dict(zip(receives, buffers))
+            return dist.batch_isend_irecv([o if landing.get(i, o.tensor) is o.tensor else
+                                           dist.P2POp(o.op, landing[i], o.peer, o.group, o.tag)
+                                           for i, o in enumerate(ops)])
+
+        details = [f"{'send to' if o.op in (dist.isend, dist.send) else 'recv from'} rank {o.peer}" for o in ops]
+        return self._issue("p2p", post, tuple(o.tensor for o in ops), tuple(ops[i].tensor for i in receives), True,
+                           details=details)
 
 
 def strict() -> bool:

@@ -42,9 +42,6 @@ class PipelineEngine(Engine):
                               "checkpointed block twice (for B, then for W), which selective checkpointing does not "
                               "allow; use every_block or every_k, or the 1f1b schedule")
         chunks = module.num_virtual_stages
-        if config.pipeline.schedule == "interleaved" and chunks == 1:
-            raise ConfigError("pipeline.schedule", "interleaved", "the interleaved schedule needs "
-                              "PipelineModule(num_virtual_stages=2 or more); or use '1f1b'")
         build_schedule(config.pipeline.schedule, topology.pp, config.gradient_accumulation_steps, chunks)  # refused now
         self.stage, self.stages, self.chunks = topology.coords(dist.get_rank()).pp, topology.pp, chunks
         if module.stage_id != self.stage:

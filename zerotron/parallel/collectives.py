@@ -7,8 +7,14 @@ conjugate in backward (Megatron's f / g operators and their sequence-parallel ve
     gather_sequence       forward: all-gather(seq) backward: reduce-scatter(seq)
     scatter_sequence      forward: reduce-scatter  backward: all-gather(seq)
     split_sequence        forward: take own slice  backward: all-gather(seq)
+
+Each pair is data (`Conjugates`: two `Collective`s, each started without waiting and finished by
+waiting on its `Pending`), run by one autograd function; the two-halves overlap (overlap.py) runs
+the same pairs with the start and the wait at two points of the graph.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,135 +38,139 @@ class Pending:
         return self.result
 
 
-def start_all_gather(x: torch.Tensor, comm: Comm, dim: int) -> Pending:
-    """All-gather `x` along `dim` without waiting; the result is a view (not contiguous)."""
-    x = x.movedim(dim, 0).contiguous()
-    out = torch.empty((comm.size * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
-    return Pending(comm.all_gather_flat(out, x, async_op=True), out.movedim(0, dim), x)
+class Collective:
+    """One collective over a tensor-parallel group, started without waiting: `start(x, comm)`
+    returns its Pending. The plain path is `start(...).wait()`; the overlap (parallel/overlap.py)
+    starts at one point of the graph and waits at another."""
+
+    def start(self, x: torch.Tensor, comm: Comm) -> Pending:
+        raise NotImplementedError
+
+    def finish(self, pending: Pending) -> torch.Tensor:
+        """The result, once there."""
+        return pending.wait()
 
 
-def start_reduce_scatter(x: torch.Tensor, comm: Comm, dim: int) -> Pending:
-    """Sum `x` over the group and keep this rank's part along `dim`, without waiting (a view)."""
-    x = x.movedim(dim, 0).contiguous()
-    if x.shape[0] % comm.size:
-        raise ValueError(f"dimension of size {x.shape[0]} does not split over {comm.size} tensor-parallel ranks")
-    out = torch.empty((x.shape[0] // comm.size,) + x.shape[1:], dtype=x.dtype, device=x.device)
-    return Pending(comm.reduce_scatter_flat(out, x, async_op=True), out.movedim(0, dim), x)
+class _AsIs(Collective):
+    """No communication: the tensor as it is."""
+
+    def start(self, x, comm):
+        return Pending(None, x, None)
 
 
-def start_all_reduce(x: torch.Tensor, comm: Comm) -> Pending:
-    """Sum `x` over the group in place (x must be a tensor nothing else reads), without waiting."""
-    x = x.contiguous()
-    return Pending(comm.all_reduce(x, async_op=True), x, x)
+class _AllReduce(Collective):
+    """The sum over the group, into a copy (the input may be read by others)."""
+
+    def start(self, x, comm):
+        x = x.clone().contiguous()
+        return Pending(comm.all_reduce(x, async_op=True), x, x)
 
 
-def _all_gather(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
-    # Contiguous once here: otherwise each linear that consumes it (q, k and v) copies it for its
-    # matmul and keeps its own copy for backward.
-    return start_all_gather(x, comm, dim).wait().contiguous()
+class _AllGather(Collective):
+    """The parts of every rank along `dim`; the result is a view (not contiguous)."""
+
+    def __init__(self, dim: int):
+        self.dim = dim
+
+    def start(self, x, comm):
+        x = x.movedim(self.dim, 0).contiguous()
+        out = torch.empty((comm.size * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
+        return Pending(comm.all_gather_flat(out, x, async_op=True), out.movedim(0, self.dim), x)
+
+    def finish(self, pending):
+        # Contiguous once here: a gathered tensor is read by compute, and otherwise each linear that
+        # consumes it (q, k and v) copies it for its matmul and keeps its own copy for backward.
+        return pending.wait().contiguous()
 
 
-def _reduce_scatter(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
-    return start_reduce_scatter(x, comm, dim).wait().contiguous()
+class _ReduceScatter(Collective):
+    """The sum over the group, of which this rank keeps its part along `dim` (a view)."""
+
+    def __init__(self, dim: int):
+        self.dim = dim
+
+    def start(self, x, comm):
+        x = x.movedim(self.dim, 0).contiguous()
+        _check_splits(x.shape[0], comm)
+        out = torch.empty((x.shape[0] // comm.size,) + x.shape[1:], dtype=x.dtype, device=x.device)
+        return Pending(comm.reduce_scatter_flat(out, x, async_op=True), out.movedim(0, self.dim), x)
 
 
-def _own_slice(x: torch.Tensor, comm: Comm, dim: int) -> torch.Tensor:
-    if x.shape[dim] % comm.size:
-        raise ValueError(f"dimension of size {x.shape[dim]} does not split over {comm.size} tensor-parallel ranks")
-    return x.chunk(comm.size, dim=dim)[comm.rank].contiguous()
+class _OwnPart(Collective):
+    """No communication: this rank's part along `dim`."""
+
+    def __init__(self, dim: int):
+        self.dim = dim
+
+    def start(self, x, comm):
+        _check_splits(x.shape[self.dim], comm)
+        return Pending(None, x.chunk(comm.size, dim=self.dim)[comm.rank].contiguous(), None)
 
 
-def _all_reduce(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    return start_all_reduce(x, comm).wait()
+def _check_splits(n: int, comm: Comm):
+    if n % comm.size:
+        raise ValueError(f"dimension of size {n} does not split over {comm.size} tensor-parallel ranks")
 
 
-class _CopyToRegion(torch.autograd.Function):
+@dataclass(frozen=True)
+class Conjugates:
+    """A forward collective and the one backward runs on its gradient."""
+    forward: Collective
+    backward: Collective
+
+
+AS_IS, ALL_REDUCE = _AsIs(), _AllReduce()
+COPY_IN = Conjugates(AS_IS, ALL_REDUCE)
+REDUCE_OUT = Conjugates(ALL_REDUCE, AS_IS)
+GATHER_LAST_DIM = Conjugates(_AllGather(-1), _OwnPart(-1))
+GATHER_SEQUENCE = Conjugates(_AllGather(1), _ReduceScatter(1))   # (the sequence dimension of (batch, seq, ...))
+SCATTER_SEQUENCE = Conjugates(_ReduceScatter(1), _AllGather(1))
+
+
+def _run(collective: Collective, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    return collective.finish(collective.start(x, comm)).contiguous()
+
+
+class _Conjugate(torch.autograd.Function):
+    """The forward collective of `pair` on x; its backward collective on the gradient."""
+
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x
+    def forward(ctx, x, pair: Conjugates, comm):
+        ctx.pair, ctx.comm = pair, comm
+        return _run(pair.forward, x, comm)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.clone(), ctx.comm), None
+        return _run(ctx.pair.backward, grad, ctx.comm), None, None
 
 
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        return _all_reduce(x.clone(), comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _GatherLastDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _all_gather(x, comm, -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _own_slice(grad, ctx.comm, -1), None
-
-
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return _all_gather(x, comm, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.comm, ctx.dim), None, None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return _reduce_scatter(x, comm, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.comm, ctx.dim), None, None
-
-
-class _SplitSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return _own_slice(x, comm, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.comm, ctx.dim), None, None
+def conjugate(x, pair: Conjugates, comm: Comm):
+    """x through `pair` (nothing to do on a group of one)."""
+    return _Conjugate.apply(x, pair, comm) if comm.size > 1 else x
 
 
 def copy_to_region(x, comm: Comm):
-    return _CopyToRegion.apply(x, comm) if comm.size > 1 else x
+    return conjugate(x, COPY_IN, comm)
 
 
 def reduce_from_region(x, comm: Comm):
-    return _ReduceFromRegion.apply(x, comm) if comm.size > 1 else x
+    return conjugate(x, REDUCE_OUT, comm)
 
 
 def gather_last_dim(x, comm: Comm):
-    return _GatherLastDim.apply(x, comm) if comm.size > 1 else x
+    return conjugate(x, GATHER_LAST_DIM, comm)
 
 
 def gather_sequence(x, comm: Comm, dim: int = 1):
-    return _GatherSequence.apply(x, comm, dim) if comm.size > 1 else x
+    return conjugate(x, Conjugates(_AllGather(dim), _ReduceScatter(dim)), comm)
 
 
 def scatter_sequence(x, comm: Comm, dim: int = 1):
-    return _ScatterSequence.apply(x, comm, dim) if comm.size > 1 else x
+    return conjugate(x, Conjugates(_ReduceScatter(dim), _AllGather(dim)), comm)
 
 
 def split_sequence(x, comm: Comm, dim: int = 1):
-    return _SplitSequence.apply(x, comm, dim) if comm.size > 1 else x
+    return conjugate(x, Conjugates(_OwnPart(dim), _AllGather(dim)), comm)
 
 
 def all_reduce_max(x: torch.Tensor, comm: Comm) -> torch.Tensor:

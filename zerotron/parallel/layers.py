@@ -8,14 +8,16 @@ row layer: the same bytes, with 1/tp of the activation memory in those regions.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm import Comm
 from ..errors import ConfigError
-from .collectives import (all_reduce_max, copy_to_region, gather_last_dim, gather_sequence, reduce_from_region,
-                          scatter_sequence, split_sequence)
+from .collectives import (COPY_IN, GATHER_SEQUENCE, REDUCE_OUT, SCATTER_SEQUENCE, Conjugates, all_reduce_max,
+                          conjugate, gather_last_dim, split_sequence)
 from .split import local_part
 
 
@@ -54,33 +56,56 @@ class Region:
     (q, k and v; gate and up): the input is copied in (or sequence-gathered) once, so backward sums
     their gradients first and pays one all-reduce (or reduce-scatter), as a fused QKV would.
 
-    `half`: set while a "region" module runs one half of its batch (tensor_parallel.tp_overlap_comm,
-    parallel/overlap.py), which enters and exits around that half itself: then the column layers
-    read their input as it comes and the row layer hands back its partial sums.
+    `entering` / `exiting`: what the column layers' input and the row layer's output go through:
+    the collective pairs of `pairs()`, except while a "region" module runs one half of its batch
+    (tensor_parallel.tp_overlap_comm, parallel/overlap.py), which runs them itself around the half
+    (`collectives_outside`): then the column layers read their input as it comes.
     """
 
     def __init__(self, comm: Comm, sequence_parallel: bool):
         self.comm, self.sequence_parallel = comm, sequence_parallel
         self.split = False
         self.last_in, self.last_out = None, None
-        self.half = None
+        self.entering, self.exiting = self._enter, self._exit
 
     def start(self, seq_len: int):
         self.split = self.sequence_parallel and seq_len % self.comm.size == 0
 
+    def pairs(self) -> tuple[Conjugates, Conjugates]:
+        """The entry's and the exit's collective pairs in this forward."""
+        return (GATHER_SEQUENCE, SCATTER_SEQUENCE) if self.split else (COPY_IN, REDUCE_OUT)
+
     def enter(self, x):
-        if self.half is not None:
-            return x
-        if x is not self.last_in:
-            enter = gather_sequence if self.split else copy_to_region
-            self.last_in, self.last_out = x, enter(x, self.comm)
-        return self.last_out
+        return self.entering(x)
 
     def exit(self, y):
-        if self.half is not None:
-            self.half.exit_in = y
-            return y
-        return scatter_sequence(y, self.comm) if self.split else reduce_from_region(y, self.comm)
+        return self.exiting(y)
+
+    def _enter(self, x):
+        if x is not self.last_in:
+            self.last_in, self.last_out = x, conjugate(x, self.pairs()[0], self.comm)
+        return self.last_out
+
+    def _exit(self, y):
+        return conjugate(y, self.pairs()[1], self.comm)
+
+    @property
+    def collectives_inside(self) -> bool:
+        return self.exiting == self._exit
+
+    @contextlib.contextmanager
+    def collectives_outside(self, exiting):
+        """The modules run without the region's collectives: the column layers read their input as
+        it comes, the row layer's output goes to `exiting`."""
+        self.entering, self.exiting = _as_is, exiting
+        try:
+            yield
+        finally:
+            self.entering, self.exiting = self._enter, self._exit
+
+
+def _as_is(x):
+    return x
 
 
 def transposed(module) -> bool:

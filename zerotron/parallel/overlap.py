@@ -12,6 +12,12 @@ other, and each half's collectives are issued without waiting:
     backward  [gather 1, gather 0 of the gradient: sequence parallel]  half 1  |entry 1|  half 0
               |entry 0|  split    (entry 1's all-reduce / reduce-scatter runs under half 0's backward)
 
+Each collective pair (collectives.Conjugates: the region's entry and exit, plain or sequence
+parallel) runs between two points of the graph as a `Span`, the handle both points keep in their
+autograd context: forward, `_Start` starts the collective and `_Finish` waits for it; backward,
+`_Finish` starts the conjugate on the gradient and `_Start` waits. The entries of both halves start
+in one `_Start` node (at the split) and the exits finish in one `_Finish` node (at the join).
+
 The order in backward comes from autograd itself: the split and the join are single nodes with
 two inputs/outputs, so backward runs half 1's chain down to its entry (launching its collective),
 then half 0's, and only then the split, which waits. What stays exposed per region and direction
@@ -22,8 +28,8 @@ math row by row; a batch of one sequence runs whole (nothing to split).
 What a region must be, checked when the plan is applied: its first argument is the input of its
 column layers (nothing replicated-but-split happens in between), its output is its one row layer's
 output unchanged (a bias added after the sum would be added per half before it), and its other
-arguments are the same for every row of the batch (the reference GPT's rotary tables). Collectives
-in flight are waited on only by the split and the join, which alone receive their results.
+arguments are the same for every row of the batch (the reference GPT's rotary tables). A collective
+in flight is waited on only by the point that receives its result.
 """
 from __future__ import annotations
 
@@ -32,99 +38,64 @@ import torch.nn as nn
 
 from ..comm import Comm
 from ..errors import ConfigError
-from .collectives import start_all_gather, start_all_reduce, start_reduce_scatter
+from .collectives import Conjugates
 
 
-class Half:
-    """One half of a region's batch: its collectives in flight (collectives.Pending) and the row
-    layer's output (`exit_in`, recorded by Region.exit)."""
+class Span:
+    """One half's collective pair between two points of the graph: forward, the first starts the
+    pair's collective and the second waits for it; backward, the second starts the conjugate on
+    the gradient and the first waits. At most one collective is in flight, and a span holds no
+    tensor once it is waited on (the graph holds the span: holding the graph's tensors back would
+    keep a step's graph alive past it)."""
 
-    def __init__(self):
-        self.entry = self.entry_grad = self.exit = self.exit_grad = None
-        self.exit_in = None
+    def __init__(self, pair: Conjugates, comm: Comm):
+        self.pair, self.comm = pair, comm
+        self.collective, self.pending = None, None
+
+    def start(self, x: torch.Tensor, backward: bool = False) -> torch.Tensor:
+        """Start the forward collective (or backward's) on x: its result, to be read only after finish()."""
+        self.collective = self.pair.backward if backward else self.pair.forward
+        self.pending = self.collective.start(x, self.comm)
+        return self.pending.result
+
+    def finish(self) -> torch.Tensor | None:
+        """The result of the collective in flight (None when none was started)."""
+        pending, self.pending = self.pending, None
+        return None if pending is None else self.collective.finish(pending)
+
+    def started(self, result: torch.Tensor) -> bool:
+        return self.pending is not None and self.pending.result is result
 
 
-class _Split(torch.autograd.Function):
-    """x -> its two halves along the batch. Backward waits for both halves' entry collectives."""
+class _Start(torch.autograd.Function):
+    """The first point of each span: starts its forward collective. Backward waits for the
+    conjugate its _Finish started (nothing reaches a half no gradient reached)."""
 
     @staticmethod
-    def forward(ctx, x, halves):
-        ctx.halves = halves
-        parts = x.tensor_split(2, dim=0)
-        ctx.shapes = [p.shape for p in parts]
-        return parts
+    def forward(ctx, spans, *xs):
+        ctx.spans = spans
+        return tuple(span.start(x) for span, x in zip(spans, xs))
 
     @staticmethod
     def backward(ctx, *grads):
-        out = []
-        for h, g, shape in zip(ctx.halves, grads, ctx.shapes):
-            if h.entry_grad is not None:
-                g = h.entry_grad.wait()
-                h.entry_grad = None
-            out.append(g if g is not None else torch.zeros(shape, dtype=grads[0].dtype, device=grads[0].device))
-        return torch.cat(out, dim=0), None
+        return (None,) + tuple(span.finish() for span in ctx.spans)
 
 
-class _EnterHalf(torch.autograd.Function):
-    """A half enters the region: identity (plain) or the all-gather started ahead (sequence
-    parallel). Backward issues the conjugate collective and hands its future result to _Split."""
+class _Finish(torch.autograd.Function):
+    """The second point of each span: waits for its forward collective. Backward starts the
+    conjugate on each gradient, last span first (half 1 runs its backward first)."""
 
     @staticmethod
-    def forward(ctx, x, comm, half, sequence):
-        ctx.comm, ctx.half, ctx.sequence = comm, half, sequence
-        if not sequence:
-            return x
-        gathered = half.entry.wait().contiguous()
-        half.entry = None
-        return gathered
+    def forward(ctx, spans, *started):
+        ctx.spans = spans
+        return tuple(span.finish() for span in spans)
 
     @staticmethod
-    def backward(ctx, grad):
-        comm, half = ctx.comm, ctx.half
-        half.entry_grad = start_reduce_scatter(grad, comm, 1) if ctx.sequence else start_all_reduce(grad.clone(), comm)
-        return half.entry_grad.result, None, None, None
-
-
-class _ExitHalf(torch.autograd.Function):
-    """A half leaves the region: its all-reduce (reduce-scatter) issued, its future result handed
-    to _Join. Backward: identity (plain) or the gradient's all-gather _Join started (sequence)."""
-
-    @staticmethod
-    def forward(ctx, y, comm, half, sequence):
-        ctx.half, ctx.sequence = half, sequence
-        half.exit = start_reduce_scatter(y, comm, 1) if sequence else start_all_reduce(y.clone(), comm)
-        return half.exit.result
-
-    @staticmethod
-    def backward(ctx, grad):
-        if not ctx.sequence:
-            return grad, None, None, None
-        gathered = ctx.half.exit_grad.wait().contiguous()
-        ctx.half.exit_grad = None
-        return gathered, None, None, None
-
-
-class _Join(torch.autograd.Function):
-    """The halves' outputs, waited on, joined along the batch. Backward splits the gradient and,
-    sequence parallel, starts both halves' all-gathers at once (half 0's runs under half 1)."""
-
-    @staticmethod
-    def forward(ctx, first, second, halves, comm, sequence):
-        ctx.halves, ctx.comm, ctx.sequence = halves, comm, sequence
-        ctx.sizes = [first.shape[0], second.shape[0]]
-        outs = []
-        for h in halves:
-            outs.append(h.exit.wait())
-            h.exit = None
-        return torch.cat(outs, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        parts = grad.split(ctx.sizes, dim=0)
-        if ctx.sequence:
-            for h, g in zip(reversed(ctx.halves), reversed(parts)):  # in the order backward uses them
-                h.exit_grad = start_all_gather(g, ctx.comm, 1)
-        return parts[0], parts[1], None, None, None
+    def backward(ctx, *grads):
+        for span, grad in reversed(list(zip(ctx.spans, grads))):
+            if grad is not None:
+                span.start(grad, backward=True)
+        return (None,) + grads  # (what _Start receives is not read: it waits for the conjugates)
 
 
 def split_batch(module: nn.Module, region, comm: Comm, name: str) -> None:
@@ -133,28 +104,22 @@ def split_batch(module: nn.Module, region, comm: Comm, name: str) -> None:
     forward = module.forward
 
     def run(x, *args, **kwargs):
-        if region.half is not None or not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] < 2:
+        if not region.collectives_inside or not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] < 2:
             return forward(x, *args, **kwargs)
-        sequence = region.split
-        halves = (Half(), Half())
-        parts = _Split.apply(x, halves)
-        if sequence:  # both gathers start now: the second runs under the first half's compute
-            for h, part in zip(halves, parts):
-                h.entry = start_all_gather(part.detach(), comm, 1)
+        entry, exit = region.pairs()
+        entries, exits = (Span(entry, comm), Span(entry, comm)), (Span(exit, comm), Span(exit, comm))
+        # both entries start now: with sequence parallelism, the second gather runs under half 0
+        entered = _Start.apply(entries, *x.tensor_split(2, dim=0))
         outs = []
-        for h, part in zip(halves, parts):
-            region.half = h
-            try:
-                y = forward(_EnterHalf.apply(part, comm, h, sequence), *args, **kwargs)
-            finally:
-                region.half = None
-            if y is not h.exit_in:
+        for i, part in enumerate(entered):
+            with region.collectives_outside(lambda y: _Start.apply((exits[i],), y)[0]):
+                y = forward(_Finish.apply((entries[i],), part)[0], *args, **kwargs)
+            if not exits[i].started(y):
                 raise RuntimeError(f"tensor_parallel.tp_overlap_comm: {name} ({type(module).__name__}) must return its "
                                    "row-parallel layer's output unchanged to run in two halves; leave it out of the "
                                    "plan's \"region\" entries")
-            h.exit_in = None  # y's graph holds h: keeping y here too would be a cycle kept past the step
-            outs.append(_ExitHalf.apply(y, comm, h, sequence))
-        return _Join.apply(*outs, halves, comm, sequence)
+            outs.append(y)
+        return torch.cat(_Finish.apply(exits, *outs), dim=0)
 
     module.forward = run
 

@@ -72,22 +72,25 @@ class P2P:
     which point-to-point operations complete in order and block until matched, so two flows sharing
     one would make the stages wait on each other (interleaved schedules deadlock that way; see
     tests/test_pipeline_schedule.py). Within one flow, messages are received in the order they are
-    sent, which the schedules guarantee. `flows[(kind, src, dst)]` is the Comm of a flow; `stats`
-    the Comm whose counters add up the bytes."""
+    sent, which the schedules guarantee. `flows[(kind, src, dst)]` is the Comm of a flow; every
+    flow counts the bytes it sends in `stats` (a message's tensors, not its header)."""
 
     def __init__(self, device, flows: dict, stats):
-        self.device, self.flows, self.stats = device, flows, stats
+        self.device, self.flows = device, flows
+        for comm in flows.values():
+            comm.count_into(stats)
         self.rank = dist.get_rank()
         self._sends: list = []
         self._sent_meta: dict = {}      # receiving virtual stage -> [(dtype, shape)] its buffers expect
         self._received_meta: dict = {}  # receiving virtual stage -> what the last header said
 
-    def _post(self, kind: str, src: int, dst: int, ops):
+    def _post(self, kind: str, src: int, dst: int, ops, header: int = 0):
+        """Post `ops` ((isend or irecv, tensor) pairs) on the flow; the first `header` carry a header."""
         if not ops:
             return _NOTHING
         comm = self.flows[(kind, src, dst)]
         return comm.batch_p2p([dist.P2POp(op, t, dst if op is dist.isend else src, group=comm.group)
-                               for op, t in ops])
+                               for op, t in ops], header=header)
 
     # ---- sending ----------------------------------------------------------------------------
     def send_activation(self, tensors: tuple, dst: int, vstage: int, first: bool):
@@ -118,10 +121,8 @@ class P2P:
 
     def _send(self, kind, dst, tensors, header=None):
         ops = ([] if header is None else [(dist.isend, header)]) + [(dist.isend, t.contiguous()) for t in tensors]
-        for t in tensors:
-            self.stats._count("p2p", t)
         # a send's buffer may be reused only once it completed: waited for at the end of the batch
-        self._sends.append(self._post(kind, self.rank, dst, ops))
+        self._sends.append(self._post(kind, self.rank, dst, ops, header=int(header is not None)))
 
     # ---- receiving --------------------------------------------------------------------------
     def post_activation(self, src: int, vstage: int, first: bool) -> "Incoming":
@@ -133,8 +134,19 @@ class P2P:
                             [rg for _, rg, _ in known])
         header = torch.empty(HEADER_NUMEL, dtype=torch.int64, device=self.device)
         guess = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in known or []]
-        work = self._post("act", src, self.rank, [(dist.irecv, header)] + [(dist.irecv, t) for t in guess])
-        return _HeaderedIncoming(self, src, vstage, work, header, guess)
+        work = self._post("act", src, self.rank, [(dist.irecv, header)] + [(dist.irecv, t) for t in guess], header=1)
+        return _HeaderedIncoming(work, header, lambda meta: self._after_header(src, vstage, meta, guess))
+
+    def _after_header(self, src: int, vstage: int, meta: list, arrived: list) -> "Incoming":
+        """The tensors of an activation whose header said `meta`: those that `arrived` with it when
+        their shapes fit, else (new shapes, or the first batch: stand-ins arrived) a receive posted
+        now for the tensors the sender sends next."""
+        self._received_meta[vstage] = meta
+        requires_grad = [rg for _, rg, _ in meta]
+        if [(t.dtype, tuple(t.shape)) for t in arrived] == [(d, s) for d, _, s in meta]:
+            return Incoming(_NOTHING, arrived, requires_grad)
+        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in meta]
+        return Incoming(self._post("act", src, self.rank, [(dist.irecv, t) for t in buffers]), buffers, requires_grad)
 
     def post_gradient(self, like: list[torch.Tensor], src: int) -> "Incoming":
         """Post the receive of the gradients of `like` (what this stage sent)."""
@@ -161,23 +173,16 @@ class Incoming:
         return tuple(self.buffers)
 
 
-class _HeaderedIncoming(Incoming):
-    """The first activation of a batch: a header, and buffers shaped as the last batch's tensors."""
+class _HeaderedIncoming:
+    """The first activation of a batch: a header, and buffers shaped as the last batch's tensors.
+    `then(meta)` (P2P's) says where the tensors are once the header is read."""
 
-    def __init__(self, p2p: P2P, src: int, vstage: int, work, header, guess: list):
-        super().__init__(work, guess)
-        self.p2p, self.src, self.vstage, self.header = p2p, src, vstage, header
+    def __init__(self, work, header, then):
+        self.work, self.header, self.then = work, header, then
 
     def wait(self) -> tuple:
         self.work.wait()
-        meta = decode_header(self.header)  # only after the wait: before it, nothing is there
-        self.p2p._received_meta[self.vstage] = meta
-        self.requires_grad = [rg for _, rg, _ in meta]
-        if [(t.dtype, tuple(t.shape)) for t in self.buffers] != [(d, s) for d, _, s in meta]:
-            # new shapes (or the first batch): what arrived were stand-ins; the tensors follow
-            self.buffers = [torch.empty(shape, dtype=dtype, device=self.p2p.device) for dtype, _, shape in meta]
-            self.work = self.p2p._post("act", self.src, self.p2p.rank, [(dist.irecv, t) for t in self.buffers])
-        return super().wait()
+        return self.then(decode_header(self.header)).wait()  # the header is read only after the wait
 
 
 class Inbox:

@@ -56,6 +56,9 @@ def build_schedule(name: str, stages: int, micro_batches: int, chunks: int = 1) 
         return [_zb_h1(s, stages, micro_batches) for s in range(stages)]
     if name == "1f1b" and chunks == 1:
         return [_one_f_one_b(s, stages, micro_batches) for s in range(stages)]
+    if name == "interleaved" and chunks == 1:
+        raise ConfigError("pipeline.schedule", "interleaved", "the interleaved schedule needs "
+                          "PipelineModule(num_virtual_stages=2 or more); or use '1f1b'")
     if micro_batches % stages:
         raise ConfigError("gradient_accumulation_steps", micro_batches,
                           f"the interleaved schedule takes micro-batches {stages} at a time: use a multiple of the "
