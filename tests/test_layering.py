@@ -155,7 +155,7 @@ def test_a_split_head_goes_only_to_a_model_that_takes_its_loss():
     import pytest
     import torch.nn as nn
     from zerotron.errors import ConfigError
-    from zerotron.parallel.tensor import SplitHead
+    from zerotron.tensor_parallel.tensor import SplitHead
     from zerotron.parallelize import adapter_for
     head = SplitHead(loss_fn=object(), output_fn=object())
     with pytest.raises(ConfigError, match="column_gathered"):

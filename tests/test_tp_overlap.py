@@ -104,7 +104,7 @@ def _spans_alive_after_steps(steps=3):
     join a block's two halves to the autograd graph: one kept past its step would keep the step's
     activations and graph with it)."""
     import gc
-    from zerotron.parallel.overlap import Span
+    from zerotron.tensor_parallel.overlap import Span
     engine, *_ = zerotron.initialize(model=make_model(n_kv_head=4, n_layer=LAYERS),
                                      config=ds_config(2, 1, tensor_parallel={"autotp_size": 2, "tp_overlap_comm": True}))
     alive = []

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..parallel.split import join_parts, local_part
+from ..tensor_parallel.split import join_parts, local_part
 
 
 @dataclass(frozen=True)

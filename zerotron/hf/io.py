@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from ..checkpoint.layout import rank_pieces, stride_of, tensor_parallel_of
-from ..parallel.split import local_part
+from ..tensor_parallel.split import local_part
 from ..comm import comm_for
 
 

@@ -18,7 +18,7 @@ def parallelize(module, config, topology, tp_comm, device) -> None:
     configured activation-checkpoint policy. In place."""
     adapter = adapter_for(module)
     if topology.tp > 1:
-        from ..parallel.tensor import apply_tensor_parallel
+        from ..tensor_parallel.tensor import apply_tensor_parallel
         sequence_parallel = config.zerotron.sequence_parallel
         plan = adapter.plan(module, topology.tp, sequence_parallel)
         with _plan_probe(module, adapter, config, tp_comm, topology.tp):  # records the whole model first
@@ -48,5 +48,5 @@ def _plan_probe(module, adapter, config, tp_comm, tp: int):
     vocab = vocab_size(module)
     if not config.zerotron.check_tensor_parallel_plan or vocab is None:  # (pipeline stages: no vocab)
         return contextlib.nullcontext()
-    from ..parallel.probe import PlanProbe
+    from ..tensor_parallel.probe import PlanProbe
     return PlanProbe(module, adapter.probe_call, tp_comm, vocab, tokens=2 * tp + 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-# Transformers' tensor-parallel styles -> zerotron's (zerotron/parallel/tensor.py). A plan key names
+# Transformers' tensor-parallel styles -> zerotron's (zerotron/tensor_parallel/tensor.py). A plan key names
 # a module or a parameter; the same name then means the module's or the parameter's split.
 _STYLES = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "column_gathered",
            "colwise_rep": "column_gathered", "rowwise_split_input": "row_split_input", "rowwise_rep": "row_split_input",

@@ -82,5 +82,5 @@ def consolidated_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _gather_tensor_parallel(shard: torch.Tensor, dim: int, comm, stride: int = 1) -> torch.Tensor:
-    from ..parallel.split import join_parts
+    from ..tensor_parallel.split import join_parts
     return join_parts(comm.all_gather_list(shard), dim, stride)

@@ -2,7 +2,7 @@
 
 A plan maps name patterns (fnmatch over module names, or over parameter names for the
 parameter styles) to a style. Linear layers are replaced by their parallel versions
-(zerotron/parallel/layers.py); every other style keeps the module as it is (its class, its
+(zerotron/tensor_parallel/layers.py); every other style keeps the module as it is (its class, its
 forward, its parameter names) and adds hooks around it.
 
 Linear layers (nn.Linear, or Transformers' Conv1D, whose weight is stored transposed):
