@@ -8,6 +8,7 @@ but `sys`: it puts a finder at the front of sys.meta_path that waits for the fir
 alias on with `zerotron.as_deepspeed()`, steps aside and answers that lookup from the alias.
 A process that never asks for deepspeed pays for nothing but this file.
 """
+
 import sys
 
 
@@ -27,6 +28,7 @@ class ZerotronStartupFinder:
             if self in sys.meta_path:
                 sys.meta_path.remove(self)
             import zerotron
+
             zerotron.as_deepspeed()
         finally:
             self._busy = False

@@ -4,20 +4,24 @@ site-packages by both a regular wheel and a PEP 660 editable install (zerotron/c
 Its one line costs a dictionary lookup at every interpreter start; only when ZEROTRON_AS_DEEPSPEED is
 set does it import `_zerotron_startup` (stdlib only), which waits for the first lookup of `deepspeed`.
 """
+
 import os
 
 from setuptools import Command, setup
 from setuptools.command.build import build
 
 PTH_NAME = "zerotron-startup.pth"  # sorts after setuptools' "__editable__.*.pth", which must run first
-PTH_LINE = ('import os; os.environ.get("ZEROTRON_AS_DEEPSPEED", "").strip().lower() in '
-            '("", "0", "false", "no", "off") or __import__("_zerotron_startup")\n')
+PTH_LINE = (
+    'import os; os.environ.get("ZEROTRON_AS_DEEPSPEED", "").strip().lower() in '
+    '("", "0", "false", "no", "off") or __import__("_zerotron_startup")\n'
+)
 
 
 class build_startup_hook(Command):
     """Write the .pth where the wheel's root is assembled: `build_lib` for a regular wheel; for an
     editable wheel the directory setuptools' editable_wheel points `install` at (the unpacked
     wheel), because an editable wheel does not take build_lib's files."""
+
     description = "write zerotron's start-up hook .pth"
     user_options = []
 

@@ -7,6 +7,7 @@ what the forward leaves allocated for backward (the profiler's allocation events
 forward), so it includes what checkpointing keeps internally. Theory for full checkpointing: one
 extra forward per step, i.e. a step costs about (F + B + F) / (F + B) ≈ 4/3 of a plain one.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,10 +27,12 @@ POLICIES = ("none", "every_block", "every_k", "selective")
 def torch_system(cfg):
     """DDP with torch.utils.checkpoint wrapped around every block by hand."""
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     model = common.build_gpt(cfg)
     for block in model.layers:
-        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, type(block).forward.__get__(block),
-                                          use_reentrant=False)
+        block.forward = functools.partial(
+            torch.utils.checkpoint.checkpoint, type(block).forward.__get__(block), use_reentrant=False
+        )
     return training.torch_step(DDP(model), torch.optim.AdamW(model.parameters(), fused=True, **training.ADAMW)), model
 
 
@@ -46,8 +49,9 @@ def main():
     rank, world, log, cfg = common.start(args)
     systems, modules = {}, {}
     for policy in POLICIES:
-        engine, systems[f"zt_{policy}"] = training.zerotron_step(common.build_gpt(cfg), args.batch // world, 0.0,
-                                                               zerotron={"checkpoint_policy": policy})
+        engine, systems[f"zt_{policy}"] = training.zerotron_step(
+            common.build_gpt(cfg), args.batch // world, 0.0, zerotron={"checkpoint_policy": policy}
+        )
         modules[f"zt_{policy}"] = engine.module
     systems["torch_ckpt"], modules["torch_ckpt"] = torch_system(cfg)
     batches = common.batches_for(args, cfg, rank, world)
@@ -57,18 +61,27 @@ def main():
     rows = list(common.compare(res, "zt_none", start=args.warmup).values())
     for r in rows:
         name = r["system"]
-        r.update(vs_none=r["median_ms"] / res["zt_none"]["median_ms"],
-                 paired_vs_none=common.paired_ratio(res, name, "zt_none"),
-                 zt_every_block_vs_this=common.paired_ratio(res, "zt_every_block", name),
-                 kept_mib=kept[name] / 2**20, kept_vs_none=kept[name] / kept["zt_none"])
+        r.update(
+            vs_none=r["median_ms"] / res["zt_none"]["median_ms"],
+            paired_vs_none=common.paired_ratio(res, name, "zt_none"),
+            zt_every_block_vs_this=common.paired_ratio(res, "zt_every_block", name),
+            kept_mib=kept[name] / 2**20,
+            kept_vs_none=kept[name] / kept["zt_none"],
+        )
     if rank == 0:
         print()
-        common.print_table(rows, [
-            ("system", "system", "{}"), ("median_ms", "median ms", "{:.1f}"),
-            ("paired_vs_none", "time / no ckpt (paired)", "{:.3f}"),
-            ("zt_every_block_vs_this", "zt every_block / x", "{:.3f}"),
-            ("kept_mib", "kept for backward MiB", "{:.2f}"), ("kept_vs_none", "kept / no ckpt", "{:.3f}"),
-            ("loss_rel_diff", "loss rel diff", "{:.1e}")])
+        common.print_table(
+            rows,
+            [
+                ("system", "system", "{}"),
+                ("median_ms", "median ms", "{:.1f}"),
+                ("paired_vs_none", "time / no ckpt (paired)", "{:.3f}"),
+                ("zt_every_block_vs_this", "zt every_block / x", "{:.3f}"),
+                ("kept_mib", "kept for backward MiB", "{:.2f}"),
+                ("kept_vs_none", "kept / no ckpt", "{:.3f}"),
+                ("loss_rel_diff", "loss rel diff", "{:.1e}"),
+            ],
+        )
     common.finish("checkpointing", args, {"model": common.model_json(args, cfg, dtype="fp32"), "results": rows}, rank)
 
 

@@ -18,6 +18,7 @@ One run of `python bench/checkpoint.py` does, in a scratch directory:
 
 Loads read files the save just wrote, so they come from the page cache (warm), as do the converts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,7 +51,12 @@ STAGES = (1, 3)
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="large", help="zerotron.models.gpt size name (default large, ~23.5M params)")
-    p.add_argument("--repeats", type=int, default=3, help="timed saves and same-topology loads per case (other-stage loads: 1; converts: up to 2)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed saves and same-topology loads per case (other-stage loads: 1; converts: up to 2)",
+    )
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=4, help="sequences per step, globally")
     p.add_argument("--nproc", type=int, default=2)
@@ -68,8 +74,11 @@ def mib(n: float) -> float:
 
 def dir_bytes(path: Path) -> dict:
     files = [f for f in Path(path).rglob("*") if f.is_file()]
-    return {"files": len(files), "bytes": sum(f.stat().st_size for f in files),
-            "allocated_bytes": sum(f.stat().st_blocks * 512 for f in files)}
+    return {
+        "files": len(files),
+        "bytes": sum(f.stat().st_size for f in files),
+        "allocated_bytes": sum(f.stat().st_blocks * 512 for f in files),
+    }
 
 
 def proc_status() -> dict:
@@ -101,9 +110,15 @@ def model_facts(size: str) -> dict:
     params = dict(model.named_parameters())
     largest = max(params.items(), key=lambda kv: kv[1].numel())
     n = sum(p.numel() for p in params.values())
-    return {"size": size, "params": n, "fp32_bytes": 4 * n, "tensors": len(params),
-            "largest_tensor": largest[0], "largest_shape": list(largest[1].shape),
-            "largest_fp32_bytes": 4 * largest[1].numel()}
+    return {
+        "size": size,
+        "params": n,
+        "fp32_bytes": 4 * n,
+        "tensors": len(params),
+        "largest_tensor": largest[0],
+        "largest_shape": list(largest[1].shape),
+        "largest_fp32_bytes": 4 * largest[1].numel(),
+    }
 
 
 # ---- phase: the 2-rank job ----------------------------------------------------------------------------
@@ -132,6 +147,7 @@ def probe_loads():
     """Sample RssAnon / RssFile whenever load_checkpoint has read a parameter's pieces (in assemble) and
     assembled it (after SavedPieces.full): where a load's memory goes, anonymous or mapped file pages."""
     import zerotron.checkpoint.load as load
+
     real_full, real_assemble = load.SavedPieces.full, load.assemble
 
     def note():
@@ -148,6 +164,7 @@ def probe_loads():
     def assemble(parts, name):
         note()
         return real_assemble(parts, name)
+
     load.SavedPieces.full, load.assemble = full, assemble
 
 
@@ -164,8 +181,9 @@ def timed(fn, sync: bool = False, peak: list | None = None):
     fn()
     if peak is not None:
         _LOAD_PROBE["on"] = False
-        peak.append({"peak": proc_status()["VmHWM"] - before["VmRSS"], "anon": _LOAD_PROBE["anon"],
-                     "file": _LOAD_PROBE["file"]})
+        peak.append(
+            {"peak": proc_status()["VmHWM"] - before["VmRSS"], "anon": _LOAD_PROBE["anon"], "file": _LOAD_PROBE["file"]}
+        )
     dist.barrier()
     seconds = time.perf_counter() - t0
     sync_s = None
@@ -198,15 +216,22 @@ def load_case(args, key, stage, src, per_rank, repeats, ref_weights, ref_losses,
     peaks = gather_ranks(peaks)
     diff = max_diff(consolidated_state_dict(engine.module), ref_weights())  # (loaded after the timed loads)
     losses = train_steps(engine, batches[1:3])
-    log(f"{key}: load {', '.join(f'{s:.2f}' for s in loads)} s; max |dw| {diff:.1e}; next losses "
-        f"{losses} vs {ref_losses}")
-    return {"seconds": loads, "median_s": statistics.median(loads), "max_abs_weight_diff": diff,
-            "rss_growth_per_rank": peaks, "losses": losses, "ref_losses": ref_losses,
-            "max_rel_loss_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))}
+    log(
+        f"{key}: load {', '.join(f'{s:.2f}' for s in loads)} s; max |dw| {diff:.1e}; next losses "
+        f"{losses} vs {ref_losses}"
+    )
+    return {
+        "seconds": loads,
+        "median_s": statistics.median(loads),
+        "max_abs_weight_diff": diff,
+        "rss_growth_per_rank": peaks,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "max_rel_loss_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)),
+    }
 
 
 def phase_main(args):
-
     rank, world = common.init_gloo()
     log = print if rank == 0 else (lambda *a, **k: None)
     probe_loads()
@@ -214,8 +239,7 @@ def phase_main(args):
     per_rank = args.batch // world
     cfg = config_for(args.model)
     batches = training.make_batches(3, args.batch, args.seq, cfg.vocab_size, rank, world)
-    res = {"environment": reporting.environment(), "save": {}, "load": {}, "torch": {}, "sha256": {},
-           "ref_losses": {}}
+    res = {"environment": reporting.environment(), "save": {}, "load": {}, "torch": {}, "sha256": {}, "ref_losses": {}}
 
     for stage in STAGES:
         engine = engine_for(args.model, stage, per_rank, seed=0)
@@ -231,20 +255,28 @@ def phase_main(args):
             dist.barrier()
         tag_dir = ckpt / f"r{args.repeats - 1}"
         full = consolidated_state_dict(engine.module)  # every rank: the reference weights
-        res["save"][f"zero{stage}"] = {"seconds": saves, "median_s": statistics.median(saves), "sync_s": syncs,
-                                       "rss_growth_per_rank": gather_ranks(peaks),
-                                       "disk": dir_bytes(tag_dir) if rank == 0 else None,
-                                       "rank_files": {f.name: f.stat().st_size for f in sorted(tag_dir.iterdir())}}
-        log(f"zero{stage}: save {', '.join(f'{s:.2f}' for s in saves)} s (+ sync {', '.join(f'{y:.2f}' for y in syncs)}"
-            f" s), {mib(res['save'][f'zero{stage}']['disk']['bytes']) if rank == 0 else 0:.1f} MiB on disk")
+        res["save"][f"zero{stage}"] = {
+            "seconds": saves,
+            "median_s": statistics.median(saves),
+            "sync_s": syncs,
+            "rss_growth_per_rank": gather_ranks(peaks),
+            "disk": dir_bytes(tag_dir) if rank == 0 else None,
+            "rank_files": {f.name: f.stat().st_size for f in sorted(tag_dir.iterdir())},
+        }
+        log(
+            f"zero{stage}: save {', '.join(f'{s:.2f}' for s in saves)} s (+ sync {', '.join(f'{y:.2f}' for y in syncs)}"
+            f" s), {mib(res['save'][f'zero{stage}']['disk']['bytes']) if rank == 0 else 0:.1f} MiB on disk"
+        )
 
         # SHA-256 of the files a load verifies (each rank opens, hence hashes, every file it needs)
         if rank == 0:
             t0 = time.perf_counter()
             for r in range(world):
                 sha256(tag_dir / rank_file(r))
-            res["sha256"][f"zero{stage}"] = {"all_files_s": time.perf_counter() - t0,
-                                             "bytes": sum((tag_dir / rank_file(r)).stat().st_size for r in range(world))}
+            res["sha256"][f"zero{stage}"] = {
+                "all_files_s": time.perf_counter() - t0,
+                "bytes": sum((tag_dir / rank_file(r)).stat().st_size for r in range(world)),
+            }
 
         # the reference: torch.save of a plain full state dict (model + torch AdamW state) from rank 0
         if rank == 0:
@@ -264,15 +296,21 @@ def phase_main(args):
             t_sync.append(y)
         for i in range(args.repeats):
             t_load.append(timed(lambda: torch.load(path, weights_only=True) if rank == 0 else None)[0])
-        res["torch"][f"zero{stage}"] = {"save_seconds": t_save, "save_median_s": statistics.median(t_save),
-                                        "sync_s": t_sync, "load_seconds": t_load,
-                                        "save_rss_growth_rank0": t_peaks if rank == 0 else None,
-                                        "load_median_s": statistics.median(t_load),
-                                        "bytes": path.stat().st_size if rank == 0 else None}
+        res["torch"][f"zero{stage}"] = {
+            "save_seconds": t_save,
+            "save_median_s": statistics.median(t_save),
+            "sync_s": t_sync,
+            "load_seconds": t_load,
+            "save_rss_growth_rank0": t_peaks if rank == 0 else None,
+            "load_median_s": statistics.median(t_load),
+            "bytes": path.stat().st_size if rank == 0 else None,
+        }
         if rank == 0:
             del reference, plain, opt
-        log(f"zero{stage}: torch.save {', '.join(f'{s:.2f}' for s in t_save)} s, torch.load "
-            f"{', '.join(f'{s:.2f}' for s in t_load)} s")
+        log(
+            f"zero{stage}: torch.save {', '.join(f'{s:.2f}' for s in t_save)} s, torch.load "
+            f"{', '.join(f'{s:.2f}' for s in t_load)} s"
+        )
         res["ref_losses"][f"zero{stage}"] = train_steps(engine, batches[1:3])  # uninterrupted continuation
         if rank == 0:
             torch.save(full, work / f"full_zero{stage}.0.pt")
@@ -283,8 +321,18 @@ def phase_main(args):
     for stage in STAGES:
         for src in STAGES:  # the other stage's checkpoint: once (runtime)
             key = f"zero{src}_2ranks->zero{stage}_2ranks"
-            res["load"][key] = load_case(args, key, stage, src, per_rank, args.repeats if src == stage else 1,
-                                         lambda: refs[src], res["ref_losses"][f"zero{src}"], batches, log)
+            res["load"][key] = load_case(
+                args,
+                key,
+                stage,
+                src,
+                per_rank,
+                args.repeats if src == stage else 1,
+                lambda: refs[src],
+                res["ref_losses"][f"zero{src}"],
+                batches,
+                log,
+            )
     if rank == 0:
         (work / "main.json").write_text(json.dumps(res, indent=1))
     dist.barrier()
@@ -293,7 +341,6 @@ def phase_main(args):
 
 # ---- phase: the 1-rank job ----------------------------------------------------------------------------
 def phase_reload(args):
-
     rank, world = common.init_gloo()
     probe_loads()
     work = args.workdir
@@ -302,9 +349,18 @@ def phase_reload(args):
     res = {}
     for src, stage in ((3, 1), (1, 3)):
         key = f"zero{src}_2ranks->zero{stage}_1rank"
-        res[key] = load_case(args, key, stage, src, args.batch, args.repeats if stage == 1 else 1,
-                             lambda: torch.load(work / f"full_zero{src}.0.pt", weights_only=True),
-                             main["ref_losses"][f"zero{src}"], batches, print)
+        res[key] = load_case(
+            args,
+            key,
+            stage,
+            src,
+            args.batch,
+            args.repeats if stage == 1 else 1,
+            lambda: torch.load(work / f"full_zero{src}.0.pt", weights_only=True),
+            main["ref_losses"][f"zero{src}"],
+            batches,
+            print,
+        )
     (work / "reload.json").write_text(json.dumps(res, indent=1))
     dist.destroy_process_group()
 
@@ -321,14 +377,21 @@ def phase_probe(args):
 
     import zerotron.checkpoint.export as export
     import zerotron.checkpoint.load as load
+
     src, out, largest = args.probe_src, args.probe_out, args.probe_largest
     samples = []
     current = {"name": None}
     RANK_FILES = r"rank\d+\.safetensors"
 
     def sample(where, maps=False):
-        samples.append({"param": current["name"], "where": where, **proc_status(),
-                        **({"rank_files_mapped_rss": mapped_rss(RANK_FILES)} if maps else {})})
+        samples.append(
+            {
+                "param": current["name"],
+                "where": where,
+                **proc_status(),
+                **({"rank_files_mapped_rss": mapped_rss(RANK_FILES)} if maps else {}),
+            }
+        )
 
     real_full, real_assemble = load.SavedPieces.full, load.assemble
 
@@ -379,13 +442,18 @@ def phase_probe(args):
     sample("convert returned", maps=True)
     base = samples[0]
     peak = max(samples, key=lambda s: s["RssAnon"])
-    report = {"backend": "pread" if args.probe_pread else "mmap (safetensors default)",
-              "convert_in_process_s": seconds, "after_imports": base, "end": samples[-1], "peak_anon_sample": peak,
-              "largest_param_samples": [s for s in samples if s["param"] == largest],
-              "anon_delta_max_bytes": peak["RssAnon"] - base["RssAnon"],
-              "file_delta_max_bytes": max(s["RssFile"] for s in samples) - base["RssFile"],
-              "rank_files_mapped_rss_max_bytes": max(s.get("rank_files_mapped_rss", 0) for s in samples),
-              "peak_growth_bytes": samples[-1]["VmHWM"] - base["VmRSS"]}
+    report = {
+        "backend": "pread" if args.probe_pread else "mmap (safetensors default)",
+        "convert_in_process_s": seconds,
+        "after_imports": base,
+        "end": samples[-1],
+        "peak_anon_sample": peak,
+        "largest_param_samples": [s for s in samples if s["param"] == largest],
+        "anon_delta_max_bytes": peak["RssAnon"] - base["RssAnon"],
+        "file_delta_max_bytes": max(s["RssFile"] for s in samples) - base["RssFile"],
+        "rank_files_mapped_rss_max_bytes": max(s.get("rank_files_mapped_rss", 0) for s in samples),
+        "peak_growth_bytes": samples[-1]["VmHWM"] - base["VmRSS"],
+    }
     print(json.dumps(report))
 
 
@@ -411,19 +479,41 @@ def run_child(cmd, env=None, launcher: bool = True) -> dict:
     out = p.stdout.read().decode(errors="replace")
     _, status, usage = os.wait4(p.pid, 0)
     p.stdout.close()
-    res = {"seconds": time.perf_counter() - t0, "rc": os.waitstatus_to_exitcode(status),
-           "maxrss_bytes": usage.ru_maxrss * 1024, "output": out}
+    res = {
+        "seconds": time.perf_counter() - t0,
+        "rc": os.waitstatus_to_exitcode(status),
+        "maxrss_bytes": usage.ru_maxrss * 1024,
+        "output": out,
+    }
     if launcher:
         last = [line for line in out.splitlines() if line.startswith("LAUNCHER ")][-1].split()
-        res.update(rc=int(last[1]), maxrss_bytes=int(last[2]) * 1024, seconds=float(last[3]),
-                   launcher_maxrss_bytes=usage.ru_maxrss * 1024)
-        res["output"] = out[:out.rfind("LAUNCHER ")]
+        res.update(
+            rc=int(last[1]),
+            maxrss_bytes=int(last[2]) * 1024,
+            seconds=float(last[3]),
+            launcher_maxrss_bytes=usage.ru_maxrss * 1024,
+        )
+        res["output"] = out[: out.rfind("LAUNCHER ")]
     return res
 
 
 def torchrun(args, phase, nproc, env):
-    cmd = processes.torchrun_cmd(nproc, HERE, "--phase", phase, "--workdir", args.workdir, "--model", args.model,
-                              "--repeats", args.repeats, "--seq", args.seq, "--batch", args.batch)
+    cmd = processes.torchrun_cmd(
+        nproc,
+        HERE,
+        "--phase",
+        phase,
+        "--workdir",
+        args.workdir,
+        "--model",
+        args.model,
+        "--repeats",
+        args.repeats,
+        "--seq",
+        args.seq,
+        "--batch",
+        args.batch,
+    )
     t0 = time.perf_counter()
     rc = subprocess.call(cmd, env=env)
     if rc:
@@ -439,9 +529,11 @@ def driver(args):
     args.workdir.mkdir(parents=True, exist_ok=True)
     env = processes.child_env(OMP_NUM_THREADS=1, DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
     facts = model_facts(args.model)
-    print(f"GPT {args.model}: {facts['params'] / 1e6:.2f}M params ({mib(facts['fp32_bytes']):.1f} MiB fp32), largest "
-          f"tensor {facts['largest_tensor']} {facts['largest_shape']} ({mib(facts['largest_fp32_bytes']):.2f} MiB); "
-          f"scratch {args.workdir}; load average {load_start:.2f}")
+    print(
+        f"GPT {args.model}: {facts['params'] / 1e6:.2f}M params ({mib(facts['fp32_bytes']):.1f} MiB fp32), largest "
+        f"tensor {facts['largest_tensor']} {facts['largest_shape']} ({mib(facts['largest_fp32_bytes']):.2f} MiB); "
+        f"scratch {args.workdir}; load average {load_start:.2f}"
+    )
     try:
         main_s = torchrun(args, "main", args.nproc, env)
         reload_s = torchrun(args, "reload", 1, env)
@@ -457,22 +549,56 @@ def driver(args):
             for i in range(min(args.repeats, 2) if (src, dtype) == ("zero3", "fp32") else 1):
                 out = args.workdir / f"convert_{src}_{dtype}"
                 shutil.rmtree(out, ignore_errors=True)
-                r = run_child([sys.executable, "-m", "zerotron.cli", "convert", str(args.workdir / src), str(out),
-                               "--dtype", dtype], env)
+                r = run_child(
+                    [
+                        sys.executable,
+                        "-m",
+                        "zerotron.cli",
+                        "convert",
+                        str(args.workdir / src),
+                        str(out),
+                        "--dtype",
+                        dtype,
+                    ],
+                    env,
+                )
                 if r["rc"]:
                     raise SystemExit(f"convert failed: {r['output']}")
                 r["out_bytes"] = (out / "model.safetensors").stat().st_size
                 runs.append(r)
             converts[f"{src}_{dtype}"] = runs
         # the pitfall above, measured: the same convert started straight from this (torch-importing) process
-        naive = run_child([sys.executable, "-m", "zerotron.cli", "convert", str(args.workdir / "zero3"),
-                           str(args.workdir / "convert_naive")], env, launcher=False)
+        naive = run_child(
+            [
+                sys.executable,
+                "-m",
+                "zerotron.cli",
+                "convert",
+                str(args.workdir / "zero3"),
+                str(args.workdir / "convert_naive"),
+            ],
+            env,
+            launcher=False,
+        )
         naive["driver_vmhwm_bytes"] = proc_status()["VmHWM"]
         probes = {}
         for backend in ("mmap", "pread"):
-            probe = run_child([sys.executable, str(HERE), "--phase", "probe", "--probe-src", str(args.workdir / "zero3"),
-                               "--probe-out", str(args.workdir / f"convert_probe_{backend}"), "--probe-largest",
-                               facts["largest_tensor"], *(["--probe-pread"] if backend == "pread" else [])], env)
+            probe = run_child(
+                [
+                    sys.executable,
+                    str(HERE),
+                    "--phase",
+                    "probe",
+                    "--probe-src",
+                    str(args.workdir / "zero3"),
+                    "--probe-out",
+                    str(args.workdir / f"convert_probe_{backend}"),
+                    "--probe-largest",
+                    facts["largest_tensor"],
+                    *(["--probe-pread"] if backend == "pread" else []),
+                ],
+                env,
+            )
             if probe["rc"]:
                 raise SystemExit(f"probe failed: {probe['output']}")
             probes[backend] = json.loads(probe["output"].strip().splitlines()[-1])
@@ -481,6 +607,7 @@ def driver(args):
 
         # the converted weights equal the saved model's
         from safetensors.torch import load_file
+
         ref = torch.load(args.workdir / "full_zero3.0.pt", weights_only=True)
         got = load_file(str(args.workdir / "convert_zero3_fp32" / "model.safetensors"))
         convert_diff = max((got[k] - ref[k]).abs().max().item() for k in ref)
@@ -494,9 +621,17 @@ def driver(args):
     rows = []
     for key, runs in converts.items():
         peak = statistics.median(r["maxrss_bytes"] for r in runs)
-        rows.append({"case": key, "seconds": statistics.median(r["seconds"] for r in runs), "peak_rss_mib": mib(peak),
-                     "net_mib": mib(peak - base_rss), "net_per_largest": (peak - base_rss) / facts["largest_fp32_bytes"],
-                     "net_per_model": (peak - base_rss) / facts["fp32_bytes"], "out_mib": mib(runs[0]["out_bytes"])})
+        rows.append(
+            {
+                "case": key,
+                "seconds": statistics.median(r["seconds"] for r in runs),
+                "peak_rss_mib": mib(peak),
+                "net_mib": mib(peak - base_rss),
+                "net_per_largest": (peak - base_rss) / facts["largest_fp32_bytes"],
+                "net_per_model": (peak - base_rss) / facts["fp32_bytes"],
+                "out_mib": mib(runs[0]["out_bytes"]),
+            }
+        )
     for r in (*baseline, naive, *(x for runs in converts.values() for x in runs)):
         r["output"] = r["output"][-2000:]
 
@@ -506,69 +641,144 @@ def driver(args):
     for s in STAGES:
         k = f"zero{s}"
         zt, pt = main["save"][k], main["torch"][k]
-        save_rows.append({"case": f"ZeRO-{s}, 2 ranks", "zt_save": zt["median_s"], "torch_save": pt["save_median_s"],
-                          "ratio": zt["median_s"] / pt["save_median_s"], "zt_mib": mib(zt["disk"]["bytes"]),
-                          "torch_mib": mib(pt["bytes"]), "sha": main["sha256"][k]["all_files_s"],
-                          "torch_load": pt["load_median_s"],
-                          "zt_peak": mib(max(g["peak"] for r in zt["rss_growth_per_rank"] for g in r)),
-                          "torch_peak": mib(max(g["peak"] for g in pt["save_rss_growth_rank0"]))})
-    common.print_table(save_rows, [("case", "checkpoint", "{}"), ("zt_save", "save_checkpoint s", "{:.2f}"),
-                                   ("torch_save", "torch.save s (rank 0)", "{:.2f}"), ("ratio", "zt/torch", "{:.2f}"),
-                                   ("zt_mib", "zt MiB", "{:.1f}"), ("torch_mib", "torch MiB", "{:.1f}"),
-                                   ("sha", "sha256 all files s", "{:.2f}"), ("torch_load", "torch.load s", "{:.2f}"),
-                                   ("zt_peak", "zt save +RSS MiB/rank", "{:.1f}"),
-                                   ("torch_peak", "torch.save +RSS MiB", "{:.1f}")])
+        save_rows.append(
+            {
+                "case": f"ZeRO-{s}, 2 ranks",
+                "zt_save": zt["median_s"],
+                "torch_save": pt["save_median_s"],
+                "ratio": zt["median_s"] / pt["save_median_s"],
+                "zt_mib": mib(zt["disk"]["bytes"]),
+                "torch_mib": mib(pt["bytes"]),
+                "sha": main["sha256"][k]["all_files_s"],
+                "torch_load": pt["load_median_s"],
+                "zt_peak": mib(max(g["peak"] for r in zt["rss_growth_per_rank"] for g in r)),
+                "torch_peak": mib(max(g["peak"] for g in pt["save_rss_growth_rank0"])),
+            }
+        )
+    common.print_table(
+        save_rows,
+        [
+            ("case", "checkpoint", "{}"),
+            ("zt_save", "save_checkpoint s", "{:.2f}"),
+            ("torch_save", "torch.save s (rank 0)", "{:.2f}"),
+            ("ratio", "zt/torch", "{:.2f}"),
+            ("zt_mib", "zt MiB", "{:.1f}"),
+            ("torch_mib", "torch MiB", "{:.1f}"),
+            ("sha", "sha256 all files s", "{:.2f}"),
+            ("torch_load", "torch.load s", "{:.2f}"),
+            ("zt_peak", "zt save +RSS MiB/rank", "{:.1f}"),
+            ("torch_peak", "torch.save +RSS MiB", "{:.1f}"),
+        ],
+    )
     print()
     loads = {**main["load"], **reload}
     load_rows = []
     for k, v in loads.items():  # memory: max over ranks; the first load also allocates the Adam state
         g = v["rss_growth_per_rank"]
         first = {x: mib(max(r[0][x] for r in g)) for x in ("peak", "anon", "file")}
-        later = {x: mib(max(r[i][x] for r in g for i in range(1, len(r)))) if len(g[0]) > 1 else None
-                 for x in ("peak", "anon", "file")}
-        load_rows.append({"case": k, "median_s": v["median_s"], "n": len(v["seconds"]), "dw": v["max_abs_weight_diff"],
-                          "dl": v["max_rel_loss_diff"], **{f"first_{x}": y for x, y in first.items()},
-                          **{f"later_{x}": y for x, y in later.items()}})
-    common.print_table(load_rows, [("case", "load_checkpoint", "{}"), ("median_s", "median s", "{:.2f}"),
-                                   ("n", "n", "{}"), ("dw", "max |dw|", "{:.1e}"),
-                                   ("dl", "next 2 losses rel diff", "{:.1e}"),
-                                   ("first_peak", "1st load MiB/rank: +peak", "{:.1f}"), ("first_anon", "+anon", "{:.1f}"),
-                                   ("first_file", "+file", "{:.1f}"), ("later_peak", "later loads: +peak", "{:.1f}"),
-                                   ("later_anon", "+anon", "{:.1f}"), ("later_file", "+file", "{:.1f}")])
-    print(f"\nconvert: largest tensor {mib(facts['largest_fp32_bytes']):.2f} MiB, model {mib(facts['fp32_bytes']):.1f} "
-          f"MiB fp32; baseline (imports only) peak RSS {mib(base_rss):.1f} MiB, wall "
-          f"{statistics.median(b['seconds'] for b in baseline):.2f} s; converted == saved weights: max |d| "
-          f"{convert_diff:.1e}, missing {missing}")
-    common.print_table(rows, [("case", "convert", "{}"), ("seconds", "wall s", "{:.2f}"),
-                              ("peak_rss_mib", "peak RSS MiB", "{:.1f}"), ("net_mib", "- baseline MiB", "{:.1f}"),
-                              ("net_per_largest", "x largest", "{:.2f}"), ("net_per_model", "x model", "{:.3f}"),
-                              ("out_mib", "out MiB", "{:.1f}")])
+        later = {
+            x: mib(max(r[i][x] for r in g for i in range(1, len(r)))) if len(g[0]) > 1 else None
+            for x in ("peak", "anon", "file")
+        }
+        load_rows.append(
+            {
+                "case": k,
+                "median_s": v["median_s"],
+                "n": len(v["seconds"]),
+                "dw": v["max_abs_weight_diff"],
+                "dl": v["max_rel_loss_diff"],
+                **{f"first_{x}": y for x, y in first.items()},
+                **{f"later_{x}": y for x, y in later.items()},
+            }
+        )
+    common.print_table(
+        load_rows,
+        [
+            ("case", "load_checkpoint", "{}"),
+            ("median_s", "median s", "{:.2f}"),
+            ("n", "n", "{}"),
+            ("dw", "max |dw|", "{:.1e}"),
+            ("dl", "next 2 losses rel diff", "{:.1e}"),
+            ("first_peak", "1st load MiB/rank: +peak", "{:.1f}"),
+            ("first_anon", "+anon", "{:.1f}"),
+            ("first_file", "+file", "{:.1f}"),
+            ("later_peak", "later loads: +peak", "{:.1f}"),
+            ("later_anon", "+anon", "{:.1f}"),
+            ("later_file", "+file", "{:.1f}"),
+        ],
+    )
+    print(
+        f"\nconvert: largest tensor {mib(facts['largest_fp32_bytes']):.2f} MiB, model {mib(facts['fp32_bytes']):.1f} "
+        f"MiB fp32; baseline (imports only) peak RSS {mib(base_rss):.1f} MiB, wall "
+        f"{statistics.median(b['seconds'] for b in baseline):.2f} s; converted == saved weights: max |d| "
+        f"{convert_diff:.1e}, missing {missing}"
+    )
+    common.print_table(
+        rows,
+        [
+            ("case", "convert", "{}"),
+            ("seconds", "wall s", "{:.2f}"),
+            ("peak_rss_mib", "peak RSS MiB", "{:.1f}"),
+            ("net_mib", "- baseline MiB", "{:.1f}"),
+            ("net_per_largest", "x largest", "{:.2f}"),
+            ("net_per_model", "x model", "{:.3f}"),
+            ("out_mib", "out MiB", "{:.1f}"),
+        ],
+    )
     big = probe_report["largest_param_samples"]
     base = probe_report["after_imports"]
-    print(f"\ninstrumented convert ({probe_report['convert_in_process_s']:.2f} s in convert()): RssAnon above "
-          f"after-imports, largest tensor {facts['largest_tensor']}:")
+    print(
+        f"\ninstrumented convert ({probe_report['convert_in_process_s']:.2f} s in convert()): RssAnon above "
+        f"after-imports, largest tensor {facts['largest_tensor']}:"
+    )
     for s in big:
-        print(f"  {s['where']:<36} anon +{mib(s['RssAnon'] - base['RssAnon']):7.2f} MiB   file "
-              f"+{mib(s['RssFile'] - base['RssFile']):6.2f} MiB")
+        print(
+            f"  {s['where']:<36} anon +{mib(s['RssAnon'] - base['RssAnon']):7.2f} MiB   file "
+            f"+{mib(s['RssFile'] - base['RssFile']):6.2f} MiB"
+        )
     for backend, pr in probes.items():
-        print(f"  {backend:>5}: {pr['convert_in_process_s']:.2f} s; peak during convert() +"
-              f"{mib(pr['peak_growth_bytes']):.2f} MiB (VmHWM); max anon +{mib(pr['anon_delta_max_bytes']):.2f} MiB "
-              f"({pr['peak_anon_sample']['where']} of {pr['peak_anon_sample']['param']}), max file-backed "
-              f"+{mib(pr['file_delta_max_bytes']):.2f} MiB, of which mapped rank files "
-              f"{mib(pr['rank_files_mapped_rss_max_bytes']):.2f} MiB (after convert returned: "
-              f"{mib(pr['end']['rank_files_mapped_rss']):.2f}); process peak RSS {mib(pr['process_maxrss_bytes']):.1f} MiB")
-    print(f"  naive wait4 from the driver itself: ru_maxrss {mib(naive['maxrss_bytes']):.1f} MiB "
-          f"(driver's own VmHWM {mib(naive['driver_vmhwm_bytes']):.1f} MiB)")
+        print(
+            f"  {backend:>5}: {pr['convert_in_process_s']:.2f} s; peak during convert() +"
+            f"{mib(pr['peak_growth_bytes']):.2f} MiB (VmHWM); max anon +{mib(pr['anon_delta_max_bytes']):.2f} MiB "
+            f"({pr['peak_anon_sample']['where']} of {pr['peak_anon_sample']['param']}), max file-backed "
+            f"+{mib(pr['file_delta_max_bytes']):.2f} MiB, of which mapped rank files "
+            f"{mib(pr['rank_files_mapped_rss_max_bytes']):.2f} MiB (after convert returned: "
+            f"{mib(pr['end']['rank_files_mapped_rss']):.2f}); process peak RSS {mib(pr['process_maxrss_bytes']):.1f} "
+            "MiB"
+        )
+    print(
+        f"  naive wait4 from the driver itself: ru_maxrss {mib(naive['maxrss_bytes']):.1f} MiB "
+        f"(driver's own VmHWM {mib(naive['driver_vmhwm_bytes']):.1f} MiB)"
+    )
 
-    payload = {"benchmark": "checkpoint", "args": reporting.json_args(args), "model": facts,
-               "environment": {**main["environment"], "loadavg_start": load_start, "loadavg_end": os.getloadavg()[0],
-                               "total_s": time.perf_counter() - t_start, "main_job_s": main_s,
-                               "reload_job_s": reload_s},
-               "save": main["save"], "torch_reference": main["torch"], "sha256": main["sha256"], "load": loads,
-               "convert": {"baseline_runs": baseline, "baseline_peak_rss_bytes": base_rss, "runs": converts,
-                           "summary": rows, "max_abs_diff_vs_saved_weights": convert_diff, "missing": missing,
-                           "probes": probes, "naive_wait4_from_driver": naive},
-               "summary": {"save": save_rows, "load": load_rows}}
+    payload = {
+        "benchmark": "checkpoint",
+        "args": reporting.json_args(args),
+        "model": facts,
+        "environment": {
+            **main["environment"],
+            "loadavg_start": load_start,
+            "loadavg_end": os.getloadavg()[0],
+            "total_s": time.perf_counter() - t_start,
+            "main_job_s": main_s,
+            "reload_job_s": reload_s,
+        },
+        "save": main["save"],
+        "torch_reference": main["torch"],
+        "sha256": main["sha256"],
+        "load": loads,
+        "convert": {
+            "baseline_runs": baseline,
+            "baseline_peak_rss_bytes": base_rss,
+            "runs": converts,
+            "summary": rows,
+            "max_abs_diff_vs_saved_weights": convert_diff,
+            "missing": missing,
+            "probes": probes,
+            "naive_wait4_from_driver": naive,
+        },
+        "summary": {"save": save_rows, "load": load_rows},
+    }
     path = reporting.write_json("checkpoint", payload, args.out)
     print(f"\nwrote {path} ({time.perf_counter() - t_start:.0f} s)")
 

@@ -23,6 +23,7 @@ What the GPU runbook and the tests use too lives in tools/: the systems, batches
 (tools/training.py), child processes under time limits (tools/processes.py), the environment, tables and
 JSON files (tools/reporting.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -123,6 +124,7 @@ def load_deepspeed(args, notes: list, log=print):
         import logging
 
         import deepspeed
+
         deepspeed.utils.logger.setLevel(logging.WARNING)
         deepspeed.init_distributed(dist_backend="gloo")  # adopts the gloo group torchrun's job already has
         return deepspeed
@@ -133,13 +135,21 @@ def load_deepspeed(args, notes: list, log=print):
 # ---- model and data ------------------------------------------------------------------------------
 def gpt_config(args):
     from zerotron.models.gpt import GPTConfig
-    return GPTConfig(n_layer=args.layers, n_head=args.heads, n_kv_head=args.heads, d_model=args.d_model,
-                     max_seq_len=args.seq, vocab_size=256)
+
+    return GPTConfig(
+        n_layer=args.layers,
+        n_head=args.heads,
+        n_kv_head=args.heads,
+        d_model=args.d_model,
+        max_seq_len=args.seq,
+        vocab_size=256,
+    )
 
 
 def build_gpt(cfg, seed: int = 0) -> torch.nn.Module:
     """The reference GPT with seeded (so identical on every rank and for every system) fp32 weights."""
     from zerotron.models.gpt import GPT
+
     torch.manual_seed(seed)
     return GPT(cfg)
 
@@ -147,6 +157,7 @@ def build_gpt(cfg, seed: int = 0) -> torch.nn.Module:
 def to_pipeline(model, stages: int, **kwargs):
     """The GPT as a zerotron PipelineModule of `stages` stages (kwargs: PipelineModule's, e.g. partition_method)."""
     from zerotron.parallelize import to_pipeline
+
     return to_pipeline(model, stages, **kwargs)
 
 
@@ -158,14 +169,22 @@ def batches_for(args, cfg, rank: int = 0, world: int = 1, rounds: int | None = N
 
 def announce(log, args, cfg, what: str) -> None:
     """The run's one-line description: the model, `what` (layout, precision, ...), rounds, load."""
-    log(f"GPT {args.layers} layers, d={args.d_model}, {args.heads} heads, {gpt_shape(cfg).parameters / 1e6:.2f}M "
+    log(
+        f"GPT {args.layers} layers, d={args.d_model}, {args.heads} heads, {gpt_shape(cfg).parameters / 1e6:.2f}M "
         f"params, seq {args.seq}, {what}; {args.warmup} warm-up + {args.rounds} rounds x {args.steps} timed steps "
-        f"per system; load average {os.getloadavg()[0]:.2f}")
+        f"per system; load average {os.getloadavg()[0]:.2f}"
+    )
 
 
 def model_json(args, cfg, **extra) -> dict:
-    return {"layers": args.layers, "d_model": args.d_model, "heads": args.heads, "seq": args.seq,
-            "params": gpt_shape(cfg).parameters, **extra}
+    return {
+        "layers": args.layers,
+        "d_model": args.d_model,
+        "heads": args.heads,
+        "seq": args.seq,
+        "params": gpt_shape(cfg).parameters,
+        **extra,
+    }
 
 
 # ---- timing ---------------------------------------------------------------------------------------
@@ -175,8 +194,7 @@ def rotated(names: list, r: int) -> list:
     return names[k:] + names[:k]
 
 
-def rounds(entries: list, run: Callable, n_rounds: int, steps: int, on_round=lambda r, round_ms: None,
-           block: int = 1):
+def rounds(entries: list, run: Callable, n_rounds: int, steps: int, on_round=lambda r, round_ms: None, block: int = 1):
     """`n_rounds` rounds, each running every entry `steps` times in rotating order; `run(entry)` returns
     milliseconds. Returns ({entry: every ms}, {entry: median ms per round}); on_round(r, that) after each.
     `block`: the order rotates by that many entries a round, so blocks of consecutive entries (one
@@ -216,8 +234,13 @@ def run_rounds(systems: dict[str, Callable], batches, warmup: int, steps: int, n
     for name in names:
         for _ in range(warmup):
             one_step(name)
-    ms, round_ms = rounds(names, one_step, n_rounds, steps, lambda r, rm: log(
-        f"round {r + 1}/{n_rounds}: " + ", ".join(f"{n} {rm[n][-1]:.1f} ms" for n in names)))
+    ms, round_ms = rounds(
+        names,
+        one_step,
+        n_rounds,
+        steps,
+        lambda r, rm: log(f"round {r + 1}/{n_rounds}: " + ", ".join(f"{n} {rm[n][-1]:.1f} ms" for n in names)),
+    )
     res = {}
     # One rank's clock is enough (the barriers line the ranks up); average anyway so rank 0 reports both.
     for name in names:
@@ -226,8 +249,13 @@ def run_rounds(systems: dict[str, Callable], batches, warmup: int, steps: int, n
             t = torch.tensor(values, dtype=torch.float64)
             dist.all_reduce(t)
             mean[key] = (t / dist.get_world_size()).tolist()
-        res[name] = {"ms": mean["ms"], "losses": losses[name], "round_ms": round_ms[name],
-                     "losses_mean_over_ranks": mean["losses"], "median_ms": statistics.median(mean["ms"])}
+        res[name] = {
+            "ms": mean["ms"],
+            "losses": losses[name],
+            "round_ms": round_ms[name],
+            "losses_mean_over_ranks": mean["losses"],
+            "median_ms": statistics.median(mean["ms"]),
+        }
     return res
 
 
@@ -249,16 +277,27 @@ def compare(res: dict, baseline: str, start: int = 0) -> dict[str, dict]:
     rows = {}
     for name, r in res.items():
         diff, rel = max_loss_diff(r["losses_mean_over_ranks"], ref, start)
-        rows[name] = {"system": name, "median_ms": r["median_ms"], "round_ms": r["round_ms"], "loss_diff": diff,
-                      "loss_rel_diff": rel, "losses": r["losses_mean_over_ranks"], "step_ms": r["ms"]}
+        rows[name] = {
+            "system": name,
+            "median_ms": r["median_ms"],
+            "round_ms": r["round_ms"],
+            "loss_diff": diff,
+            "loss_rel_diff": rel,
+            "losses": r["losses_mean_over_ranks"],
+            "step_ms": r["ms"],
+        }
     return rows
 
 
 def pair(res: dict, a: str, b: str) -> dict:
     """a against b: the medians, their ratio, the paired ratio and the largest loss difference (every step)."""
-    return {"median_zt_ms": res[a]["median_ms"], "median_torch_ms": res[b]["median_ms"],
-            "ratio": res[a]["median_ms"] / res[b]["median_ms"], "paired": paired_ratio(res, a, b),
-            "loss_diff": max_loss_diff(res[a]["losses_mean_over_ranks"], res[b]["losses_mean_over_ranks"])[0]}
+    return {
+        "median_zt_ms": res[a]["median_ms"],
+        "median_torch_ms": res[b]["median_ms"],
+        "ratio": res[a]["median_ms"] / res[b]["median_ms"],
+        "paired": paired_ratio(res, a, b),
+        "loss_diff": max_loss_diff(res[a]["losses_mean_over_ranks"], res[b]["losses_mean_over_ranks"])[0],
+    }
 
 
 def max_over_ranks(x: float) -> float:
@@ -289,9 +328,12 @@ def tensor_bytes(tensors, seen: set | None = None) -> int:
 def model_state_bytes(params, optimizer, extra: int = 0) -> dict[str, int]:
     """This rank's params, grads and optimizer-state bytes (plus `extra`, e.g. communication buckets)."""
     params = list(params)
-    out = {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params),
-           "optimizer": tensor_bytes(v for s in optimizer.state.values() for v in s.values()),
-           "buffers": extra}
+    out = {
+        "params": tensor_bytes(params),
+        "grads": tensor_bytes(p.grad for p in params),
+        "optimizer": tensor_bytes(v for s in optimizer.state.values() for v in s.values()),
+        "buffers": extra,
+    }
     out["total"] = sum(out.values())
     return out
 
@@ -304,6 +346,7 @@ def measure_after_first_step(optimizer, params, extra=lambda: 0) -> dict:
     def hook(opt, *_):
         out.update(model_state_bytes(params(), opt, extra()))
         handle.remove()
+
     handle = optimizer.register_step_post_hook(hook)
     return out
 
@@ -317,8 +360,9 @@ def finish(name: str, args, payload: dict, rank: int = 0) -> None:
     """Rank 0 writes {benchmark, args, environment, **payload} to --out (default bench/results/<name>.json)
     and says where; then every rank leaves the process group."""
     if rank == 0:
-        path = write_json(name, {"benchmark": name, "args": json_args(args), "environment": environment(),
-                                 **payload}, args.out)
+        path = write_json(
+            name, {"benchmark": name, "args": json_args(args), "environment": environment(), **payload}, args.out
+        )
         print(f"\nwrote {path}")
     if dist.is_initialized():
         dist.barrier()

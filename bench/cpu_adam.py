@@ -11,7 +11,8 @@ shard of --numel elements; `gpt`: one tensor per parameter of GPT --gpt-size (ti
 
 Systems: zt (zerotron.ops.adam.CPUAdam, bf16 copy fused via copy_out), zt_bf16 (the same, reading bf16
 gradients in offload mode, as zerotron's engine sends them), torch_foreach, torch_fused (the baseline) and ds
-(DeepSpeedCPUAdam; skipped with the reason when it does not load); the peers copy to bf16 after the step. Modes, alternating in rounds: `step`, `step+bf16`, and `offload`: the whole host side of an
+(DeepSpeedCPUAdam; skipped with the reason when it does not load); the peers copy to bf16 after the
+step. Modes, alternating in rounds: `step`, `step+bf16`, and `offload`: the whole host side of an
 offloaded bf16 step with clipping, each system as its engine does it, the gradients' norms taken on the
 device by both (zerotron: fp32 gradients (zt) or bf16 ones (zt_bf16) read where they arrived, then
 unscale, clip, Adam and the bf16 copy in one pass per chunk; the peers as DeepSpeed: fp32 gradients, one
@@ -20,6 +21,7 @@ the warm-up and at the end, one more step+bf16 step; masters against torch_fused
 against its own master rounded.
 Details: bench/README.md. Results: bench/results/cpu_adam.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -99,8 +101,15 @@ class System:
     """One optimizer over its own copy of the masters, with a bf16 tensor per master (the weights
     the device gets back) and a host gradient buffer per master (where the gradients arrive)."""
 
-    def __init__(self, name: str, init: list[torch.Tensor], grads: list[list[torch.Tensor]], clip_coefs: list,
-                 ds_cls=None, zt_chunk: int | None = None):
+    def __init__(
+        self,
+        name: str,
+        init: list[torch.Tensor],
+        grads: list[list[torch.Tensor]],
+        clip_coefs: list,
+        ds_cls=None,
+        zt_chunk: int | None = None,
+    ):
         self.name, self.grads, self.clip_coefs, self.n = name, grads, clip_coefs, 0
         self.params = [torch.nn.Parameter(t.clone()) for t in init]
         self.bf16 = [torch.empty_like(t, dtype=torch.bfloat16) for t in init]
@@ -111,6 +120,7 @@ class System:
         kw = dict(lr=ADAMW["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"], weight_decay=ADAMW["weight_decay"])
         if name in ZEROTRON:
             from zerotron.ops.adam import CPUAdam
+
             self.opt = CPUAdam(self.params, **kw, **({"chunk_numel": zt_chunk} if zt_chunk else {}))
         elif name == "torch_foreach":
             self.opt = torch.optim.AdamW(self.params, foreach=True, **kw)
@@ -171,19 +181,25 @@ def clip_coefficients(grads) -> list[torch.Tensor]:
     it (zerotron and DeepSpeed both do: off the host's clock), the engine's way; every system uses
     the same one, so all take the same steps, bit for bit."""
     from zerotron.precision import clip_coefficient, global_norm
-    return [clip_coefficient(global_norm(torch._foreach_norm([t.bfloat16() for t in g], 2, dtype=torch.float32)),
-                             CLIP) for g in grads]
+
+    return [
+        clip_coefficient(global_norm(torch._foreach_norm([t.bfloat16() for t in g], 2, dtype=torch.float32)), CLIP)
+        for g in grads
+    ]
 
 
 # ---- workloads --------------------------------------------------------------------------------------
 def gpt_shapes(size: str, vocab: int) -> tuple[list[torch.Size], str]:
     from zerotron.models.gpt import GPT, config_for
+
     cfg = config_for(size, vocab_size=vocab, tie_embeddings=True)
     with torch.device("meta"):
         model = GPT(cfg)
     shapes = [p.shape for p in model.parameters()]  # tied weights appear once
-    desc = (f"zerotron GPT {size!r}: {cfg.n_layer} layers, d_model {cfg.d_model}, ffn {cfg.ffn}, vocab {vocab}, "
-            f"tied embeddings")
+    desc = (
+        f"zerotron GPT {size!r}: {cfg.n_layer} layers, d_model {cfg.d_model}, ffn {cfg.ffn}, vocab {vocab}, "
+        f"tied embeddings"
+    )
     return shapes, desc
 
 
@@ -205,8 +221,14 @@ def compare(systems: dict[str, System]) -> dict:
         identical = all(torch.equal(a.detach(), b.detach()) for a, b in zip(s.params, ref.params))
         bf16_ok = all(torch.equal(o, p.detach().to(torch.bfloat16)) for o, p in zip(s.bf16, s.params))
         bf16_vs_ref = sum(int((o != r).sum()) for o, r in zip(s.bf16, ref.bf16))
-        out[name] = {"steps": s.n, "max_abs_diff": diff, "max_rel_diff": diff / ref_max, "bit_identical": identical,
-                     "bf16_equals_own_master": bf16_ok, "bf16_elements_differing_from_baseline": bf16_vs_ref}
+        out[name] = {
+            "steps": s.n,
+            "max_abs_diff": diff,
+            "max_rel_diff": diff / ref_max,
+            "bit_identical": identical,
+            "bf16_equals_own_master": bf16_ok,
+            "bf16_elements_differing_from_baseline": bf16_vs_ref,
+        }
     return out
 
 
@@ -235,42 +257,92 @@ def run_case(label: str, shapes, args, names: list[str], ds_cls) -> dict:
 
     def on_round(r, round_ms):
         round_load.append(os.getloadavg()[0])
-        print(f"round {r + 1}/{args.rounds} (load {round_load[-1]:.1f}): "
-              + ", ".join(f"{n}/{m} {round_ms[(n, m)][-1]:.1f}" for n, m in entries), flush=True)
+        print(
+            f"round {r + 1}/{args.rounds} (load {round_load[-1]:.1f}): "
+            + ", ".join(f"{n}/{m} {round_ms[(n, m)][-1]:.1f}" for n, m in entries),
+            flush=True,
+        )
+
     # each system runs its modes in one order (only offload clips), so all take the same steps, bit for bit
-    ms, round_ms = common.rounds(entries, lambda e: systems[e[0]].timed(e[1]), args.rounds, args.steps, on_round,
-                                 block=len(MODES))
+    ms, round_ms = common.rounds(
+        entries, lambda e: systems[e[0]].timed(e[1]), args.rounds, args.steps, on_round, block=len(MODES)
+    )
     check_end = check(systems)
 
     rows = []
     for n, m in entries:
         med = statistics.median(ms[(n, m)])
-        rows.append({"system": n, "mode": m, "median_ms": med, "elements_per_s": numel / (med / 1e3),
-                     "min_ms": min(ms[(n, m)]), "ms": ms[(n, m)], "round_ms": round_ms[(n, m)]})
+        rows.append(
+            {
+                "system": n,
+                "mode": m,
+                "median_ms": med,
+                "elements_per_s": numel / (med / 1e3),
+                "min_ms": min(ms[(n, m)]),
+                "ms": ms[(n, m)],
+                "round_ms": round_ms[(n, m)],
+            }
+        )
     med = {(r["system"], r["mode"]): r["median_ms"] for r in rows}
-    pairs = [{"pair": f"{zt}/{peer}", "mode": m, "ratio": med[(zt, m)] / med[(peer, m)],
-              "paired": statistics.median(a / b for a, b in zip(round_ms[(zt, m)], round_ms[(peer, m)]))}
-             for zt in ZEROTRON if zt in names for peer in names if peer not in ZEROTRON
-             for m in (MODES if zt == "zt" else ("offload",))]
+    pairs = [
+        {
+            "pair": f"{zt}/{peer}",
+            "mode": m,
+            "ratio": med[(zt, m)] / med[(peer, m)],
+            "paired": statistics.median(a / b for a, b in zip(round_ms[(zt, m)], round_ms[(peer, m)])),
+        }
+        for zt in ZEROTRON
+        if zt in names
+        for peer in names
+        if peer not in ZEROTRON
+        for m in (MODES if zt == "zt" else ("offload",))
+    ]
 
     print(f"\n{label}: {numel:,} elements, {len(shapes)} tensor(s), {args.threads} threads")
-    common.print_table([{**r, "meps": r["elements_per_s"] / 1e6} for r in rows],
-                       [("system", "system", "{}"), ("mode", "mode", "{}"), ("median_ms", "median ms", "{:.2f}"),
-                        ("min_ms", "min ms", "{:.2f}"), ("meps", "M elem/s", "{:.0f}")])
+    common.print_table(
+        [{**r, "meps": r["elements_per_s"] / 1e6} for r in rows],
+        [
+            ("system", "system", "{}"),
+            ("mode", "mode", "{}"),
+            ("median_ms", "median ms", "{:.2f}"),
+            ("min_ms", "min ms", "{:.2f}"),
+            ("meps", "M elem/s", "{:.0f}"),
+        ],
+    )
     if pairs:
         print()
-        common.print_table(pairs, [("pair", "pair", "{}"), ("mode", "mode", "{}"), ("ratio", "ratio", "{:.3f}"),
-                                   ("paired", "paired", "{:.3f}")])
+        common.print_table(
+            pairs,
+            [
+                ("pair", "pair", "{}"),
+                ("mode", "mode", "{}"),
+                ("ratio", "ratio", "{:.3f}"),
+                ("paired", "paired", "{:.3f}"),
+            ],
+        )
     for when, c in (("after warm-up", check_warmup), ("at the end", check_end)):
         print(f"\ncheck {when} (vs {BASELINE}, after {c[BASELINE]['steps']} steps):")
-        common.print_table([{"system": n, **v} for n, v in c.items()],
-                           [("system", "system", "{}"), ("max_abs_diff", "max|diff|", "{:.3g}"),
-                            ("max_rel_diff", "rel", "{:.3g}"), ("bit_identical", "identical", "{}"),
-                            ("bf16_equals_own_master", "bf16 ok", "{}"),
-                            ("bf16_elements_differing_from_baseline", "bf16 != base", "{}")])
-    result = {"case": label, "numel": numel, "tensors": len(shapes), "rows": rows, "pairs": pairs,
-              "round_load": round_load,
-              "check_after_warmup": check_warmup, "check_end": check_end}
+        common.print_table(
+            [{"system": n, **v} for n, v in c.items()],
+            [
+                ("system", "system", "{}"),
+                ("max_abs_diff", "max|diff|", "{:.3g}"),
+                ("max_rel_diff", "rel", "{:.3g}"),
+                ("bit_identical", "identical", "{}"),
+                ("bf16_equals_own_master", "bf16 ok", "{}"),
+                ("bf16_elements_differing_from_baseline", "bf16 != base", "{}"),
+            ],
+        )
+    result = {
+        "case": label,
+        "numel": numel,
+        "tensors": len(shapes),
+        "rows": rows,
+        "pairs": pairs,
+        "round_load": round_load,
+        "check_after_warmup": check_warmup,
+        "check_end": check_end,
+    }
     systems.clear()
     del grads
     gc.collect()
@@ -293,11 +365,15 @@ def main():
             names.remove("ds")
             print(f"DeepSpeedCPUAdam skipped: {ds_skip}")
 
-    env = reporting.environment(deepspeed=getattr(sys.modules.get("deepspeed"), "__version__", None),
-                             torch_threads=torch.get_num_threads(), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS"),
-                             cpu_capability=torch.backends.cpu.get_cpu_capability())
+    env = reporting.environment(
+        deepspeed=getattr(sys.modules.get("deepspeed"), "__version__", None),
+        torch_threads=torch.get_num_threads(),
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS"),
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+    )
     try:
         import cpuinfo
+
         env["cpu"] = cpuinfo.get_cpu_info().get("brand_raw")
     except Exception:
         pass
@@ -322,10 +398,20 @@ def main():
             res["layout"] = desc
         results.append(res)
 
-    path = reporting.write_json("cpu_adam", {
-        "benchmark": "cpu_adam", "args": reporting.json_args(args), "adamw": {**ADAMW, "betas": list(ADAMW["betas"])},
-        "baseline": BASELINE, "systems": names, "deepspeed_skipped": ds_skip or None,
-        "environment": {**env, "loadavg_end": os.getloadavg()[0]}, "results": results}, args.out)
+    path = reporting.write_json(
+        "cpu_adam",
+        {
+            "benchmark": "cpu_adam",
+            "args": reporting.json_args(args),
+            "adamw": {**ADAMW, "betas": list(ADAMW["betas"])},
+            "baseline": BASELINE,
+            "systems": names,
+            "deepspeed_skipped": ds_skip or None,
+            "environment": {**env, "loadavg_end": os.getloadavg()[0]},
+            "results": results,
+        },
+        args.out,
+    )
     print(f"\nwrote {path}")
 
 

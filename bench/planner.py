@@ -15,6 +15,7 @@ running beside it hides on this machine (`overlap`).
 
     python bench/planner.py            # 2 ranks (relaunches itself under torchrun)
 """
+
 from __future__ import annotations
 
 import os
@@ -50,8 +51,13 @@ SYSTEMS = {
     "tp2 sp overlap": (1, 2, 1, 0, "none", True, {"tp_overlap_comm": True}),
 }
 # (with the option, without it): the option's effect, measured and predicted
-EFFECTS = [("dp2 zero0", "dp2 zero0 one bucket"), ("dp2 zero1", "dp2 zero1 one bucket"),
-           ("dp2 zero3", "dp2 zero3 no prefetch"), ("tp2 overlap", "tp2"), ("tp2 sp overlap", "tp2 sp")]
+EFFECTS = [
+    ("dp2 zero0", "dp2 zero0 one bucket"),
+    ("dp2 zero1", "dp2 zero1 one bucket"),
+    ("dp2 zero3", "dp2 zero3 no prefetch"),
+    ("tp2 overlap", "tp2"),
+    ("tp2 sp overlap", "tp2 sp"),
+]
 
 
 def parse_args():
@@ -76,12 +82,14 @@ def _timed(fn, repeat: int = 5) -> float:
 def calibrate(cfg, args, rank: int) -> dict:
     """The `cpu` hardware fields, measured; every rank measures alike (the cores are shared)."""
     from zerotron.planner.model import ModelShape
+
     tokens = args.batch // 2 * args.seq
     d = cfg.d_model
 
     def matmul_rate(width):
         x, w = torch.randn(tokens, d), torch.randn(d, width)
         return 2 * tokens * d * width / _timed(lambda: x @ w)
+
     r_full, r_half = matmul_rate(4 * d), matmul_rate(2 * d)
     # rate(w) = R * w / (w + knee), with w the hidden width per rank: d and d / 2.
     knee = max(1.0, (r_full - r_half) / (2 * r_half / d - r_full / d))
@@ -93,6 +101,7 @@ def calibrate(cfg, args, rank: int) -> dict:
 
     def train_step():
         model(x, x).backward()
+
     step_s = _timed(train_step, 3)
     shape = ModelShape.of_gpt(cfg)
     efficiency = tokens * shape.flops_per_token(args.seq) / step_s / (peak * d / (d + knee))
@@ -103,18 +112,28 @@ def calibrate(cfg, args, rank: int) -> dict:
         t = torch.zeros(n)
         dist.barrier()
         return _timed(lambda: dist.all_reduce(t), 10)
-    small, large = all_reduce_s(256), all_reduce_s(4 * 2 ** 20)  # 1 KiB, 16 MiB
-    latency_us = small / 2 * 1e6                   # two ring steps for 2 ranks
-    bandwidth = 16 * 2 ** 20 / max(large - small, 1e-9) / 1e9  # (n-1)/n * 2 passes = 1 for 2 ranks
-    return {"peak_tflops": peak / 1e12, "knee": knee, "efficiency": min(efficiency, 1.0), "hbm_gbps": hbm,
-            "intra_gbps": bandwidth, "inter_gbps": bandwidth, "intra_latency_us": latency_us,
-            "inter_latency_us": latency_us, "overlap": overlap_fraction(tokens, d), "model_step_s": step_s}
+
+    small, large = all_reduce_s(256), all_reduce_s(4 * 2**20)  # 1 KiB, 16 MiB
+    latency_us = small / 2 * 1e6  # two ring steps for 2 ranks
+    bandwidth = 16 * 2**20 / max(large - small, 1e-9) / 1e9  # (n-1)/n * 2 passes = 1 for 2 ranks
+    return {
+        "peak_tflops": peak / 1e12,
+        "knee": knee,
+        "efficiency": min(efficiency, 1.0),
+        "hbm_gbps": hbm,
+        "intra_gbps": bandwidth,
+        "inter_gbps": bandwidth,
+        "intra_latency_us": latency_us,
+        "inter_latency_us": latency_us,
+        "overlap": overlap_fraction(tokens, d),
+        "model_step_s": step_s,
+    }
 
 
 def overlap_fraction(tokens: int, d: int) -> float:
     """How much of a 16 MiB all-reduce matmuls running beside it hide: (matmuls alone + all-reduce
     alone - both at once) / the shorter of the two; 1 = free, 0 = no better than one after the other."""
-    t, x, w = torch.zeros(4 * 2 ** 20), torch.randn(tokens, d), torch.randn(d, 4 * d)
+    t, x, w = torch.zeros(4 * 2**20), torch.randn(tokens, d), torch.randn(d, 4 * d)
     dist.barrier()
     reduce_s = _timed(lambda: dist.all_reduce(t), 5)
     one = _timed(lambda: x @ w, 5)
@@ -128,6 +147,7 @@ def overlap_fraction(tokens: int, d: int) -> float:
         work = dist.all_reduce(t, async_op=True)
         matmuls()
         work.wait()
+
     dist.barrier()
     alone, together = _timed(matmuls, 5), _timed(both, 5)
     return min(1.0, max(0.0, (alone + reduce_s - together) / min(alone, reduce_s)))
@@ -143,14 +163,20 @@ def _extra(spec) -> tuple[dict, dict]:
 
 def system(cfg, args, spec, rank):
     import zerotron
+
     dp, tp, pp, zero, ckpt, sp = spec[:6]
     zero_keys, tp_keys = _extra(spec)
     model = common.build_gpt(cfg)
     per_rank = args.batch // dp
     m = args.micro_batches if pp > 1 else 1
-    config = training.zerotron_config(args.batch // dp // m, 1.0, zero, gas=m,
-                                    tensor_parallel={"autotp_size": tp, **tp_keys},
-                                    zerotron={"checkpoint_policy": ckpt, "sequence_parallel": sp})
+    config = training.zerotron_config(
+        args.batch // dp // m,
+        1.0,
+        zero,
+        gas=m,
+        tensor_parallel={"autotp_size": tp, **tp_keys},
+        zerotron={"checkpoint_policy": ckpt, "sequence_parallel": sp},
+    )
     config["zero_optimization"].update(zero_keys)
     if pp > 1:
         module = common.to_pipeline(model, pp, partition_method="type:_PipeBlock")
@@ -159,20 +185,31 @@ def system(cfg, args, spec, rank):
     engine, *_ = zerotron.initialize(model=model, config=config)
     lo = (rank % dp) * per_rank if dp > 1 else 0
     step = training.engine_step(engine)
-    return lambda x, y: step(x[lo:lo + per_rank], y[lo:lo + per_rank])
+    return lambda x, y: step(x[lo : lo + per_rank], y[lo : lo + per_rank])
 
 
 def predicted(cfg, args, spec, hw) -> float:
     from zerotron.planner.cost import Layout, step_time
     from zerotron.planner.model import ModelShape
+
     dp, tp, pp, zero, ckpt, sp = spec[:6]
     zero_keys, tp_keys = _extra(spec)
     m = args.micro_batches if pp > 1 else 1
-    layout = Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=args.batch // dp // m, grad_accum=m,
-                    checkpoint=ckpt, sequence_parallel=sp, tp_overlap_comm=tp_keys.get("tp_overlap_comm", False),
-                    stage3_prefetch=int(zero_keys.get("stage3_prefetch_bucket_size", 50_000_000)))
-    return step_time(ModelShape.of_gpt(cfg), layout, args.seq, hw, dtype="fp32",
-                     bucket_elements=zero_keys.get("reduce_bucket_size"))
+    layout = Layout(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        zero=zero,
+        micro_batch=args.batch // dp // m,
+        grad_accum=m,
+        checkpoint=ckpt,
+        sequence_parallel=sp,
+        tp_overlap_comm=tp_keys.get("tp_overlap_comm", False),
+        stage3_prefetch=int(zero_keys.get("stage3_prefetch_bucket_size", 50_000_000)),
+    )
+    return step_time(
+        ModelShape.of_gpt(cfg), layout, args.seq, hw, dtype="fp32", bucket_elements=zero_keys.get("reduce_bucket_size")
+    )
 
 
 def main():
@@ -181,6 +218,7 @@ def main():
     if world != 2:
         raise SystemExit("bench/planner.py compares layouts of 2 ranks; run it with --nproc 2")
     from zerotron.planner.hardware import hardware
+
     fields = calibrate(cfg, args, rank)
     hw = hardware("cpu", **{k: v for k, v in fields.items() if k != "model_step_s"})
     log("calibrated: " + ", ".join(f"{k} {v:.4g}" for k, v in fields.items()))
@@ -192,33 +230,67 @@ def main():
     rows = []
     for n in names:
         t = predicted(cfg, args, SYSTEMS[n], hw)
-        rows.append({"layout": n, "median_ms": res[n]["median_ms"], "predicted_ms": t["total"] * 1e3,
-                     "measured_ratio": common.paired_ratio(res, n, BASE) if BASE in res else None,
-                     "parts_ms": {k: v * 1e3 for k, v in t.items()}})
+        rows.append(
+            {
+                "layout": n,
+                "median_ms": res[n]["median_ms"],
+                "predicted_ms": t["total"] * 1e3,
+                "measured_ratio": common.paired_ratio(res, n, BASE) if BASE in res else None,
+                "parts_ms": {k: v * 1e3 for k, v in t.items()},
+            }
+        )
     base = next(r for r in rows if r["layout"] == BASE)
     for r in rows:
         r["predicted_ratio"] = r["predicted_ms"] / base["predicted_ms"]
         r["ratio_error"] = r["predicted_ratio"] / r["measured_ratio"] - 1
     if rank == 0:
-        common.print_table(rows, [("layout", "layout", "{}"), ("median_ms", "measured ms", "{:.1f}"),
-                                  ("predicted_ms", "predicted ms", "{:.1f}"),
-                                  ("measured_ratio", f"measured / {BASE}", "{:.3f}"),
-                                  ("predicted_ratio", "predicted ratio", "{:.3f}"),
-                                  ("ratio_error", "error", "{:+.1%}")])
+        common.print_table(
+            rows,
+            [
+                ("layout", "layout", "{}"),
+                ("median_ms", "measured ms", "{:.1f}"),
+                ("predicted_ms", "predicted ms", "{:.1f}"),
+                ("measured_ratio", f"measured / {BASE}", "{:.3f}"),
+                ("predicted_ratio", "predicted ratio", "{:.3f}"),
+                ("ratio_error", "error", "{:+.1%}"),
+            ],
+        )
     errors = [abs(r["ratio_error"]) for r in rows if r["layout"] != BASE]
     log(f"ratio error: median {statistics.median(errors):.1%}, worst {max(errors):.1%}")
     by_name = {r["layout"]: r for r in rows}
-    effects = [{"with": a, "without": b, "measured": common.paired_ratio(res, a, b),
-                "predicted": by_name[a]["predicted_ms"] / by_name[b]["predicted_ms"]}
-               for a, b in EFFECTS if a in res and b in res]
+    effects = [
+        {
+            "with": a,
+            "without": b,
+            "measured": common.paired_ratio(res, a, b),
+            "predicted": by_name[a]["predicted_ms"] / by_name[b]["predicted_ms"],
+        }
+        for a, b in EFFECTS
+        if a in res and b in res
+    ]
     if rank == 0 and effects:
         print()
-        common.print_table(effects, [("with", "with the option", "{}"), ("without", "without", "{}"),
-                                     ("measured", "measured ratio (paired)", "{:.3f}"),
-                                     ("predicted", "predicted ratio", "{:.3f}")])
-    common.finish("planner", args, {"calibration": fields, "rows": rows, "effects": effects,
-                                    "worst_abs_ratio_error": max(errors),
-                                    "median_abs_ratio_error": statistics.median(errors)}, rank)
+        common.print_table(
+            effects,
+            [
+                ("with", "with the option", "{}"),
+                ("without", "without", "{}"),
+                ("measured", "measured ratio (paired)", "{:.3f}"),
+                ("predicted", "predicted ratio", "{:.3f}"),
+            ],
+        )
+    common.finish(
+        "planner",
+        args,
+        {
+            "calibration": fields,
+            "rows": rows,
+            "effects": effects,
+            "worst_abs_ratio_error": max(errors),
+            "median_abs_ratio_error": statistics.median(errors),
+        },
+        rank,
+    )
 
 
 if __name__ == "__main__":

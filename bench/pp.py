@@ -25,6 +25,7 @@ theory, and the batch replayed on ideal stages with its actions' measured times 
 is measured minus replayed), for the last timed batch and over --bubble-batches extra batches. Details:
 bench/README.md.
 """
+
 from __future__ import annotations
 
 import os
@@ -54,10 +55,17 @@ def parse_args():
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (gradient accumulation)")
     p.add_argument("--clip", type=float, default=0.0, help="gradient clipping max norm for every system (0: off)")
     p.add_argument("--schedules", default="gpipe,1f1b", help=f"comma-separated subset of {','.join(SCHEDULES)}")
-    p.add_argument("--bubble-batches", type=int, default=5,
-                   help="extra untimed zerotron batches after the rounds whose measured bubbles are reported")
-    p.add_argument("--balanced", action="store_true",
-                   help="stages of transformer blocks only (hidden states in, mean squared error out): equal stages")
+    p.add_argument(
+        "--bubble-batches",
+        type=int,
+        default=5,
+        help="extra untimed zerotron batches after the rounds whose measured bubbles are reported",
+    )
+    p.add_argument(
+        "--balanced",
+        action="store_true",
+        help="stages of transformer blocks only (hidden states in, mean squared error out): equal stages",
+    )
     return p.parse_args()
 
 
@@ -75,8 +83,10 @@ def hidden_batches(args, cfg):
     (batch, seq, d_model)."""
     g = torch.Generator().manual_seed(1234)
     shape = (args.batch, args.seq, cfg.d_model)
-    return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
-            for _ in range(args.warmup + args.rounds * args.steps)]
+    return [
+        (torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+        for _ in range(args.warmup + args.rounds * args.steps)
+    ]
 
 
 def median_per_stage(bubbles: list[dict], key: str, stages: int) -> list[float] | None:
@@ -104,17 +114,28 @@ class InputLeaf(nn.Module):
 def zerotron_system(cfg, args, stages, schedule):
     if args.balanced:  # the GPT's blocks alone, cut as the torch stages are
         from zerotron.pipe import PipelineModule
+
         gpt = common.build_gpt(cfg)
-        module = PipelineModule([InputLeaf(), *(RotaryBlock(b, cfg) for b in gpt.layers)], num_stages=stages,
-                                loss_fn=mse, partition_method="type:_PipeBlock")
+        module = PipelineModule(
+            [InputLeaf(), *(RotaryBlock(b, cfg) for b in gpt.layers)],
+            num_stages=stages,
+            loss_fn=mse,
+            partition_method="type:_PipeBlock",
+        )
     else:
         module = common.to_pipeline(common.build_gpt(cfg), stages, partition_method="type:_PipeBlock")
-    engine, _ = training.zerotron_step(module, args.batch // args.micro_batches, args.clip, gas=args.micro_batches,
-                                     pipeline={"schedule": schedule},
-                                     wall_clock_breakdown=True)  # pipeline_bubble() needs the stage timing
+    engine, _ = training.zerotron_step(
+        module,
+        args.batch // args.micro_batches,
+        args.clip,
+        gas=args.micro_batches,
+        pipeline={"schedule": schedule},
+        wall_clock_breakdown=True,
+    )  # pipeline_bubble() needs the stage timing
 
     def step(tokens, targets):
         return engine.train_batch(iter(micro_split(tokens, targets, args.micro_batches))).item()
+
     return step, engine, common.measure_after_first_step(engine.optimizer, engine.module.parameters)
 
 
@@ -128,10 +149,12 @@ class TorchStage(nn.Module):
 
     def __init__(self, gpt, stage, stages, blocks_only=False):
         super().__init__()
-        lo, hi = stage_bounds(gpt.config.n_layer, stages)[stage:stage + 2]
+        lo, hi = stage_bounds(gpt.config.n_layer, stages)[stage : stage + 2]
         self.tok_emb = gpt.tok_emb if stage == 0 and not blocks_only else None
-        self.layers = nn.ModuleList(([InputLeaf()] if stage == 0 and blocks_only else [])
-                                    + [RotaryBlock(b, gpt.config) for b in gpt.layers[lo:hi]])
+        self.layers = nn.ModuleList(
+            ([InputLeaf()] if stage == 0 and blocks_only else [])
+            + [RotaryBlock(b, gpt.config) for b in gpt.layers[lo:hi]]
+        )
         last = stage == stages - 1 and not blocks_only
         self.norm = gpt.norm if last else None
         self.lm_head = gpt.lm_head if last else None
@@ -147,10 +170,11 @@ class TorchStage(nn.Module):
 
 
 def torch_system(cfg, args, stage, stages, schedule):
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleavedZeroBubble)
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble
     from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
     from zerotron.models.gpt import cross_entropy
+
     gpt = common.build_gpt(cfg)
     if gpt.config.tie_embeddings:
         raise SystemExit("tied embeddings are not benchmarked")
@@ -163,8 +187,9 @@ def torch_system(cfg, args, stage, stages, schedule):
     pipe_stage = PipelineStage(model, stage, stages, torch.device("cpu"), input_args=inputs, output_args=outputs)
     loss_fn = mse if args.balanced else cross_entropy
     if schedule == "zb-h1":  # torch's zero-bubble schedule with one stage per rank runs ZB-H1's order
-        sched = ScheduleInterleavedZeroBubble([pipe_stage], n_microbatches=args.micro_batches, loss_fn=loss_fn,
-                                              scale_grads=True)
+        sched = ScheduleInterleavedZeroBubble(
+            [pipe_stage], n_microbatches=args.micro_batches, loss_fn=loss_fn, scale_grads=True
+        )
     else:
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
         sched = kind(pipe_stage, n_microbatches=args.micro_batches, loss_fn=loss_fn, scale_grads=True)
@@ -191,6 +216,7 @@ def torch_system(cfg, args, stage, stages, schedule):
         loss = torch.stack(losses).mean() if last else torch.zeros(())
         dist.broadcast(loss, src=stages - 1)  # every rank returns the loss, as zerotron's train_batch
         return loss.item()
+
     return step, common.measure_after_first_step(opt, model.parameters)
 
 
@@ -206,8 +232,10 @@ def main():
     if "1f1b" in schedules and args.micro_batches < stages:
         raise SystemExit(f"torch's Schedule1F1B needs --micro-batches >= the {stages} stages")
     if "zb-h1" in schedules and args.micro_batches % max(1, args.micro_batches // stages):
-        raise SystemExit(f"torch's zero-bubble schedule needs --micro-batches a multiple of "
-                         f"{max(1, args.micro_batches // stages)} (its rounds of {stages})")
+        raise SystemExit(
+            f"torch's zero-bubble schedule needs --micro-batches a multiple of "
+            f"{max(1, args.micro_batches // stages)} (its rounds of {stages})"
+        )
 
     systems, memory, engines = {}, {}, {}
     for s in schedules:  # pairs next to each other in the round order
@@ -217,16 +245,22 @@ def main():
     blocks = stage_bounds(args.layers, stages)
     # zerotron's layers: [embedding, block 0..L-1, head] (balanced: [InputLeaf, block 0..L-1]); its cuts
     # must match the torch stages' block ranges.
-    expected = [0] + [b + 1 for b in blocks[1:]] if args.balanced else \
-        [0] + [b + 1 for b in blocks[1:-1]] + [args.layers + 2]
+    expected = (
+        [0] + [b + 1 for b in blocks[1:]] if args.balanced else [0] + [b + 1 for b in blocks[1:-1]] + [args.layers + 2]
+    )
     if list(parts) != expected:
         raise SystemExit(f"zerotron cut the layers at {parts}, the torch stages at {expected}")
 
     mb = args.batch // args.micro_batches
-    common.announce(log, args, cfg, f"{stages} pipeline stages (blocks "
-                    f"{', '.join(f'{a}-{b - 1}' for a, b in zip(blocks, blocks[1:]))}"
-                    f"{', blocks only' if args.balanced else ''}), {args.batch} sequences/step = "
-                    f"{args.micro_batches} micro-batches of {mb}, fp32, clip {args.clip or 'off'}")
+    common.announce(
+        log,
+        args,
+        cfg,
+        f"{stages} pipeline stages (blocks "
+        f"{', '.join(f'{a}-{b - 1}' for a, b in zip(blocks, blocks[1:]))}"
+        f"{', blocks only' if args.balanced else ''}), {args.batch} sequences/step = "
+        f"{args.micro_batches} micro-batches of {mb}, fp32, clip {args.clip or 'off'}",
+    )
     # One pipeline: every rank reads the same global batch (stage 0 uses the tokens, the last stage the targets).
     batches = hidden_batches(args, cfg) if args.balanced else common.batches_for(args, cfg)
     res = common.run_rounds(systems, batches, args.warmup, args.steps, args.rounds, log=log)
@@ -236,15 +270,18 @@ def main():
     for name, engine in engines.items():
         last = engine.pipeline_bubble()
         extra = []
-        for tokens, targets in batches[:args.bubble_batches]:
+        for tokens, targets in batches[: args.bubble_batches]:
             dist.barrier()
             systems[name](tokens, targets)
             extra.append(engine.pipeline_bubble())
-        bubbles[name] = {"theory": last["theory"], "last_timed_batch": last["measured"],
-                         "median_extra_batches": median_per_stage(extra, "measured", stages),
-                         "replayed_median_extra_batches": median_per_stage(extra, "replayed", stages),
-                         "extra_batches": [b["measured"] for b in extra],
-                         "replayed_extra_batches": [b["replayed"] for b in extra]}
+        bubbles[name] = {
+            "theory": last["theory"],
+            "last_timed_batch": last["measured"],
+            "median_extra_batches": median_per_stage(extra, "measured", stages),
+            "replayed_median_extra_batches": median_per_stage(extra, "replayed", stages),
+            "extra_batches": [b["measured"] for b in extra],
+            "replayed_extra_batches": [b["replayed"] for b in extra],
+        }
 
     def per_stage(values):
         return None if not values else " / ".join(f"{x:.3f}" for x in values)
@@ -254,39 +291,83 @@ def main():
     for r in rows:
         mem, b = memory[r["system"]], bubbles.get(r["system"])
         # state per rank differs between stages: report the largest.
-        r.update(state_mb_max_stage=common.max_over_ranks(mem.get("total", 0)) / 2**20, memory_rank0=mem,
-                 bubble_last=b and per_stage(b["last_timed_batch"]),
-                 bubble_median=b and per_stage(b["median_extra_batches"]),
-                 bubble_replayed=b and per_stage(b["replayed_median_extra_batches"]),
-                 bubble_theory=b and b["theory"], bubble=b)
-    pairs = [{"schedule": s, "zerotron": f"zt_{s}", "torch": f"torch_{s}", "pair": f"zt_{s} / torch_{s}",
-              **common.pair(res, f"zt_{s}", f"torch_{s}")} for s in schedules]
+        r.update(
+            state_mb_max_stage=common.max_over_ranks(mem.get("total", 0)) / 2**20,
+            memory_rank0=mem,
+            bubble_last=b and per_stage(b["last_timed_batch"]),
+            bubble_median=b and per_stage(b["median_extra_batches"]),
+            bubble_replayed=b and per_stage(b["replayed_median_extra_batches"]),
+            bubble_theory=b and b["theory"],
+            bubble=b,
+        )
+    pairs = [
+        {
+            "schedule": s,
+            "zerotron": f"zt_{s}",
+            "torch": f"torch_{s}",
+            "pair": f"zt_{s} / torch_{s}",
+            **common.pair(res, f"zt_{s}", f"torch_{s}"),
+        }
+        for s in schedules
+    ]
     if rank == 0:
         print()
-        common.print_table(rows, [
-            ("system", "system", "{}"), ("median_ms", "median ms", "{:.1f}"),
-            ("loss_diff", f"max|dloss| vs {baseline}", "{:.1e}"), ("loss_rel_diff", "relative", "{:.1e}"),
-            ("state_mb_max_stage", "state MiB (max stage)", "{:.2f}"),
-            ("bubble_last", "bubble last batch (per stage)", "{}"),
-            ("bubble_median", f"median of {args.bubble_batches} more", "{}"),
-            ("bubble_replayed", "replayed", "{}"), ("bubble_theory", "theory", "{:.3f}")])
+        common.print_table(
+            rows,
+            [
+                ("system", "system", "{}"),
+                ("median_ms", "median ms", "{:.1f}"),
+                ("loss_diff", f"max|dloss| vs {baseline}", "{:.1e}"),
+                ("loss_rel_diff", "relative", "{:.1e}"),
+                ("state_mb_max_stage", "state MiB (max stage)", "{:.2f}"),
+                ("bubble_last", "bubble last batch (per stage)", "{}"),
+                ("bubble_median", f"median of {args.bubble_batches} more", "{}"),
+                ("bubble_replayed", "replayed", "{}"),
+                ("bubble_theory", "theory", "{:.3f}"),
+            ],
+        )
         print()
-        common.print_table(pairs, [("pair", "zerotron / torch", "{}"), ("median_zt_ms", "zt ms", "{:.1f}"),
-                                   ("median_torch_ms", "torch ms", "{:.1f}"), ("ratio", "ratio of medians", "{:.3f}"),
-                                   ("paired", "paired", "{:.3f}"), ("loss_diff", "max|dloss|", "{:.1e}")])
-        print("\nratio < 1: zerotron is faster. paired: median over rounds of the per-round ratio (prefer it on a "
-              "shared machine). max|dloss| over every step, warm-up included. Bubble: zerotron's "
-              "engine.pipeline_bubble(), idle fraction of each stage over the common window of a batch; theory "
-              "(p-1)/(m+p-1), ZB-H1 (p-1)/(3m+p-1); replayed: the same batches on ideal stages (free transfers) "
-              "whose every action takes its measured time, so measured - replayed is the engine's own idle time. "
-              "State: params + grads + AdamW state after the first step, the largest stage.")
-    common.finish("pp", args, {
-        "model": common.model_json(args, cfg, dtype="fp32", pipeline_stages=stages, stage_blocks=blocks,
-                                   balanced=args.balanced,
-                                   zerotron_layer_cuts=list(parts), micro_batches=args.micro_batches,
-                                   micro_batch_size=mb),
-        "adamw": {**training.ADAMW, "betas": list(training.ADAMW["betas"]), "fused": True},
-        "baseline": baseline, "pairs": pairs, "results": rows}, rank)
+        common.print_table(
+            pairs,
+            [
+                ("pair", "zerotron / torch", "{}"),
+                ("median_zt_ms", "zt ms", "{:.1f}"),
+                ("median_torch_ms", "torch ms", "{:.1f}"),
+                ("ratio", "ratio of medians", "{:.3f}"),
+                ("paired", "paired", "{:.3f}"),
+                ("loss_diff", "max|dloss|", "{:.1e}"),
+            ],
+        )
+        print(
+            "\nratio < 1: zerotron is faster. paired: median over rounds of the per-round ratio (prefer it on a "
+            "shared machine). max|dloss| over every step, warm-up included. Bubble: zerotron's "
+            "engine.pipeline_bubble(), idle fraction of each stage over the common window of a batch; theory "
+            "(p-1)/(m+p-1), ZB-H1 (p-1)/(3m+p-1); replayed: the same batches on ideal stages (free transfers) "
+            "whose every action takes its measured time, so measured - replayed is the engine's own idle time. "
+            "State: params + grads + AdamW state after the first step, the largest stage."
+        )
+    common.finish(
+        "pp",
+        args,
+        {
+            "model": common.model_json(
+                args,
+                cfg,
+                dtype="fp32",
+                pipeline_stages=stages,
+                stage_blocks=blocks,
+                balanced=args.balanced,
+                zerotron_layer_cuts=list(parts),
+                micro_batches=args.micro_batches,
+                micro_batch_size=mb,
+            ),
+            "adamw": {**training.ADAMW, "betas": list(training.ADAMW["betas"]), "fused": True},
+            "baseline": baseline,
+            "pairs": pairs,
+            "results": rows,
+        },
+        rank,
+    )
 
 
 if __name__ == "__main__":

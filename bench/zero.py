@@ -10,6 +10,7 @@ zt2 vs fsdp2_noreshard and ds2, zt3 (and zt3_fsdp, stage 3 set up as FSDP2 works
 Memory is model state as tensor bytes reachable from each system's objects, sampled around every block and
 optimizer step of one untimed step (MemoryProbe); the peak is reported. Details: bench/README.md.
 """
+
 from __future__ import annotations
 
 import collections
@@ -34,42 +35,87 @@ warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distribu
 
 ADAMW = training.ADAMW
 # zerotron system -> the peers it is compared with
-PAIRS = {"zt1": ["torch_zero1", "ds1"], "zt2": ["fsdp2_noreshard", "ds2"], "zt2_fsdp": ["fsdp2_noreshard", "ds2"],
-         "zt3": ["fsdp2_reshard", "ds3"], "zt3_fsdp": ["fsdp2_reshard", "ds3"]}
+PAIRS = {
+    "zt1": ["torch_zero1", "ds1"],
+    "zt2": ["fsdp2_noreshard", "ds2"],
+    "zt2_fsdp": ["fsdp2_noreshard", "ds2"],
+    "zt3": ["fsdp2_reshard", "ds3"],
+    "zt3_fsdp": ["fsdp2_reshard", "ds3"],
+}
 
 
 def parse_args():
     p = common.base_parser(__doc__.splitlines()[0])
-    p.add_argument("--precision", choices=["fp32", "bf16", "both"], default="fp32",
-                   help="fp32, bf16 (bf16 weights and gradients, fp32 masters), or both (one sweep each). "
-                        "Default fp32: this CPU has no bf16 matrix unit, a bf16 step is ~10x slower")
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "both"],
+        default="fp32",
+        help="fp32, bf16 (bf16 weights and gradients, fp32 masters), or both (one sweep each). "
+        "Default fp32: this CPU has no bf16 matrix unit, a bf16 step is ~10x slower",
+    )
     p.add_argument("--bf16-rounds", type=int, default=5, help="rounds of the bf16 sweep (its steps take ~4 s)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient clipping max norm for every system (0: off)")
-    p.add_argument("--reduce-bucket-size", type=float, default=1e6,
-                   help="zerotron's and DeepSpeed's reduce_bucket_size and allgather_bucket_size (elements). "
-                        "Not their 5e8 default: DeepSpeed preallocates reduce_bucket_size elements for its "
-                        "gradient bucket (2 GB in fp32), which would swamp the memory comparison")
-    p.add_argument("--stage3-threshold", type=float, default=1e5,
-                   help="stage3_param_persistence_threshold for zt3 and ds3 (DeepSpeed's default 1e5)")
-    p.add_argument("--stage3-reuse", type=float, default=0,
-                   help="stage3_max_reuse_distance for zt3 and ds3 (0: release after each forward, as FSDP2's "
-                        "reshard_after_forward; DeepSpeed's default 1e9 keeps small models gathered until backward)")
-    p.add_argument("--stage3-prefetch", type=float, default=5e7,
-                   help="stage3_prefetch_bucket_size for zt3 and ds3 (both default to 5e7)")
-    p.add_argument("--no-zt3-fsdp", action="store_true",
-                   help="leave out zt2_fsdp and zt3_fsdp, zerotron set up as FSDP2 works: stage 2 with "
-                        "reshard_after_backward and overlap_param_gather; stage 3 with threshold 0 and a one-block prefetch")
+    p.add_argument(
+        "--reduce-bucket-size",
+        type=float,
+        default=1e6,
+        help="zerotron's and DeepSpeed's reduce_bucket_size and allgather_bucket_size (elements). "
+        "Not their 5e8 default: DeepSpeed preallocates reduce_bucket_size elements for its "
+        "gradient bucket (2 GB in fp32), which would swamp the memory comparison",
+    )
+    p.add_argument(
+        "--stage3-threshold",
+        type=float,
+        default=1e5,
+        help="stage3_param_persistence_threshold for zt3 and ds3 (DeepSpeed's default 1e5)",
+    )
+    p.add_argument(
+        "--stage3-reuse",
+        type=float,
+        default=0,
+        help="stage3_max_reuse_distance for zt3 and ds3 (0: release after each forward, as FSDP2's "
+        "reshard_after_forward; DeepSpeed's default 1e9 keeps small models gathered until backward)",
+    )
+    p.add_argument(
+        "--stage3-prefetch",
+        type=float,
+        default=5e7,
+        help="stage3_prefetch_bucket_size for zt3 and ds3 (both default to 5e7)",
+    )
+    p.add_argument(
+        "--no-zt3-fsdp",
+        action="store_true",
+        help="leave out zt2_fsdp and zt3_fsdp, zerotron set up as FSDP2 works: stage 2 with "
+        "reshard_after_backward and overlap_param_gather; stage 3 with threshold 0 and a one-block prefetch",
+    )
     p.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out even when installed")
     p.add_argument("--systems", default="", help="comma-separated subset of systems to run (default: all)")
-    p.add_argument("--profile", default="", help="comma-separated systems to profile after the timed rounds: "
-                   "torch.profiler on rank 0, tables in bench/results/zero_profile_<precision>_<system>.txt")
+    p.add_argument(
+        "--profile",
+        default="",
+        help="comma-separated systems to profile after the timed rounds: "
+        "torch.profiler on rank 0, tables in bench/results/zero_profile_<precision>_<system>.txt",
+    )
     p.add_argument("--profile-steps", type=int, default=4, help="steps per profiled system")
     return p.parse_args()
 
 
 # ---- memory: tensor bytes reachable from a system's objects ---------------------------------------
-_LEAVES = (str, bytes, int, float, complex, bool, type(None), type, types.ModuleType, types.BuiltinFunctionType,
-           torch.device, torch.dtype, torch.Size)
+_LEAVES = (
+    str,
+    bytes,
+    int,
+    float,
+    complex,
+    bool,
+    type(None),
+    type,
+    types.ModuleType,
+    types.BuiltinFunctionType,
+    torch.device,
+    torch.dtype,
+    torch.Size,
+)
 
 
 def reachable_tensors(roots, limit: int = 2_000_000):
@@ -132,11 +178,14 @@ def state_breakdown(params, optimizers, roots, hints=None) -> dict[str, int]:
 
     params, hints = list(params), hints or {}
     opt_params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
-    out = {"params": count([p for p in params] + [getattr(p, "ds_tensor", None) for p in params]
-                           + hints.get("params", [])),
-           "grads": count([p.grad for p in params + opt_params if p.grad is not None] + hints.get("grads", [])),
-           "optimizer": count(v for o in optimizers for s in o.state.values() for v in s.values()),
-           "masters": count(opt_params + hints.get("masters", []))}
+    out = {
+        "params": count(
+            [p for p in params] + [getattr(p, "ds_tensor", None) for p in params] + hints.get("params", [])
+        ),
+        "grads": count([p.grad for p in params + opt_params if p.grad is not None] + hints.get("grads", [])),
+        "optimizer": count(v for o in optimizers for s in o.state.values() for v in s.values()),
+        "masters": count(opt_params + hints.get("masters", [])),
+    }
     out["other"] = count(reachable_tensors(roots))
     out["total"] = sum(out.values())
     return out
@@ -178,6 +227,7 @@ class MemoryProbe:
                 if self.armed:
                     self.sample("after step")
                 self.armed = False
+
         return wrapped
 
     @property
@@ -188,21 +238,37 @@ class MemoryProbe:
 # ---- systems -------------------------------------------------------------------------------------
 def zero_section(stage, args, **extra) -> dict:
     """zero_optimization for zerotron and DeepSpeed alike: the same buckets, stage-3 threshold and prefetch."""
-    zero = {"stage": stage, "reduce_bucket_size": int(args.reduce_bucket_size),
-            "allgather_bucket_size": int(args.reduce_bucket_size)}
+    zero = {
+        "stage": stage,
+        "reduce_bucket_size": int(args.reduce_bucket_size),
+        "allgather_bucket_size": int(args.reduce_bucket_size),
+    }
     if stage == 3:
-        zero.update(stage3_param_persistence_threshold=int(args.stage3_threshold),
-                    stage3_prefetch_bucket_size=int(args.stage3_prefetch),
-                    stage3_max_reuse_distance=int(args.stage3_reuse))
+        zero.update(
+            stage3_param_persistence_threshold=int(args.stage3_threshold),
+            stage3_prefetch_bucket_size=int(args.stage3_prefetch),
+            stage3_max_reuse_distance=int(args.stage3_reuse),
+        )
     return {**zero, **extra}
 
 
 def zerotron_system(cfg, per_rank, stage, precision, args, **zero_extra):
     zero = zero_section(stage, args, **zero_extra)
-    engine, step = training.zerotron_step(common.build_gpt(cfg), per_rank, args.clip, phases=True, zero_optimization=zero,
-                                        bf16={"enabled": precision == "bf16"})
-    probe = MemoryProbe(engine.module.layers, engine.module.parameters, [engine.optimizer], lambda: [engine],
-                        lambda: zerotron_hints(engine.states))
+    engine, step = training.zerotron_step(
+        common.build_gpt(cfg),
+        per_rank,
+        args.clip,
+        phases=True,
+        zero_optimization=zero,
+        bf16={"enabled": precision == "bf16"},
+    )
+    probe = MemoryProbe(
+        engine.module.layers,
+        engine.module.parameters,
+        [engine.optimizer],
+        lambda: [engine],
+        lambda: zerotron_hints(engine.states),
+    )
     return probe.wrap(step), probe, {"config": {"zero_optimization": zero}, "engine": engine}
 
 
@@ -225,6 +291,7 @@ def ddp_system(cfg, precision, clip, zero1: bool):
     (`_MixedPrecision`) records CUDA events and fails on CPU ("cpu backend doesn't support events")."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
+
     model = DistributedDataParallel(common.build_gpt(cfg), gradient_as_bucket_view=True)
     if zero1:
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, fused=True, **ADAMW)
@@ -238,6 +305,7 @@ def ddp_system(cfg, precision, clip, zero1: bool):
 
 def fsdp2_system(cfg, precision, clip, reshard: bool, mesh):
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
     model = common.build_gpt(cfg)
     kw = {"mesh": mesh, "reshard_after_forward": reshard}
     if precision == "bf16":
@@ -253,11 +321,17 @@ def fsdp2_system(cfg, precision, clip, reshard: bool, mesh):
 
 def deepspeed_system(cfg, per_rank, stage, precision, args):
     import deepspeed
+
     model = common.build_gpt(cfg)
     opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
     zero = zero_section(stage, args)
-    config = training.zerotron_config(per_rank, args.clip, adamw=None, zero_optimization=zero,
-                                    **({"bf16": {"enabled": True}} if precision == "bf16" else {}))
+    config = training.zerotron_config(
+        per_rank,
+        args.clip,
+        adamw=None,
+        zero_optimization=zero,
+        **({"bf16": {"enabled": True}} if precision == "bf16" else {}),
+    )
     functional = torch.nn.functional
     linear = functional.linear
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
@@ -273,9 +347,13 @@ def deepspeed_system(cfg, per_rank, stage, precision, args):
             return inner(tokens, targets)
         finally:
             functional.linear = linear
+
     probe = MemoryProbe(engine.module.layers, engine.module.parameters, [opt], lambda: [engine])
-    return probe.wrap(step), probe, {"config": {"zero_optimization": zero},
-                                     "optimizer_class": type(engine.optimizer).__name__}
+    return (
+        probe.wrap(step),
+        probe,
+        {"config": {"zero_optimization": zero}, "optimizer_class": type(engine.optimizer).__name__},
+    )
 
 
 def block_numel(cfg, world) -> int:
@@ -288,44 +366,44 @@ HOLDS = {  # what each system keeps per rank (Ψ parameters, N ranks; bytes per 
     "fp32": {
         "ddp": "4Ψ params, 4Ψ grads (DDP bucket views), 8Ψ AdamW",
         "zt1": "4Ψ params (flat buckets; this rank's slice is its fp32 master), 4Ψ grads (flat buckets), "
-               "8Ψ/N AdamW; a 4Ψ/N copy of the gradient shard during the step",
+        "8Ψ/N AdamW; a 4Ψ/N copy of the gradient shard during the step",
         "torch_zero1": "4Ψ params (they are the masters), 4Ψ grads (DDP bucket views), 8Ψ/N AdamW",
         "ds1": "4Ψ params, 4Ψ/N fp32 master partition, 4Ψ/N gradient partition, 8Ψ/N AdamW, its reduce bucket",
         "zt2": "4Ψ params (own slice = master), 4Ψ/N grad shard, 8Ψ/N AdamW; bucket buffers in flight in backward",
         "fsdp2_noreshard": "4Ψ/N param shard (= master), 4Ψ/N grad shard, 8Ψ/N AdamW; 4Ψ unsharded params "
-                           "from forward to backward",
+        "from forward to backward",
         "ds2": "4Ψ params, 4Ψ/N fp32 master partition, 4Ψ/N gradient partition, 8Ψ/N AdamW, its reduce bucket",
         "zt3": "4Ψ/N param shards (= masters; params under the threshold whole), 4Ψ/N grad shard, 8Ψ/N AdamW; "
-               "gathered units while in use, bucket buffers in flight",
+        "gathered units while in use, bucket buffers in flight",
         "zt2_fsdp": "as zt2, but the full params are freed as the boundary backward reduces them and gathered "
-                    "after the step (own 4Ψ/N master shard), waited on in the next forward; one-block buckets",
+        "after the step (own 4Ψ/N master shard), waited on in the next forward; one-block buckets",
         "zt3_fsdp": "as zt3 with every parameter partitioned and one block prefetched",
         "fsdp2_reshard": "4Ψ/N param shard (= master), 4Ψ/N grad shard, 8Ψ/N AdamW; a block unsharded while it "
-                         "runs (+ one prefetched), the root's params from forward to backward",
+        "runs (+ one prefetched), the root's params from forward to backward",
         "ds3": "4Ψ/N param partition (params under the threshold whole), 4Ψ/N fp32 masters, 4Ψ/N gradient "
-               "partition, 8Ψ/N AdamW, reduce buckets, gathered params while in use",
+        "partition, 8Ψ/N AdamW, reduce buckets, gathered params while in use",
     },
     "bf16": {
         "zt0": "2Ψ params, 2Ψ grads, 4Ψ fp32 masters, 4Ψ fp32 master grads, 8Ψ AdamW",
         "zt1": "2Ψ params, 2Ψ grads (flat buckets), 4Ψ/N fp32 master shard, 8Ψ/N AdamW; 4Ψ/N fp32 gradient "
-               "shard during the step",
+        "shard during the step",
         "torch_zero1": "autocast: 4Ψ fp32 params (= masters), 4Ψ fp32 grads (all-reduced in fp32), 8Ψ/N AdamW; "
-                       "bf16 copies of the weights made per matmul",
+        "bf16 copies of the weights made per matmul",
         "ds1": "2Ψ params, 4Ψ/N fp32 master partition, 4Ψ/N fp32 gradient partition, 8Ψ/N AdamW, reduce bucket",
         "zt2": "2Ψ params, 2Ψ/N bf16 grad shard, 4Ψ/N fp32 master shard, 8Ψ/N AdamW; 4Ψ/N fp32 gradient shard "
-               "during the step; bucket buffers in flight in backward",
+        "during the step; bucket buffers in flight in backward",
         "fsdp2_noreshard": "4Ψ/N fp32 param shard (= master), 4Ψ/N fp32 grad shard, 8Ψ/N AdamW; 2Ψ bf16 "
-                           "unsharded params from forward to backward",
+        "unsharded params from forward to backward",
         "ds2": "2Ψ params, 4Ψ/N fp32 master partition, 4Ψ/N fp32 gradient partition, 8Ψ/N AdamW, reduce bucket",
         "zt3": "2Ψ/N bf16 param shards (params under the threshold whole), 2Ψ/N bf16 grad shard, 4Ψ/N fp32 "
-               "masters, 8Ψ/N AdamW; gathered units while in use",
+        "masters, 8Ψ/N AdamW; gathered units while in use",
         "zt2_fsdp": "as zt2, but the bf16 params are freed as the boundary backward reduces them and gathered "
-                    "after the step, waited on in the next forward; one-block buckets",
+        "after the step, waited on in the next forward; one-block buckets",
         "zt3_fsdp": "as zt3 with every parameter partitioned and one block prefetched",
         "fsdp2_reshard": "4Ψ/N fp32 param shard (= master), 4Ψ/N fp32 grad shard, 8Ψ/N AdamW; bf16 blocks "
-                         "unsharded while in use",
+        "unsharded while in use",
         "ds3": "2Ψ/N bf16 param partition (params under the threshold whole), 4Ψ/N fp32 masters, 4Ψ/N "
-               "gradient partition, 8Ψ/N AdamW, reduce buckets, gathered params while in use",
+        "gradient partition, 8Ψ/N AdamW, reduce buckets, gathered params while in use",
     },
 }
 
@@ -349,17 +427,37 @@ def build_systems(precision, cfg, per_rank, world, args, use_deepspeed, mesh, wa
     add("zt2", lambda: zerotron_system(cfg, per_rank, 2, precision, args))
     if not args.no_zt3_fsdp:
         # FSDP2 reduces and gathers one block at a time: buckets of one block
-        add("zt2_fsdp", lambda: zerotron_system(cfg, per_rank, 2, precision, args, reshard_after_backward=True,
-                                                overlap_param_gather=True, reduce_bucket_size=block_numel(cfg, world),
-                                                allgather_bucket_size=block_numel(cfg, world)))
+        add(
+            "zt2_fsdp",
+            lambda: zerotron_system(
+                cfg,
+                per_rank,
+                2,
+                precision,
+                args,
+                reshard_after_backward=True,
+                overlap_param_gather=True,
+                reduce_bucket_size=block_numel(cfg, world),
+                allgather_bucket_size=block_numel(cfg, world),
+            ),
+        )
     add("fsdp2_noreshard", lambda: fsdp2_system(cfg, precision, args.clip, False, mesh))
     if use_deepspeed:
         add("ds2", lambda: deepspeed_system(cfg, per_rank, 2, precision, args))
     add("zt3", lambda: zerotron_system(cfg, per_rank, 3, precision, args))
     if not args.no_zt3_fsdp:
-        add("zt3_fsdp", lambda: zerotron_system(cfg, per_rank, 3, precision, args,
-                                                stage3_param_persistence_threshold=0,
-                                                stage3_prefetch_bucket_size=block_numel(cfg, world)))
+        add(
+            "zt3_fsdp",
+            lambda: zerotron_system(
+                cfg,
+                per_rank,
+                3,
+                precision,
+                args,
+                stage3_param_persistence_threshold=0,
+                stage3_prefetch_bucket_size=block_numel(cfg, world),
+            ),
+        )
     add("fsdp2_reshard", lambda: fsdp2_system(cfg, precision, args.clip, True, mesh))
     if use_deepspeed:
         add("ds3", lambda: deepspeed_system(cfg, per_rank, 3, precision, args))
@@ -384,17 +482,29 @@ def sweep(precision, cfg, per_rank, rank, world, args, use_deepspeed, mesh, want
     for name, row in rows.items():
         peak = probes[name].peak
         # the peak of either rank (they can differ by a padding element or a shard boundary)
-        row.update(state_mb=peak.get("total", 0) / 2**20,
-                   state_mb_max_rank=common.max_over_ranks(peak.get("total", 0)) / 2**20, peak=peak,
-                   samples=probes[name].samples, holds=HOLDS[precision].get(name, ""))
+        row.update(
+            state_mb=peak.get("total", 0) / 2**20,
+            state_mb_max_rank=common.max_over_ranks(peak.get("total", 0)) / 2**20,
+            peak=peak,
+            samples=probes[name].samples,
+            holds=HOLDS[precision].get(name, ""),
+        )
         info = infos[name]
         if "engine" in info:  # zerotron: the engine's own count, after the run, as a cross-check
             row["memory_report"] = info["engine"].memory_report()
         row.update({k: v for k, v in info.items() if k != "engine"})
-    pairs = [{"zerotron": zt, "peer": peer, "time_ratio": res[zt]["median_ms"] / res[peer]["median_ms"],
-              "time_paired": common.paired_ratio(res, zt, peer),
-              "mem_ratio": rows[zt]["state_mb"] / rows[peer]["state_mb"]}
-             for zt, peers in PAIRS.items() for peer in peers if zt in res and peer in res]
+    pairs = [
+        {
+            "zerotron": zt,
+            "peer": peer,
+            "time_ratio": res[zt]["median_ms"] / res[peer]["median_ms"],
+            "time_paired": common.paired_ratio(res, zt, peer),
+            "mem_ratio": rows[zt]["state_mb"] / rows[peer]["state_mb"],
+        }
+        for zt, peers in PAIRS.items()
+        for peer in peers
+        if zt in res and peer in res
+    ]
     # free this sweep's models before the next one
     del systems, probes, infos
     gc.collect()
@@ -404,7 +514,9 @@ def sweep(precision, cfg, per_rank, rank, world, args, use_deepspeed, mesh, want
 def profile(name, step, batches, precision, args, rank, log):
     """Run `args.profile_steps` steps of one system under torch.profiler (rank 0; the other ranks
     just run) and write its phases and its top operators by self CPU time."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
     ctx = torch_profile(activities=[ProfilerActivity.CPU]) if rank == 0 else None
     dist.barrier()
     if ctx is not None:
@@ -420,9 +532,12 @@ def profile(name, step, batches, precision, args, rank, log):
     ctx.__exit__(None, None, None)
     events = ctx.key_averages()
     phases = {e.key: e.cpu_time_total / 1e3 / args.profile_steps for e in events if e.key.startswith("phase:")}
-    lines = [f"{name} ({precision}), rank 0, {args.profile_steps} steps, {wall:.1f} ms/step with the profiler on",
-             "phases, ms/step: " + ", ".join(f"{k[6:]} {v:.1f}" for k, v in phases.items()), "",
-             events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)]
+    lines = [
+        f"{name} ({precision}), rank 0, {args.profile_steps} steps, {wall:.1f} ms/step with the profiler on",
+        "phases, ms/step: " + ", ".join(f"{k[6:]} {v:.1f}" for k, v in phases.items()),
+        "",
+        events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60),
+    ]
     path = (args.out.parent if args.out else reporting.RESULTS) / f"zero_profile_{precision}_{name}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
@@ -430,23 +545,40 @@ def profile(name, step, batches, precision, args, rank, log):
 
 
 def print_sweep(precision, out, args):
-    print(f"\n{precision}: median step ms over {out['rounds']} rounds x {out['steps']} steps; "
-          f"loss vs {out['baseline']}; "
-          "state = peak model-state tensor bytes per rank (rank 0)")
-    common.print_table(out["rows"], [
-        ("system", "system", "{}"), ("median_ms", "median ms", "{:.1f}"),
-        ("loss_diff", f"max|dloss| vs {out['baseline']}", "{:.1e}"), ("loss_rel_diff", "relative", "{:.1e}"),
-        ("state_mb", "state MiB/rank", "{:.2f}")])
+    print(
+        f"\n{precision}: median step ms over {out['rounds']} rounds x {out['steps']} steps; "
+        f"loss vs {out['baseline']}; "
+        "state = peak model-state tensor bytes per rank (rank 0)"
+    )
+    common.print_table(
+        out["rows"],
+        [
+            ("system", "system", "{}"),
+            ("median_ms", "median ms", "{:.1f}"),
+            ("loss_diff", f"max|dloss| vs {out['baseline']}", "{:.1e}"),
+            ("loss_rel_diff", "relative", "{:.1e}"),
+            ("state_mb", "state MiB/rank", "{:.2f}"),
+        ],
+    )
     print()
-    common.print_table(out["pairs"], [
-        ("zerotron", "zerotron", "{}"), ("peer", "peer", "{}"), ("time_ratio", "time zt/peer", "{:.3f}"),
-        ("time_paired", "paired", "{:.3f}"), ("mem_ratio", "memory zt/peer", "{:.3f}")])
+    common.print_table(
+        out["pairs"],
+        [
+            ("zerotron", "zerotron", "{}"),
+            ("peer", "peer", "{}"),
+            ("time_ratio", "time zt/peer", "{:.3f}"),
+            ("time_paired", "paired", "{:.3f}"),
+            ("mem_ratio", "memory zt/peer", "{:.3f}"),
+        ],
+    )
     print("\npeak model state, MiB/rank (where it peaked): params / grads / optimizer / masters / other")
     for r in out["rows"]:
         p = r["peak"]
         if p:
-            print(f"  {r['system']:<16} {p['total'] / 2**20:7.2f} ({p['at']}): " + " / ".join(
-                f"{p[k] / 2**20:.2f}" for k in ("params", "grads", "optimizer", "masters", "other")))
+            print(
+                f"  {r['system']:<16} {p['total'] / 2**20:7.2f} ({p['at']}): "
+                + " / ".join(f"{p[k] / 2**20:.2f}" for k in ("params", "grads", "optimizer", "masters", "other"))
+            )
 
 
 def main():
@@ -459,24 +591,40 @@ def main():
     notes = []
     use_deepspeed = common.load_deepspeed(args, notes, log) is not None
     from torch.distributed.device_mesh import init_device_mesh
+
     mesh = init_device_mesh("cpu", (world,))
 
     precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
-    common.announce(log, args, cfg, f"{args.batch} sequences/step on {world} ranks, {'+'.join(precisions)}, AdamW "
-                    f"fused, clip {args.clip or 'off'}, reduce/allgather bucket {args.reduce_bucket_size:.0e}, stage-3 "
-                    f"threshold {args.stage3_threshold:.0e} prefetch {args.stage3_prefetch:.0e}")
+    common.announce(
+        log,
+        args,
+        cfg,
+        f"{args.batch} sequences/step on {world} ranks, {'+'.join(precisions)}, AdamW "
+        f"fused, clip {args.clip or 'off'}, reduce/allgather bucket {args.reduce_bucket_size:.0e}, stage-3 "
+        f"threshold {args.stage3_threshold:.0e} prefetch {args.stage3_prefetch:.0e}",
+    )
     sweeps = {}
     for precision in precisions:
         sweeps[precision] = sweep(precision, cfg, per_rank, rank, world, args, use_deepspeed, mesh, wanted, log)
     if rank == 0:
         for precision, out in sweeps.items():
             print_sweep(precision, out, args)
-        print("\ntime zt/peer: ratio of the medians; paired: median over rounds of the per-round ratio (prefer it). "
-              "memory zt/peer: peak model-state bytes, zerotron / peer.")
-    common.finish("zero", args, {
-        "model": common.model_json(args, cfg, block_numel=block_numel(cfg, world)),
-        "adamw": {**ADAMW, "betas": list(ADAMW["betas"]), "fused": True}, "pairs": PAIRS,
-        "notes": notes, "sweeps": sweeps}, rank)
+        print(
+            "\ntime zt/peer: ratio of the medians; paired: median over rounds of the per-round ratio (prefer it). "
+            "memory zt/peer: peak model-state bytes, zerotron / peer."
+        )
+    common.finish(
+        "zero",
+        args,
+        {
+            "model": common.model_json(args, cfg, block_numel=block_numel(cfg, world)),
+            "adamw": {**ADAMW, "betas": list(ADAMW["betas"]), "fused": True},
+            "pairs": PAIRS,
+            "notes": notes,
+            "sweeps": sweeps,
+        },
+        rank,
+    )
 
 
 if __name__ == "__main__":

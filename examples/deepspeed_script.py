@@ -1,7 +1,8 @@
 """A DeepSpeed training script, unchanged except for its first import.
 
-    zerotron run -n 2 examples/deepspeed_script.py --deepspeed --deepspeed_config examples/ds_config.json
+zerotron run -n 2 examples/deepspeed_script.py --deepspeed --deepspeed_config examples/ds_config.json
 """
+
 import argparse
 
 import torch
@@ -22,7 +23,8 @@ def main():
     model = GPT(config_for("tiny", max_seq_len=64))
     train, _ = load_corpus(max_bytes=400_000)
     engine, optimizer, loader, scheduler = deepspeed.initialize(
-        args=args, model=model, model_parameters=model.parameters(), training_data=TokenWindows(train, 64))
+        args=args, model=model, model_parameters=model.parameters(), training_data=TokenWindows(train, 64)
+    )
 
     step, first = 0, None
     while step < args.steps * engine.gradient_accumulation_steps():
@@ -35,8 +37,7 @@ def main():
             if step >= args.steps * engine.gradient_accumulation_steps():
                 break
     if engine.global_rank == 0:
-        print(f"done: {engine.global_steps} steps, lr {engine.get_lr()[0]:.2e}, "
-              f"loss {first:.3f} -> {loss.item():.3f}")
+        print(f"done: {engine.global_steps} steps, lr {engine.get_lr()[0]:.2e}, loss {first:.3f} -> {loss.item():.3f}")
 
 
 if __name__ == "__main__":

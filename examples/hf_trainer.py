@@ -12,6 +12,7 @@ with `"scheduler": {"type": "WarmupLR", ...}` and an "AdamW" optimizer train the
 WarmupLR warms up over at least 2 steps (log curve: 0, then the peak), and a config's optimizer decays
 every parameter where the Trainer's own skips biases and norms.
 """
+
 import argparse
 import json
 
@@ -45,33 +46,62 @@ def main():
     p.add_argument("--use-cpu", action="store_true")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--history", default=None)
-    p.add_argument("--model-first", action="store_true",
-                   help="build the model before TrainingArguments: under ZeRO-3 then not inside zero.Init")
+    p.add_argument(
+        "--model-first",
+        action="store_true",
+        help="build the model before TrainingArguments: under ZeRO-3 then not inside zero.Init",
+    )
     p.add_argument("--compile-backend", default=None, help="torch.compile the model (engine.compile under DeepSpeed)")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--save-model", default=None)
     a = p.parse_args()
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     model = AutoModelForCausalLM.from_config(config) if a.model_first else None
     args = TrainingArguments(
-        output_dir=a.output_dir, deepspeed=a.deepspeed, use_cpu=a.use_cpu, max_steps=a.steps,
-        per_device_train_batch_size=2, per_device_eval_batch_size=2,
-        gradient_accumulation_steps=a.grad_accum, learning_rate=1e-3, warmup_steps=2, weight_decay=0.0,
+        output_dir=a.output_dir,
+        deepspeed=a.deepspeed,
+        use_cpu=a.use_cpu,
+        max_steps=a.steps,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        gradient_accumulation_steps=a.grad_accum,
+        learning_rate=1e-3,
+        warmup_steps=2,
+        weight_decay=0.0,
         max_grad_norm=a.max_grad_norm,
-        torch_compile=a.compile_backend is not None, torch_compile_backend=a.compile_backend,
-        logging_steps=1, report_to=[], seed=0, data_seed=0, dataloader_num_workers=0,
-        save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
-        eval_strategy="steps" if a.eval_on_start else "no", eval_steps=10_000, eval_on_start=a.eval_on_start,
-        gradient_checkpointing=a.gradient_checkpointing, disable_tqdm=True, remove_unused_columns=False)
+        torch_compile=a.compile_backend is not None,
+        torch_compile_backend=a.compile_backend,
+        logging_steps=1,
+        report_to=[],
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        save_strategy="steps" if a.save_steps else "no",
+        save_steps=a.save_steps or 500,
+        eval_strategy="steps" if a.eval_on_start else "no",
+        eval_steps=10_000,
+        eval_on_start=a.eval_on_start,
+        gradient_checkpointing=a.gradient_checkpointing,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+    )
     if a.init_from:  # after TrainingArguments(deepspeed=<ZeRO-3>): each rank loads its pieces inside zero.Init
         model = AutoModelForCausalLM.from_pretrained(a.init_from)
     elif model is None:  # inside deepspeed.zero.Init under ZeRO-3: Transformers re-initializes the weights
         model = AutoModelForCausalLM.from_config(config)  # on rank 0, so they differ from a plain build's
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(64, 16, 128),
-                      eval_dataset=Tokens(16, 16, 128, seed=1))
+    trainer = Trainer(
+        model=model, args=args, train_dataset=Tokens(64, 16, 128), eval_dataset=Tokens(16, 16, 128, seed=1)
+    )
     out = {}
     if a.eval_only:
         out["eval"] = trainer.evaluate()

@@ -7,6 +7,7 @@ the script turns the alias on itself (zerotron.as_deepspeed()) before TRL import
 tokenizer is a word-level one built here over the model's vocabulary: nothing is downloaded.
 Writes the logged losses to OUT/<mode>.json.
 """
+
 import json
 import sys
 
@@ -21,19 +22,46 @@ from tokenizers import Tokenizer, models  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
-ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-      "gradient_clipping": "auto", "steps_per_print": 10 ** 6,
-      "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}} if mode == "ds" else None
-args = SFTConfig(output_dir=out + "/run", deepspeed=ds, use_cpu=True, max_steps=3, per_device_train_batch_size=2,
-                 learning_rate=1e-3, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
-                 logging_steps=1, report_to=[], seed=0, data_seed=0, disable_tqdm=True, save_strategy="no",
-                 bf16=False, fp16=False, gradient_checkpointing=False, max_length=16, packing=False,
-                 dataloader_num_workers=0)
+ds = (
+    {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "steps_per_print": 10**6,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    if mode == "ds"
+    else None
+)
+args = SFTConfig(
+    output_dir=out + "/run",
+    deepspeed=ds,
+    use_cpu=True,
+    max_steps=3,
+    per_device_train_batch_size=2,
+    learning_rate=1e-3,
+    lr_scheduler_type="constant",
+    weight_decay=0.0,
+    max_grad_norm=1.0,
+    logging_steps=1,
+    report_to=[],
+    seed=0,
+    data_seed=0,
+    disable_tqdm=True,
+    save_strategy="no",
+    bf16=False,
+    fp16=False,
+    gradient_checkpointing=False,
+    max_length=16,
+    packing=False,
+    dataloader_num_workers=0,
+)
 model = AutoModelForCausalLM.from_pretrained(model_dir)  # under ZeRO-3: inside deepspeed.zero.Init
 partitioned = all(p.numel() == 0 and getattr(p, "ds_tensor", None) is not None for p in model.parameters())
 vocab = {f"t{i}": i for i in range(256)}
-tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
-                              pad_token="t0", eos_token="t2", unk_token="t1")
+tok = PreTrainedTokenizerFast(
+    tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")), pad_token="t0", eos_token="t2", unk_token="t1"
+)
 g = torch.Generator().manual_seed(0)
 data = Dataset.from_dict({"input_ids": torch.randint(3, 256, (32, 16), generator=g).tolist()})
 trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)

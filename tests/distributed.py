@@ -3,6 +3,7 @@
 Processes come from a fork server that has already imported torch and zerotron, so starting
 ranks costs milliseconds instead of a full interpreter start per rank.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -16,9 +17,19 @@ import traceback
 _ctx = mp.get_context("forkserver")
 # torch._dynamo is imported by the first torch optimizer (seconds); pay that once, here.
 # Imported once in the fork server, not in every rank (Transformers' model modules take seconds).
-_ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "zerotron", "transformers",
-                             "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
-                             "transformers.models.mistral.modeling_mistral", "transformers.models.qwen2.modeling_qwen2"])
+_ctx.set_forkserver_preload(
+    [
+        "torch",
+        "torch.distributed",
+        "torch._dynamo",
+        "zerotron",
+        "transformers",
+        "transformers.models.llama.modeling_llama",
+        "transformers.models.gpt2.modeling_gpt2",
+        "transformers.models.mistral.modeling_mistral",
+        "transformers.models.qwen2.modeling_qwen2",
+    ]
+)
 
 
 def free_port() -> int:
@@ -28,23 +39,30 @@ def free_port() -> int:
 
 
 def _rank_main(fn, rank, world_size, port, args, results, timeout_s):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
     import faulthandler
 
     import torch
     import torch.distributed as dist
+
     torch.set_num_threads(1)
     # A hung rank prints where it is stuck shortly before the parent gives up on it.
     faulthandler.dump_traceback_later(max(1.0, timeout_s - 2), exit=False)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
         # Plain pickle copies tensor data into the message; the queue's own pickler would share
         # storage through file descriptors that die with this process.
         value = pickle.dumps(fn(*args))
         if dist.is_initialized():  # rank 0 hosts the store: no rank leaves while another still uses it
-            dist.barrier()         # (under load a finished rank 0 could reset a slower rank's group set-up)
+            dist.barrier()  # (under load a finished rank 0 could reset a slower rank's group set-up)
         results.put((rank, "ok", value))
     except BaseException as e:  # report everything, including SystemExit from argparse
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -79,8 +97,10 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0) -> list:
 def _run_ranks_once(fn, world_size: int, args, timeout: float) -> list:
     port = free_port()
     results = _ctx.Queue()
-    procs = [_ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results, timeout), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        _ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results, timeout), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     outputs, errors = {}, {}
@@ -92,13 +112,15 @@ def _run_ranks_once(fn, world_size: int, args, timeout: float) -> list:
                 break
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(outputs) - set(errors))
-                raise RankError(f"ranks {missing} did not finish within {timeout:.0f}s (hang?)"
-                                + _format(errors))
+                raise RankError(f"ranks {missing} did not finish within {timeout:.0f}s (hang?)" + _format(errors))
             try:
                 rank, status, value = results.get(timeout=min(remaining, 1.0))
             except Exception:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
-                        and r not in outputs and r not in errors]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in outputs and r not in errors
+                ]
                 for r in dead:
                     errors[r] = f"process exited with code {procs[r].exitcode} without reporting"
                 continue

@@ -12,6 +12,7 @@ resumed under a second, different random layout with the same global batch. Ever
 single-process training (each step's loss within 1e-5 relative, final weights within 1e-5) or be
 refused with a ConfigError before its first step; anything else is a finding.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from distributed import RankError, run_ranks  # noqa: E402
 from parity import EPS, LR, global_batches, hf_loss, micro_batches, param_groups, reference_training  # noqa: E402
+
 from zerotron.parallelize import to_pipeline
 
 STEPS = 4
@@ -62,11 +63,11 @@ class Layout:
 class Draw:
     seed: int
     model: str
-    batch: int                   # sequences per step, the same under both layouts
-    grouped: bool                # two optimizer groups (decay / no decay) or one
-    layers: int                  # blocks: at least one per pipeline part of either layout
+    batch: int  # sequences per step, the same under both layouts
+    grouped: bool  # two optimizer groups (decay / no decay) or one
+    layers: int  # blocks: at least one per pipeline part of either layout
     first: Layout
-    resume_at: int | None        # None: no resume; else the step the second layout starts from
+    resume_at: int | None  # None: no resume; else the step the second layout starts from
     second: Layout | None
 
     def describe(self) -> str:
@@ -74,12 +75,16 @@ class Draw:
         return text + (f"; resumed at step {self.resume_at} under {_short(self.second)}" if self.second else "")
 
 
-def _short(l: Layout) -> str:
-    extra = [f"zero{l.stage}", f"gas{l.gas}", f"mb{l.micro}", l.handed_in]
-    if l.pp > 1:
-        extra.append(l.schedule + (f"x{l.chunks}" if l.chunks > 1 else ""))
-    extra += [x for x, on in ((l.policy, l.policy != "none"), ("offload", l.offload), ("sp", l.sequence_parallel)) if on]
-    return f"dp{l.dp} tp{l.tp} pp{l.pp} " + " ".join(extra)
+def _short(lay: Layout) -> str:
+    extra = [f"zero{lay.stage}", f"gas{lay.gas}", f"mb{lay.micro}", lay.handed_in]
+    if lay.pp > 1:
+        extra.append(lay.schedule + (f"x{lay.chunks}" if lay.chunks > 1 else ""))
+    extra += [
+        x
+        for x, on in ((lay.policy, lay.policy != "none"), ("offload", lay.offload), ("sp", lay.sequence_parallel))
+        if on
+    ]
+    return f"dp{lay.dp} tp{lay.tp} pp{lay.pp} " + " ".join(extra)
 
 
 def _layout(rng: random.Random, model: str, batch: int, grouped: bool, max_world: int) -> Layout:
@@ -96,10 +101,20 @@ def _layout(rng: random.Random, model: str, batch: int, grouped: bool, max_world
     stage = rng.choice([0, 1, 2, 3] if pp == 1 or rng.random() < 0.1 else [0, 1, 2])
     sp_supported = pp == 1 and model in ("gpt", "gpt_tied")
     sequence_parallel = tp > 1 and rng.random() < (0.4 if sp_supported else 0.05)
-    return Layout(dp=dp, tp=tp, pp=pp, stage=stage, gas=gas, micro=batch // (dp * gas), schedule=schedule,
-                  chunks=2 if schedule == "interleaved" else 1, policy=rng.choice(POLICIES),
-                  offload=stage > 0 and rng.random() < 0.25, sequence_parallel=sequence_parallel,
-                  handed_in=rng.choice(HANDED_IN[grouped]))
+    return Layout(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        stage=stage,
+        gas=gas,
+        micro=batch // (dp * gas),
+        schedule=schedule,
+        chunks=2 if schedule == "interleaved" else 1,
+        policy=rng.choice(POLICIES),
+        offload=stage > 0 and rng.random() < 0.25,
+        sequence_parallel=sequence_parallel,
+        handed_in=rng.choice(HANDED_IN[grouped]),
+    )
 
 
 def draw(seed: int, max_world: int = 8) -> Draw:
@@ -117,7 +132,7 @@ def draw(seed: int, max_world: int = 8) -> Draw:
 
 
 def _layers(*layouts: Layout) -> int:
-    return max([4] + [l.pp * l.chunks for l in layouts])
+    return max([4] + [lay.pp * lay.chunks for lay in layouts])
 
 
 # ---- models ---------------------------------------------------------------------------------------
@@ -126,15 +141,34 @@ def build_model(name: str, layers: int = 4):
     torch.manual_seed(0)
     if name in ("gpt", "gpt_tied"):
         from zerotron.models.gpt import GPT, config_for
+
         return GPT(config_for("tiny", max_seq_len=16, n_layer=layers, n_kv_head=4, tie_embeddings=name == "gpt_tied"))
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+
     if name == "gpt2":
-        cfg = GPT2Config(vocab_size=256, n_embd=64, n_layer=layers, n_head=4, n_positions=64, resid_pdrop=0.0,
-                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        cfg = GPT2Config(
+            vocab_size=256,
+            n_embd=64,
+            n_layer=layers,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
     else:
         cfg = {"llama": LlamaConfig, "qwen2": Qwen2Config}[name](
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-            num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=name == "qwen2")
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=64,
+            tie_word_embeddings=name == "qwen2",
+        )
     cfg._attn_implementation = "sdpa"
     return AutoModelForCausalLM.from_config(cfg)
 
@@ -145,64 +179,81 @@ def _is_hf(name: str) -> bool:
 
 def reference(d: Draw):
     """Plain PyTorch on one process: per-step losses and final weights by parameter name."""
-    return reference_training(global_batches(STEPS, d.batch), model=build_model(d.model, d.layers),
-                              groups=param_groups if d.grouped else None, forward=hf_loss if _is_hf(d.model) else None)
+    return reference_training(
+        global_batches(STEPS, d.batch),
+        model=build_model(d.model, d.layers),
+        groups=param_groups if d.grouped else None,
+        forward=hf_loss if _is_hf(d.model) else None,
+    )
 
 
 # ---- one layout on its ranks ----------------------------------------------------------------------
-def _config(l: Layout) -> dict:
-    config = {"train_micro_batch_size_per_gpu": l.micro, "gradient_accumulation_steps": l.gas,
-              "gradient_clipping": 1.0, "steps_per_print": 10 ** 6,
-              "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95], "eps": EPS,
-                                                        "weight_decay": 0.1}},
-              "tensor_parallel": {"autotp_size": l.tp},
-              "zero_optimization": {"stage": l.stage, "stage3_param_persistence_threshold": 0,
-                                    "reduce_bucket_size": 5000},
-              "zerotron": {"checkpoint_policy": l.policy, "sequence_parallel": l.sequence_parallel},
-              "pipeline": {"schedule": l.schedule}}
-    if l.offload:
+def _config(lay: Layout) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": lay.micro,
+        "gradient_accumulation_steps": lay.gas,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**6,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95], "eps": EPS, "weight_decay": 0.1}},
+        "tensor_parallel": {"autotp_size": lay.tp},
+        "zero_optimization": {"stage": lay.stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 5000},
+        "zerotron": {"checkpoint_policy": lay.policy, "sequence_parallel": lay.sequence_parallel},
+        "pipeline": {"schedule": lay.schedule},
+    }
+    if lay.offload:
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     return config
 
 
-def _initialize(name: str, layers: int, l: Layout, grouped: bool):
+def _initialize(name: str, layers: int, lay: Layout, grouped: bool):
     import zerotron
+
     model = build_model(name, layers)
-    if l.pp > 1:
-        model = to_pipeline(model, l.pp, num_virtual_stages=l.chunks) if _is_hf(name) else \
-            to_pipeline(model, l.pp, partition_method="type:_PipeBlock", num_virtual_stages=l.chunks)
-    config, kwargs = _config(l), {}
+    if lay.pp > 1:
+        model = (
+            to_pipeline(model, lay.pp, num_virtual_stages=lay.chunks)
+            if _is_hf(name)
+            else to_pipeline(model, lay.pp, partition_method="type:_PipeBlock", num_virtual_stages=lay.chunks)
+        )
+    config, kwargs = _config(lay), {}
     adamw = lambda params: torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), eps=EPS, weight_decay=0.1)  # noqa: E731
     groups = param_groups(model) if grouped else list(model.parameters())
-    if l.handed_in == "generator":
+    if lay.handed_in == "generator":
         kwargs["model_parameters"] = model.parameters()
-    elif l.handed_in in ("list", "groups"):
+    elif lay.handed_in in ("list", "groups"):
         kwargs["model_parameters"] = groups
-    elif l.handed_in == "client":
+    elif lay.handed_in == "client":
         config.pop("optimizer")
         kwargs["optimizer"] = adamw(groups)
-    elif l.handed_in == "callable":
+    elif lay.handed_in == "callable":
         config.pop("optimizer")
         kwargs.update(optimizer=adamw, model_parameters=groups)
     engine, *_ = zerotron.initialize(model=model, config=config, **kwargs)
     return engine
 
 
-def run_layout(name: str, layers: int, batch: int, l: Layout, grouped: bool, directory: str, load: bool,
-               steps: range):
+def run_layout(
+    name: str, layers: int, batch: int, lay: Layout, grouped: bool, directory: str, load: bool, steps: range
+):
     """On each rank: build, (load), train `steps`, save. Returns ("refused", message) or the losses."""
     import zerotron
+
     try:
-        engine = _initialize(name, layers, l, grouped)
+        engine = _initialize(name, layers, lay, grouped)
     except zerotron.ConfigError as e:
         return "refused", str(e)
     if load:
         engine.load_checkpoint(directory)
     losses = []
-    for b in global_batches(STEPS, batch)[steps.start:steps.stop]:
-        x_y = micro_batches(b, engine.coords.dp, l.dp, l.gas)
-        feed = [{"input_ids": x, "labels": x} for x, _ in x_y] if _is_hf(name) and l.pp == 1 else \
-            [(x, x) for x, _ in x_y] if _is_hf(name) else x_y
+    for b in global_batches(STEPS, batch)[steps.start : steps.stop]:
+        x_y = micro_batches(b, engine.coords.dp, lay.dp, lay.gas)
+        feed = (
+            [{"input_ids": x, "labels": x} for x, _ in x_y]
+            if _is_hf(name) and lay.pp == 1
+            else [(x, x) for x, _ in x_y]
+            if _is_hf(name)
+            else x_y
+        )
         losses.append(engine.train_batch(iter(feed)).item())
     engine.save_checkpoint(directory)
     return "ran", losses
@@ -218,8 +269,19 @@ def run_draw(d: Draw, timeout: float = 180) -> tuple[str, str]:
         losses = []
         for layout, load, steps in legs:
             try:
-                results = run_ranks(run_layout, layout.world, d.model, d.layers, d.batch, layout, d.grouped, tmp, load, steps,
-                                    timeout=timeout)
+                results = run_ranks(
+                    run_layout,
+                    layout.world,
+                    d.model,
+                    d.layers,
+                    d.batch,
+                    layout,
+                    d.grouped,
+                    tmp,
+                    load,
+                    steps,
+                    timeout=timeout,
+                )
             except RankError as e:
                 return "FAIL", f"{d.describe()}: {_first_error(str(e))}\n{e}"
             kinds = {r[0] for r in results}
@@ -236,8 +298,11 @@ def run_draw(d: Draw, timeout: float = 180) -> tuple[str, str]:
     missing = sorted(set(ref_weights) - set(weights) - _tied_aliases(d.model))
     if missing:
         problems.append(f"parameters missing from the checkpoint: {missing[:4]}")
-    worst = max(((n, (weights[n] - ref_weights[n]).abs().max().item()) for n in weights if n in ref_weights),
-                key=lambda t: t[1], default=("", 0.0))
+    worst = max(
+        ((n, (weights[n] - ref_weights[n]).abs().max().item()) for n in weights if n in ref_weights),
+        key=lambda t: t[1],
+        default=("", 0.0),
+    )
     if worst[1] > 1e-5:
         problems.append(f"weights differ by {worst[1]:.1e} ({worst[0]})")
     return ("FAIL", f"{d.describe()}: " + "; ".join(problems)) if problems else ("ok", d.describe())
@@ -259,6 +324,7 @@ def _saved_weights(directory: str) -> dict[str, torch.Tensor]:
 
     from zerotron.checkpoint.files import read_meta
     from zerotron.checkpoint.load import SavedPieces, resolve_tag
+
     root = Path(directory)
     path = root / resolve_tag(root, None)
     saved = SavedPieces(path, read_meta(path))
@@ -280,8 +346,10 @@ def main(argv=None) -> int:
             failures.append(what)
         if args.verbose or verdict == "FAIL":
             print(f"{verdict:8s} {what if args.verbose else what.splitlines()[0]}", flush=True)
-    print(f"{args.seeds} draws in {time.monotonic() - start:.0f} s: {counts['ok']} matched, "
-          f"{counts['refused']} refused, {counts['FAIL']} failed")
+    print(
+        f"{args.seeds} draws in {time.monotonic() - start:.0f} s: {counts['ok']} matched, "
+        f"{counts['refused']} refused, {counts['FAIL']} failed"
+    )
     return 1 if failures else 0
 
 

@@ -1,4 +1,5 @@
 """Shared pieces of the parity tests: one model, one data stream, a plain single-process trainer."""
+
 from __future__ import annotations
 
 import torch
@@ -34,22 +35,28 @@ def micro_batches(batch, dp_rank: int, dp: int, gas: int):
     """This rank's micro-batches of one global batch: a contiguous block of rows, split in `gas`."""
     x, y = batch
     rows = x.shape[0] // dp
-    x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
+    x, y = x[dp_rank * rows : (dp_rank + 1) * rows], y[dp_rank * rows : (dp_rank + 1) * rows]
     return list(zip(x.chunk(gas), y.chunk(gas)))
 
 
 def ds_config(micro: int, gas: int, clip: float = 1.0, **extra) -> dict:
-    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
-            "gradient_clipping": clip, "steps_per_print": 10 ** 6,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95], "eps": EPS, "weight_decay": 0.1}},
-            **extra}
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "steps_per_print": 10**6,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95], "eps": EPS, "weight_decay": 0.1}},
+        **extra,
+    }
 
 
 def param_groups(model):
     """Two groups, as the Hugging Face Trainer builds them: matrices decay, vectors don't."""
     params = list(model.parameters())
-    return [{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0},
+    ]
 
 
 def hf_loss(model, x, y):
@@ -57,8 +64,17 @@ def hf_loss(model, x, y):
     return model(input_ids=x, labels=x).loss
 
 
-def reference_training(batches, clip: float = 1.0, norms: list | None = None, groups=None, model=None,
-                       forward=None, lr: float = LR, weight_decay: float = 0.1, **model_overrides):
+def reference_training(
+    batches,
+    clip: float = 1.0,
+    norms: list | None = None,
+    groups=None,
+    model=None,
+    forward=None,
+    lr: float = LR,
+    weight_decay: float = 0.1,
+    **model_overrides,
+):
     """Plain PyTorch on one process: the ground truth every strategy must reproduce. `norms`, if
     given, receives each step's gradient norm before clipping; `groups(model)` gives the optimizer's
     parameter groups (default: one); `model` replaces the seeded reference GPT, and
@@ -66,8 +82,14 @@ def reference_training(batches, clip: float = 1.0, norms: list | None = None, gr
     model = model if model is not None else make_model(**model_overrides)
     # The fused kernel, as the engine uses: the comparison then isolates the engine from
     # differences between torch's AdamW implementations (~3e-6 on these weights).
-    opt = torch.optim.AdamW(groups(model) if groups else model.parameters(), lr=lr, betas=(0.9, 0.95), eps=EPS,
-                            weight_decay=weight_decay, fused=True)
+    opt = torch.optim.AdamW(
+        groups(model) if groups else model.parameters(),
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=EPS,
+        weight_decay=weight_decay,
+        fused=True,
+    )
     losses = []
     for x, y in batches:
         loss = forward(model, x, y) if forward else model(x, y)

@@ -1,13 +1,21 @@
 """Activation checkpointing: same training with less activation memory, under every strategy."""
+
 import pytest
 import torch
 import torch.nn as nn
+from distributed import run_ranks
+from parity import (
+    assert_losses_close,
+    ds_config,
+    global_batches,
+    make_model,
+    max_weight_diff,
+    micro_batches,
+    reference_training,
+)
 from torch.profiler import ProfilerActivity, profile
 
 import zerotron
-from distributed import run_ranks
-from parity import (assert_losses_close, ds_config, global_batches, make_model, max_weight_diff, micro_batches,
-                    reference_training)
 from zerotron import checkpointing
 from zerotron.errors import ConfigError
 from zerotron.models.gpt import GPT, config_for
@@ -68,6 +76,7 @@ def test_deepspeed_style_checkpoint_call_matches_plain_backward():
 
 def test_unknown_policy_is_a_config_error():
     from zerotron.config import Config
+
     with pytest.raises(ConfigError, match="zerotron.checkpoint_policy.*every_block"):
         Config.load(ds_config(1, 1, zerotron={"checkpoint_policy": "some"}))
 
@@ -75,21 +84,37 @@ def test_unknown_policy_is_a_config_error():
 # ---- every strategy, with and without ---------------------------------------------------------------
 def _train(zero_stage, tp, policy, extra=None, gas=1, steps=STEPS):
     import torch.distributed as dist
+
     world = dist.get_world_size()
-    config = ds_config(2, gas, zero_optimization={"stage": zero_stage, "stage3_param_persistence_threshold": 0},
-                       tensor_parallel={"autotp_size": tp},
-                       zerotron={"checkpoint_policy": policy}, **(extra or {}))
+    config = ds_config(
+        2,
+        gas,
+        zero_optimization={"stage": zero_stage, "stage3_param_persistence_threshold": 0},
+        tensor_parallel={"autotp_size": tp},
+        zerotron={"checkpoint_policy": policy},
+        **(extra or {}),
+    )
     engine, *_ = zerotron.initialize(model=make_model(n_kv_head=4, dropout=0.0), config=config)
     dp = world // tp
-    losses = [engine.train_batch(iter(micro_batches(b, engine.coords.dp, dp, gas))).item()
-              for b in global_batches(steps, 2 * gas * dp)]
+    losses = [
+        engine.train_batch(iter(micro_batches(b, engine.coords.dp, dp, gas))).item()
+        for b in global_batches(steps, 2 * gas * dp)
+    ]
     return losses, zerotron.zero.consolidated_state_dict(engine.module)
 
 
-@pytest.mark.parametrize("stage,tp,policy,extra", [
-    (0, 1, "every_block", None), (1, 1, "selective", None), (2, 1, "every_k", None), (3, 1, "every_block", None),
-    (3, 1, "selective", None), (0, 2, "every_block", {"activation_checkpointing": {"partition_activations": True}}),
-    (1, 2, "selective", {"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True}})])
+@pytest.mark.parametrize(
+    "stage,tp,policy,extra",
+    [
+        (0, 1, "every_block", None),
+        (1, 1, "selective", None),
+        (2, 1, "every_k", None),
+        (3, 1, "every_block", None),
+        (3, 1, "selective", None),
+        (0, 2, "every_block", {"activation_checkpointing": {"partition_activations": True}}),
+        (1, 2, "selective", {"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True}}),
+    ],
+)
 def test_parity_with_checkpointing(stage, tp, policy, extra):
     world = 2
     ref_losses, ref_state = reference_training(global_batches(STEPS, 2 * (world // tp)), n_kv_head=4)
@@ -99,8 +124,12 @@ def test_parity_with_checkpointing(stage, tp, policy, extra):
 
 
 def _pipeline(policy, interval):
-    module = to_pipeline(make_model(n_layer=4, n_kv_head=4), 2, partition_method="type:_PipeBlock",
-                                                             activation_checkpoint_interval=interval)
+    module = to_pipeline(
+        make_model(n_layer=4, n_kv_head=4),
+        2,
+        partition_method="type:_PipeBlock",
+        activation_checkpoint_interval=interval,
+    )
     engine, *_ = zerotron.initialize(model=module, config=ds_config(1, 4, zerotron={"checkpoint_policy": policy}))
     return [engine.train_batch(iter(micro_batches(b, 0, 1, 4))).item() for b in global_batches(STEPS, 4)]
 
@@ -119,6 +148,7 @@ class SelfCheckpointing(GPT):
 
     def forward(self, tokens, targets=None):
         from zerotron.models.gpt import rotary_tables
+
         x = self.tok_emb(tokens)
         cos, sin = rotary_tables(self.config, tokens.shape[1], tokens.device)
         for layer in self.layers:
@@ -129,14 +159,19 @@ class SelfCheckpointing(GPT):
 def _self_checkpointing(stage, early_stop=True):
     torch.manual_seed(0)
     model = SelfCheckpointing(config_for("tiny", max_seq_len=16, n_kv_head=4))
-    config = ds_config(2, 1, zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0},
-                       activation_checkpointing={"partition_activations": False})
+    config = ds_config(
+        2,
+        1,
+        zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0},
+        activation_checkpointing={"partition_activations": False},
+    )
     engine, *_ = zerotron.initialize(model=model, config=config)
     assert checkpointing.is_configured()
     # Without early stop the recomputation runs the whole block, ZeRO-3's post-forward hook included.
     with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
-        losses = [engine.train_batch(iter(micro_batches(b, engine.coords.dp, 2, 1))).item()
-                  for b in global_batches(STEPS, 4)]
+        losses = [
+            engine.train_batch(iter(micro_batches(b, engine.coords.dp, 2, 1))).item() for b in global_batches(STEPS, 4)
+        ]
     return losses, zerotron.zero.consolidated_state_dict(engine.module)
 
 
@@ -150,8 +185,14 @@ def test_model_calling_checkpoint_itself_under_zero(stage, early_stop):
 
 def _partitioned_saved_bytes(partition):
     import torch.distributed as dist
-    config = ds_config(2, 1, tensor_parallel={"autotp_size": 2}, zerotron={"checkpoint_policy": "every_block"},
-                       activation_checkpointing={"partition_activations": partition})
+
+    config = ds_config(
+        2,
+        1,
+        tensor_parallel={"autotp_size": 2},
+        zerotron={"checkpoint_policy": "every_block"},
+        activation_checkpointing={"partition_activations": partition},
+    )
     engine, *_ = zerotron.initialize(model=make_model(n_kv_head=4), config=config)
     x, y = global_batches(1, 2)[0]
     kept = []

@@ -1,4 +1,5 @@
 """initialize() as DeepSpeed scripts call it, the engine's accessors, and the topology."""
+
 import argparse
 import os
 import subprocess
@@ -7,22 +8,24 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-
-import zerotron
 from distributed import RankError, run_ranks
 from parity import LR, ds_config, make_model
+
+import zerotron
 from zerotron.topology import Topology
 
 
 def test_plain_process_without_launcher_is_world_size_one():
-    code = ("import torch, zerotron\n"
-            "from zerotron.models.gpt import GPT, config_for\n"
-            "m = GPT(config_for('tiny', max_seq_len=8))\n"
-            "e, o, d, s = zerotron.initialize(model=m, config={'train_batch_size': 2, "
-            "'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}}})\n"
-            "x = torch.randint(0, 256, (2, 8))\n"
-            "e.backward(e(x, x)); e.step()\n"
-            "print(e.world_size, e.dp_world_size, e.global_steps, type(o).__name__, d, s)\n")
+    code = (
+        "import torch, zerotron\n"
+        "from zerotron.models.gpt import GPT, config_for\n"
+        "m = GPT(config_for('tiny', max_seq_len=8))\n"
+        "e, o, d, s = zerotron.initialize(model=m, config={'train_batch_size': 2, "
+        "'optimizer': {'type': 'SGD', 'params': {'lr': 0.1}}})\n"
+        "x = torch.randint(0, 256, (2, 8))\n"
+        "e.backward(e(x, x)); e.step()\n"
+        "print(e.world_size, e.dp_world_size, e.global_steps, type(o).__name__, d, s)\n"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -43,11 +46,23 @@ def test_init_distributed_takes_deepspeeds_arguments_in_its_order():
     # positional (backend, auto_mpi_discovery, distributed_port, verbose) as DeepSpeed's, and an
     # explicit tcp:// rendezvous with rank and world_size, no launcher environment
     from distributed import free_port
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", _TCP_INIT, str(r), port], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TCP_INIT, str(r), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
     assert sorted(o[0].split()[0] for o in outs) == ["0", "1"]
@@ -56,14 +71,33 @@ def test_init_distributed_takes_deepspeeds_arguments_in_its_order():
 
 def _accessors():
     engine, optimizer, loader, scheduler = zerotron.initialize(
-        model=make_model(), config=ds_config(2, 3, scheduler={"type": "WarmupLR", "params": {
-            "warmup_min_lr": 0.0, "warmup_max_lr": "auto", "warmup_num_steps": 10, "warmup_type": "linear"}}),
-        training_data=torch.utils.data.TensorDataset(torch.randint(0, 256, (40, 16)), torch.randint(0, 256, (40, 16))))
+        model=make_model(),
+        config=ds_config(
+            2,
+            3,
+            scheduler={
+                "type": "WarmupLR",
+                "params": {
+                    "warmup_min_lr": 0.0,
+                    "warmup_max_lr": "auto",
+                    "warmup_num_steps": 10,
+                    "warmup_type": "linear",
+                },
+            },
+        ),
+        training_data=torch.utils.data.TensorDataset(torch.randint(0, 256, (40, 16)), torch.randint(0, 256, (40, 16))),
+    )
     out = {
-        "mbs": engine.train_micro_batch_size_per_gpu(), "gas": engine.gradient_accumulation_steps(),
-        "tbs": engine.train_batch_size(), "stage": engine.zero_optimization_stage(),
-        "boundary": [], "lr": [], "rank": engine.global_rank, "local_rank": engine.local_rank,
-        "loader_len": len(loader), "module_is_model": engine.module is not None,
+        "mbs": engine.train_micro_batch_size_per_gpu(),
+        "gas": engine.gradient_accumulation_steps(),
+        "tbs": engine.train_batch_size(),
+        "stage": engine.zero_optimization_stage(),
+        "boundary": [],
+        "lr": [],
+        "rank": engine.global_rank,
+        "local_rank": engine.local_rank,
+        "loader_len": len(loader),
+        "module_is_model": engine.module is not None,
     }
     for _ in range(2):
         loss = engine.train_batch()
@@ -104,7 +138,8 @@ def _client_optimizer_and_args(config_path):
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", config_path])
     model = make_model()
     engine, optimizer, _, _ = zerotron.initialize(
-        args=args, model=model, optimizer=lambda params: torch.optim.SGD(params, lr=0.5))
+        args=args, model=model, optimizer=lambda params: torch.optim.SGD(params, lr=0.5)
+    )
     x = torch.randint(0, 256, (2, 16))
     before = model.lm_head.weight.detach().clone()
     engine.backward(engine(x, x))
@@ -124,7 +159,15 @@ def test_topology_places_tensor_parallel_ranks_innermost():
     topo = Topology(8, tp=2, pp=2)
     assert topo.shape == (2, 2, 2)
     assert [tuple(vars(topo.coords(r)).values()) for r in range(8)] == [
-        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (0, 1, 1),
+        (1, 0, 0),
+        (1, 0, 1),
+        (1, 1, 0),
+        (1, 1, 1),
+    ]
     assert topo.group_ranks("tp", 5) == [4, 5]
     assert topo.group_ranks("dp", 5) == [5, 7]
     assert topo.group_ranks("pp", 5) == [1, 5]

@@ -1,17 +1,16 @@
 """Checkpoints: exact resume, any topology to any other, atomic saves, clear errors, export."""
+
 import json
 import os
-import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import RankError, run_ranks
+from parity import assert_losses_close, ds_config, global_batches, make_model, micro_batches
 from safetensors.torch import load_file
 
 import zerotron
-from distributed import RankError, run_ranks
-from parity import assert_losses_close, ds_config, global_batches, make_model, micro_batches
-from zerotron.checkpoint import CheckpointError
 from zerotron.parallelize import to_pipeline
 
 STEPS = 6
@@ -22,10 +21,14 @@ def _engine(stage=1, tp=1, pp=1, pipe_form=False, layers=4, **extra):
     world = dist.get_world_size()
     dp = world // (tp * pp)
     gas = 2 if pp > 1 else 1
-    config = ds_config(GLOBAL_BATCH // (dp * gas), gas, tensor_parallel={"autotp_size": tp},
-                       zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0},
-                       scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-3}},
-                       **extra)
+    config = ds_config(
+        GLOBAL_BATCH // (dp * gas),
+        gas,
+        tensor_parallel={"autotp_size": tp},
+        zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0},
+        scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-3}},
+        **extra,
+    )
     model = make_model(n_layer=layers, n_kv_head=4)
     module = to_pipeline(model, pp, partition_method="type:_PipeBlock") if pp > 1 or pipe_form else model
     engine, *_ = zerotron.initialize(model=module, config=config)
@@ -39,7 +42,7 @@ def _train(directory, steps, load=False, save=False, stage=1, tp=1, pp=1, pipe_f
         _, client = engine.load_checkpoint(directory)
     batches = global_batches(STEPS, GLOBAL_BATCH)
     losses = []
-    for b in batches[engine.global_steps:engine.global_steps + steps]:
+    for b in batches[engine.global_steps : engine.global_steps + steps]:
         losses.append(engine.train_batch(iter(micro_batches(b, engine.coords.dp, dp, gas))).item())
     if save:
         engine.save_checkpoint(directory, client_state={"step": engine.global_steps})
@@ -57,12 +60,15 @@ def test_exact_resume_is_bit_for_bit(tmp_path):
 
 
 # (world, stage, tp, pp, pipeline form) saving -> the same loading
-@pytest.mark.parametrize("save,load", [
-    ((8, 1, 2, 2, True), (1, 0, 1, 1, True)),     # 3D with ZeRO-1 -> one process
-    ((4, 3, 1, 1, False), (2, 1, 1, 1, False)),   # ZeRO-3 on 4 ranks -> ZeRO-1 on 2
-    ((2, 0, 2, 1, False), (4, 2, 4, 1, False)),   # TP 2 -> TP 4 (with ZeRO-2)
-    ((4, 1, 1, 2, True), (2, 2, 1, 1, False)),    # a pipeline of the GPT -> the plain GPT (same names)
-])
+@pytest.mark.parametrize(
+    "save,load",
+    [
+        ((8, 1, 2, 2, True), (1, 0, 1, 1, True)),  # 3D with ZeRO-1 -> one process
+        ((4, 3, 1, 1, False), (2, 1, 1, 1, False)),  # ZeRO-3 on 4 ranks -> ZeRO-1 on 2
+        ((2, 0, 2, 1, False), (4, 2, 4, 1, False)),  # TP 2 -> TP 4 (with ZeRO-2)
+        ((4, 1, 1, 2, True), (2, 2, 1, 1, False)),  # a pipeline of the GPT -> the plain GPT (same names)
+    ],
+)
 def test_any_topology_loads_any_other(tmp_path, save, load):
     d = str(tmp_path / "ck")
     straight = run_ranks(_train, 1, d + "_ref", STEPS, False, False, 0, 1, 1, save[4])[0][0]
@@ -97,8 +103,9 @@ def _train_own_data(directory, steps, tp, gas, load):
     dp = dist.get_world_size() // tp
     data = _Recorded()
     config = ds_config(GLOBAL_BATCH // (dp * gas), gas, tensor_parallel={"autotp_size": tp})
-    engine, _, loader, _ = zerotron.initialize(model=make_model(n_layer=2, n_kv_head=4), config=config,
-                                               training_data=data)
+    engine, _, loader, _ = zerotron.initialize(
+        model=make_model(n_layer=2, n_kv_head=4), config=config, training_data=data
+    )
     if load:
         engine.load_checkpoint(directory)
     losses = [engine.train_batch().item() for _ in range(steps)]
@@ -108,14 +115,17 @@ def _train_own_data(directory, steps, tp, gas, load):
 
 
 # (world, tensor-parallel size, accumulation) saving -> loading: the data-parallel size changes
-@pytest.mark.parametrize("save,load", [
-    ((2, 1, 1), (1, 1, 2)),   # dp 2 -> 1
-    ((1, 1, 1), (2, 1, 2)),   # dp 1 -> 2
-    ((2, 1, 1), (4, 1, 1)),   # dp 2 -> 4
-    ((2, 1, 2), (2, 2, 1)),   # dp 2 -> tp 2 (the same world)
-    ((2, 2, 1), (4, 2, 2)),   # tp 2: dp 1 -> 2
-    ((4, 2, 1), (2, 2, 2)),   # tp 2: dp 2 -> 1
-])
+@pytest.mark.parametrize(
+    "save,load",
+    [
+        ((2, 1, 1), (1, 1, 2)),  # dp 2 -> 1
+        ((1, 1, 1), (2, 1, 2)),  # dp 1 -> 2
+        ((2, 1, 1), (4, 1, 1)),  # dp 2 -> 4
+        ((2, 1, 2), (2, 2, 1)),  # dp 2 -> tp 2 (the same world)
+        ((2, 2, 1), (4, 2, 2)),  # tp 2: dp 1 -> 2
+        ((4, 2, 1), (2, 2, 2)),  # tp 2: dp 2 -> 1
+    ],
+)
 def test_the_engines_dataloader_resumes_on_another_data_parallel_size(tmp_path, save, load):
     """Every sample of the epoch read exactly once across the restart, whatever the new data-parallel
     size and accumulation, and the same global batches (so the same losses) as one process straight."""
@@ -125,8 +135,9 @@ def test_the_engines_dataloader_resumes_on_another_data_parallel_size(tmp_path, 
     second = run_ranks(_train_own_data, load[0], d, EPOCH_STEPS - 3 + 2, *load[1:], True, timeout=120)
     assert_losses_close(first[0][0] + second[0][0], straight, rtol=1e-5)
     next_epoch = 2 * GLOBAL_BATCH * load[1] // load[0]  # what each data-parallel rank read of the next epoch
-    epoch = [i for _, indices in first if indices is not None for i in indices] + \
-            [i for _, indices in second if indices is not None for i in indices[:-next_epoch]]
+    epoch = [i for _, indices in first if indices is not None for i in indices] + [
+        i for _, indices in second if indices is not None for i in indices[:-next_epoch]
+    ]
     assert sorted(epoch) == list(range(SAMPLES))
 
 
@@ -136,12 +147,14 @@ def _save_then_crash(directory):
     engine.train_batch(iter(micro_batches(global_batches(1, GLOBAL_BATCH)[0], 0, 1, 1)))
     engine.save_checkpoint(directory, tag="good")
     import zerotron.checkpoint.save as save_module
+
     real = save_module.save_file
 
     def dies_midway(tensors, path, metadata=None):
         with open(path, "wb") as f:
             f.write(b"\0" * 1000)  # half a file, then the process "dies"
         raise SystemExit("killed")
+
     save_module.save_file = dies_midway
     try:
         engine.save_checkpoint(directory, tag="doomed")
@@ -163,6 +176,7 @@ def _rank_exits_while_saving(directory):
             with open(path, "wb") as f:
                 f.write(b"\0" * 1000)
             os._exit(1)  # the process dies half-way through its file
+
         save_module.save_file = exits_midway
     engine.save_checkpoint(directory, tag="doomed")
 
@@ -206,7 +220,7 @@ def test_corrupted_truncated_or_missing_files_are_named(tmp_path):
     shard.write_bytes(bytes(data))
     with pytest.raises(RankError, match="rank00001.safetensors is corrupted or truncated"):
         run_ranks(_load, 2, str(d))
-    shard.write_bytes(bytes(data[:len(data) // 2]))
+    shard.write_bytes(bytes(data[: len(data) // 2]))
     with pytest.raises(RankError, match="rank00001.safetensors is corrupted or truncated"):
         run_ranks(_load, 2, str(d))
     shard.unlink()
@@ -231,6 +245,7 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
 
 def _load_and_log(directory):
     import logging
+
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
@@ -239,9 +254,9 @@ def _load_and_log(directory):
 
 
 def test_no_latest_means_nothing_to_load(tmp_path):
-    (result, log), = run_ranks(_load_and_log, 1, str(tmp_path))
+    ((result, log),) = run_ranks(_load_and_log, 1, str(tmp_path))
     assert result == (None, 0) and f"{tmp_path} has no 'latest' file" in log[-1]
-    (result, log), = run_ranks(_load_and_log, 1, str(tmp_path / "missing"))
+    ((result, log),) = run_ranks(_load_and_log, 1, str(tmp_path / "missing"))
     assert result == (None, 0) and f"{tmp_path / 'missing'} does not exist: nothing to load" in log[-1]
 
 
@@ -257,6 +272,7 @@ def _trained_state(directory, stage, tp):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_convert_writes_consolidated_weights(tmp_path, dtype):
     from zerotron.checkpoint.export import convert
+
     d = str(tmp_path / "ck")
     state = run_ranks(_trained_state, 4, d, 2, 2)[0]
     path = convert(d, tmp_path / "out", dtype)
@@ -275,18 +291,31 @@ def test_convert_writes_consolidated_weights(tmp_path, dtype):
 def test_convert_command_line(tmp_path):
     import subprocess
     import sys
+
     d = str(tmp_path / "ck")
     run_ranks(_trained_state, 2, d, 1, 1)
-    out = subprocess.run([sys.executable, "-m", "zerotron.cli", "convert", d, str(tmp_path / "out"), "--dtype", "bf16"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "zerotron.cli", "convert", d, str(tmp_path / "out"), "--dtype", "bf16"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads((tmp_path / "out" / "zerotron_source.json").read_text())["dtype"] == "bf16"
-    missing = subprocess.run([sys.executable, "-m", "zerotron.cli", "convert", str(tmp_path / "nothing"),
-                              str(tmp_path / "o2")], capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        [sys.executable, "-m", "zerotron.cli", "convert", str(tmp_path / "nothing"), str(tmp_path / "o2")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode == 1 and "nothing does not exist" in missing.stderr
     (tmp_path / "empty").mkdir()
-    bad = subprocess.run([sys.executable, "-m", "zerotron.cli", "convert", str(tmp_path / "empty"),
-                          str(tmp_path / "o2")], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "zerotron.cli", "convert", str(tmp_path / "empty"), str(tmp_path / "o2")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 1 and "neither a checkpoint" in bad.stderr
 
 

@@ -1,4 +1,5 @@
 """DeepSpeed's `get_accelerator()` and `deepspeed.comm` functions, as scripts call them."""
+
 import datetime
 import enum
 import inspect
@@ -9,12 +10,12 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import run_ranks
 
 import zerotron
 import zerotron.comm
-from distributed import run_ranks
-from zerotron.compat import accelerator as accel_module
 from zerotron.comm import api as compat_comm
+from zerotron.compat import accelerator as accel_module
 from zerotron.compat.accelerator import CPU_Accelerator, CUDA_Accelerator, get_accelerator
 
 
@@ -26,6 +27,7 @@ def fresh_accelerator(monkeypatch):
 
 
 # --- the accelerator on CPU ---------------------------------------------------------------------
+
 
 def test_get_accelerator_is_a_cpu_singleton_without_a_gpu(fresh_accelerator):
     acc = get_accelerator()
@@ -73,11 +75,27 @@ def test_cpu_dtypes_match_deepspeeds_cpu_accelerator():
     fp16 = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     assert acc.is_bf16_supported() is True and acc.is_fp16_supported() is fp16
     assert set(acc.supported_dtypes()) == {torch.float32, torch.bfloat16} | ({torch.float16} if fp16 else set())
-    made = {name: getattr(acc, name)([1, 2]) for name in
-            ("FloatTensor", "HalfTensor", "BFloat16Tensor", "DoubleTensor", "LongTensor", "IntTensor", "ByteTensor")}
+    made = {
+        name: getattr(acc, name)([1, 2])
+        for name in (
+            "FloatTensor",
+            "HalfTensor",
+            "BFloat16Tensor",
+            "DoubleTensor",
+            "LongTensor",
+            "IntTensor",
+            "ByteTensor",
+        )
+    }
     assert {n: t.dtype for n, t in made.items()} == {
-        "FloatTensor": torch.float32, "HalfTensor": torch.float16, "BFloat16Tensor": torch.bfloat16,
-        "DoubleTensor": torch.float64, "LongTensor": torch.int64, "IntTensor": torch.int32, "ByteTensor": torch.uint8}
+        "FloatTensor": torch.float32,
+        "HalfTensor": torch.float16,
+        "BFloat16Tensor": torch.bfloat16,
+        "DoubleTensor": torch.float64,
+        "LongTensor": torch.int64,
+        "IntTensor": torch.int32,
+        "ByteTensor": torch.uint8,
+    }
     assert all(t.tolist() == [1, 2] and t.device.type == "cpu" for t in made.values())
 
 
@@ -162,14 +180,17 @@ def _compile_backend():
 
 def test_compile_backend():
     # in a rank process, whose fork server has already imported torch._dynamo (seconds, here)
-    (before, after, error), = run_ranks(_compile_backend, 1)
+    ((before, after, error),) = run_ranks(_compile_backend, 1)
     assert (before, after) == ("inductor", "eager") and "no-such-backend" in error and "inductor" in error
 
 
 def test_op_builders_say_what_to_use_instead():
     acc = CPU_Accelerator()
-    for call in (lambda: acc.create_op_builder("CPUAdamBuilder"), lambda: acc.get_op_builder("FusedAdamBuilder"),
-                 acc.op_builder_dir):
+    for call in (
+        lambda: acc.create_op_builder("CPUAdamBuilder"),
+        lambda: acc.get_op_builder("FusedAdamBuilder"),
+        acc.op_builder_dir,
+    ):
         with pytest.raises(NotImplementedError, match="zerotron compiles no ops.*FusedAdam"):
             call()
 
@@ -186,12 +207,16 @@ def test_cuda_accelerator_names_without_touching_a_gpu():
 
 # --- deepspeed.comm through zerotron.comm ---------------------------------------------------------
 
+
 def test_zerotron_comm_has_deepspeeds_names_and_its_own():
     assert zerotron.comm.init_distributed is compat_comm.init_distributed
     assert zerotron.comm.init_distributed.__module__ == "zerotron.comm.groups"
     assert zerotron.comm.all_reduce is compat_comm.all_reduce and zerotron.comm.get_rank is compat_comm.get_rank
     assert zerotron.comm.ReduceOp is dist.ReduceOp
-    assert zerotron.comm.Comm.__module__ == "zerotron.comm.core" and zerotron.comm.shutdown.__module__ == "zerotron.comm.groups"
+    assert (
+        zerotron.comm.Comm.__module__ == "zerotron.comm.core"
+        and zerotron.comm.shutdown.__module__ == "zerotron.comm.groups"
+    )
     for name in compat_comm.__all__:
         assert getattr(zerotron.comm, name) is getattr(compat_comm, name), name
     for missing in ("no_such_function", "_require", "logger", "enum"):
@@ -201,8 +226,18 @@ def test_zerotron_comm_has_deepspeeds_names_and_its_own():
 
 
 def test_init_distributed_accepts_every_deepspeed_keyword():
-    ds_keywords = ["dist_backend", "auto_mpi_discovery", "distributed_port", "verbose", "timeout", "init_method",
-                   "dist_init_required", "config", "rank", "world_size"]
+    ds_keywords = [
+        "dist_backend",
+        "auto_mpi_discovery",
+        "distributed_port",
+        "verbose",
+        "timeout",
+        "init_method",
+        "dist_init_required",
+        "config",
+        "rank",
+        "world_size",
+    ]
     inspect.signature(zerotron.comm.init_distributed).bind(**{k: None for k in ds_keywords})
 
 
@@ -212,17 +247,22 @@ def test_new_group_takes_zerotrons_group_timeout(monkeypatch):
     monkeypatch.setattr(dist, "new_group", lambda ranks, **kwargs: calls.append((ranks, kwargs)) or "group")
     assert zerotron.comm.new_group([0, 1]) == "group"
     assert zerotron.comm.new_group([1], timeout=datetime.timedelta(seconds=5), backend="gloo") == "group"
-    assert calls == [([0, 1], {"timeout": zerotron.comm.group_timeout()}),
-                     ([1], {"timeout": datetime.timedelta(seconds=5), "backend": "gloo"})]
+    assert calls == [
+        ([0, 1], {"timeout": zerotron.comm.group_timeout()}),
+        ([1], {"timeout": datetime.timedelta(seconds=5), "backend": "gloo"}),
+    ]
 
 
 def test_rank_queries_before_any_process_group_name_the_fix():
     # a fresh interpreter: this test process may already hold a process group from another test
     import subprocess
     import sys
-    code = ("import zerotron.comm as c\n"
-            "try:\n    c.get_rank()\nexcept RuntimeError as e:\n    print('init_distributed' in str(e))\n"
-            "print(c.is_initialized() is False and c.is_available())\n")
+
+    code = (
+        "import zerotron.comm as c\n"
+        "try:\n    c.get_rank()\nexcept RuntimeError as e:\n    print('init_distributed' in str(e))\n"
+        "print(c.is_initialized() is False and c.is_available())\n"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -237,6 +277,7 @@ class DeepSpeedReduceOp(enum.Enum):  # DeepSpeed's own enum, as deepspeed.comm.R
 def _collectives():
     import zerotron as deepspeed
     import zerotron.comm as ds_dist
+
     comm = deepspeed.comm
     rank, world = comm.get_rank(), comm.get_world_size()
     out = {"rank": rank, "world": world, "local_rank": comm.get_local_rank(), "initialized": comm.is_initialized()}
@@ -305,22 +346,37 @@ def _collectives():
     out["scatter"] = got.item()
     comm.barrier()
     comm.monitored_barrier(timeout=datetime.timedelta(seconds=20))
-    out["has"] = (comm.has_all_gather_into_tensor(), comm.has_reduce_scatter_tensor(),
-                  comm.has_all_reduce_coalesced(), comm.has_coalescing_manager())
+    out["has"] = (
+        comm.has_all_gather_into_tensor(),
+        comm.has_reduce_scatter_tensor(),
+        comm.has_all_reduce_coalesced(),
+        comm.has_coalescing_manager(),
+    )
     comm.configure(enabled=False, prof_all=True, prof_ops=["all_reduce"], verbose=False, debug=False)
     out["log_summary"] = comm.log_summary(return_dict=True)
     # dist is initialized by the harness: DeepSpeed's keywords are accepted and it stays as it is
-    comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, distributed_port=29500, verbose=False,
-                          timeout=datetime.timedelta(minutes=30), init_method=None, dist_init_required=None,
-                          config=None, rank=-1, world_size=-1)
+    comm.init_distributed(
+        dist_backend="gloo",
+        auto_mpi_discovery=False,
+        distributed_port=29500,
+        verbose=False,
+        timeout=datetime.timedelta(minutes=30),
+        init_method=None,
+        dist_init_required=None,
+        config=None,
+        rank=-1,
+        world_size=-1,
+    )
     out["after_init_distributed"] = (comm.get_world_size(), dist.get_backend())
     return out
 
 
 def test_collectives_give_deepspeeds_values_on_two_ranks():
     r0, r1 = run_ranks(_collectives, 2)
-    assert [(r["rank"], r["world"], r["local_rank"], r["initialized"]) for r in (r0, r1)] == \
-        [(0, 2, 0, True), (1, 2, 1, True)]
+    assert [(r["rank"], r["world"], r["local_rank"], r["initialized"]) for r in (r0, r1)] == [
+        (0, 2, 0, True),
+        (1, 2, 1, True),
+    ]
     for r in (r0, r1):
         assert (r["all_reduce"], r["all_reduce_max"], r["all_reduce_ds_enum"], r["all_reduce_async"]) == (3, 2, 2, 3)
         assert r["coalesced"] == ([3.0, 3.0], [30.0, 30.0, 30.0]) and r["coalesced_async"] == [[3.0, 3.0]] * 2
@@ -345,6 +401,7 @@ def test_collectives_give_deepspeeds_values_on_two_ranks():
 
 def _point_to_point_and_groups():
     import zerotron as deepspeed
+
     comm = deepspeed.comm
     rank = comm.get_rank()
     out = {}
@@ -385,6 +442,7 @@ def test_point_to_point_and_new_groups_on_two_ranks():
 
 def _destroy_process_group():
     import zerotron as deepspeed
+
     deepspeed.comm.barrier()
     deepspeed.comm.destroy_process_group()
     return deepspeed.comm.is_initialized()

@@ -3,6 +3,7 @@
 Every check of the import system runs in a fresh interpreter (the alias changes sys.meta_path and
 sys.modules for the whole process); each subprocess has a timeout.
 """
+
 import ast
 import json
 import os
@@ -28,8 +29,14 @@ def _env(**extra):
 def _python(code: str, timeout=240, cwd=None, **env):
     """Run `code` in a fresh interpreter (outside the checkout, so the installed zerotron is used);
     its last stdout line is JSON: returned with the whole process result."""
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=_env(**env), cwd=cwd or "/",
-                         capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=_env(**env),
+        cwd=cwd or "/",
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert out.returncode == 0, f"stdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}"
     return json.loads(out.stdout.strip().splitlines()[-1]), out
 
@@ -55,6 +62,7 @@ def fake_deepspeed(tmp_path):
 
 # ---- the start-up hook --------------------------------------------------------------------------
 
+
 def _setup_constant(name):
     tree = ast.parse(open(os.path.join(ROOT, "setup.py")).read())
     for node in tree.body:
@@ -66,13 +74,17 @@ def _setup_constant(name):
 def test_the_installed_startup_hook_is_the_one_setup_py_writes_and_installs_nothing_named_deepspeed():
     """The .pth is in this interpreter's site-packages (from `pip install -e .` or the wheel) and is
     current; zerotron's installed files include no module or package named deepspeed."""
-    result, _ = _python("""
+    result, _ = _python(
+        """
         import importlib.metadata, json, os, site
         dirs = [*site.getsitepackages(), site.getusersitepackages()]
-        pth = [os.path.join(d, "zerotron-startup.pth") for d in dirs if os.path.isfile(os.path.join(d, "zerotron-startup.pth"))]
+        candidates = [os.path.join(d, "zerotron-startup.pth") for d in dirs]
+        pth = [p for p in candidates if os.path.isfile(p)]
         files = [str(f) for f in (importlib.metadata.distribution("zerotron").files or [])]
         print(json.dumps({"pth": [open(p).read() for p in pth], "files": files}))
-    """, timeout=60)
+    """,
+        timeout=60,
+    )
     assert result["pth"], "zerotron-startup.pth is not installed: reinstall zerotron (pip install -e .)"
     assert result["pth"] == [_setup_constant("PTH_LINE")], "a stale start-up hook: reinstall zerotron"
     assert any(f.endswith("zerotron-startup.pth") for f in result["files"])  # pip uninstall removes it
@@ -82,22 +94,31 @@ def test_the_installed_startup_hook_is_the_one_setup_py_writes_and_installs_noth
 
 
 def test_the_hook_costs_nothing_without_the_variable_and_imports_no_torch_with_it():
-    off, _ = _python("""
+    off, _ = _python(
+        """
         import json, sys
         print(json.dumps([m for m in ("_zerotron_startup", "zerotron", "torch") if m in sys.modules]))
-    """, timeout=60)
+    """,
+        timeout=60,
+    )
     assert off == []
-    on, _ = _python("""
+    on, _ = _python(
+        """
         import json, sys
         print(json.dumps([m for m in ("_zerotron_startup", "zerotron", "torch") if m in sys.modules]))
-    """, timeout=60, ZEROTRON_AS_DEEPSPEED="1")
+    """,
+        timeout=60,
+        ZEROTRON_AS_DEEPSPEED="1",
+    )
     assert on == ["_zerotron_startup"]  # zerotron and torch wait for the first lookup of deepspeed
-    zero, _ = _python("import json, sys; print(json.dumps('_zerotron_startup' in sys.modules))", timeout=60,
-                      ZEROTRON_AS_DEEPSPEED="0")
+    zero, _ = _python(
+        "import json, sys; print(json.dumps('_zerotron_startup' in sys.modules))", timeout=60, ZEROTRON_AS_DEEPSPEED="0"
+    )
     assert zero is False
 
 
 # ---- without the alias ----------------------------------------------------------------------------
+
 
 def test_import_zerotron_adds_only_its_path_finders_and_no_deepspeed():
     real = _real_deepspeed_installed()
@@ -105,7 +126,8 @@ def test_import_zerotron_adds_only_its_path_finders_and_no_deepspeed():
         import importlib.metadata, importlib.util, json, sys
         before = list(sys.meta_path)
         import zerotron
-        added = [(sys.meta_path.index(f), type(f).__module__, type(f).__name__) for f in sys.meta_path if f not in before]
+        added = [(sys.meta_path.index(f), type(f).__module__, type(f).__name__)
+                 for f in sys.meta_path if f not in before]
         kept = [f for f in sys.meta_path if f in before] == before
         spec = importlib.util.find_spec("deepspeed")
         try:
@@ -121,8 +143,10 @@ def test_import_zerotron_adds_only_its_path_finders_and_no_deepspeed():
                           "imported": imported, "version": version}))
     """)
     assert result["kept"]
-    assert result["added"] == [[0, "zerotron.compat.alias", "_Aliases"],
-                               [result["n"] - 1, "zerotron.compat.alias", "_PathTable"]]
+    assert result["added"] == [
+        [0, "zerotron.compat.alias", "_Aliases"],
+        [result["n"] - 1, "zerotron.compat.alias", "_PathTable"],
+    ]
     if real:
         assert result["imported"] == "deepspeed" and result["version"] and "zerotron" not in result["version"]
     else:
@@ -151,7 +175,8 @@ def test_renamed_paths_and_attribute_chains_without_importing_them():
             "logger": logger is zerotron.compat.utils.logger,
             "loader": RepeatingLoader is zerotron.compat.utils.RepeatingLoader,
             "top": [getattr(deepspeed, n) is getattr(deepspeed, n) for n in ("get_accelerator", "logger")],
-            "version": deepspeed.__version__, "dir": "get_accelerator" in dir(deepspeed) and "runtime" in dir(deepspeed),
+            "version": deepspeed.__version__,
+            "dir": "get_accelerator" in dir(deepspeed) and "runtime" in dir(deepspeed),
         }))
     """)
     assert result.pop("names") == ["zerotron.compat.runtime.zero.partition_parameters"] * 2 + ["zerotron.compat.utils"]
@@ -254,7 +279,8 @@ def test_every_path_in_the_table_is_its_target_under_both_names():
     is its target module (one object: sys.modules entries and attribute chains agree), and no
     zerotron file is loaded twice. Runs over the whole table: a target someone has not built yet
     fails here, by design."""
-    result, _ = _python("""
+    result, _ = _python(
+        """
         import functools, importlib, json, os, sys, traceback
         import zerotron
         from zerotron.compat import paths
@@ -300,7 +326,9 @@ def test_every_path_in_the_table_is_its_target_under_both_names():
                 by_file.setdefault(f, set()).add(id(m))
         twice = sorted(f for f, ids in by_file.items() if len(ids) > 1)
         print(json.dumps({"problems": problems, "twice": twice, "n": len(paths.PATHS)}))
-    """, timeout=400)
+    """,
+        timeout=400,
+    )
     assert result["problems"] == [], "\n".join(result["problems"])
     assert result["twice"] == []
     assert result["n"] >= 40
@@ -325,8 +353,10 @@ def test_a_path_outside_the_table_maps_to_the_same_name_under_zerotron():
 
 # ---- beside a real DeepSpeed --------------------------------------------------------------------------
 
+
 def test_a_real_deepspeed_is_left_alone_unless_asked_and_an_imported_one_refuses_the_alias(fake_deepspeed):
-    result, _ = _python("""
+    result, _ = _python(
+        """
         import importlib.metadata, json
         import zerotron
         import deepspeed
@@ -339,7 +369,9 @@ def test_a_real_deepspeed_is_left_alone_unless_asked_and_an_imported_one_refuses
         import sys
         print(json.dumps({"real": real, "error": error, "still": sys.modules["deepspeed"] is deepspeed,
                           "version": importlib.metadata.version("deepspeed")}))
-    """, PYTHONPATH=fake_deepspeed)
+    """,
+        PYTHONPATH=fake_deepspeed,
+    )
     assert result["real"] == FAKE_VERSION and result["still"] and result["version"] == FAKE_VERSION
     assert "already imported" in result["error"] and fake_deepspeed in result["error"]
 
@@ -353,15 +385,19 @@ def test_asking_for_the_alias_beside_an_installed_deepspeed_warns_that_it_is_sha
             zerotron.as_deepspeed()
             import deepspeed
         print(json.dumps({"alias": deepspeed is zerotron, "version": importlib.metadata.version("deepspeed"),
-                          "warnings": [f"{w.category.__name__}: {w.message}" for w in caught if "deepspeed" in str(w.message)]}))
+                          "warnings": [f"{w.category.__name__}: {w.message}" for w in caught
+                                       if "deepspeed" in str(w.message)]}))
     """
     result, _ = _python(code, PYTHONPATH=fake_deepspeed)
     assert result["alias"] and result["version"].startswith("0.18.0+zerotron.")
     assert len(result["warnings"]) == 1 and result["warnings"][0].startswith("ShadowWarning")
     assert FAKE_VERSION in result["warnings"][0] and fake_deepspeed in result["warnings"][0]
     # the same under the environment variable: the warning goes to stderr at the first lookup
-    result, out = _python("import deepspeed, json, zerotron; print(json.dumps(deepspeed is zerotron))",
-                          PYTHONPATH=fake_deepspeed, ZEROTRON_AS_DEEPSPEED="1")
+    result, out = _python(
+        "import deepspeed, json, zerotron; print(json.dumps(deepspeed is zerotron))",
+        PYTHONPATH=fake_deepspeed,
+        ZEROTRON_AS_DEEPSPEED="1",
+    )
     assert result is True and "ShadowWarning" in out.stderr
 
 
@@ -386,16 +422,26 @@ def test_a_directory_named_deepspeed_is_no_installed_deepspeed(tmp_path):
 
 # ---- zerotron run --as-deepspeed ----------------------------------------------------------------------
 
+
 def test_zerotron_run_as_deepspeed_aliases_deepspeed_in_the_workers(tmp_path):
     script = tmp_path / "uses_deepspeed.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import importlib.metadata, os, sys
         import deepspeed
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         assert deepspeed is sys.modules["zerotron"], deepspeed
-        print("alias:", os.environ["RANK"], os.environ["ZEROTRON_AS_DEEPSPEED"], importlib.metadata.version("deepspeed"))
-    """))
-    out = subprocess.run([sys.executable, "-m", "zerotron.cli", "run", "-n", "1", "--as-deepspeed", str(script)],
-                         cwd=str(tmp_path), env=_env(), capture_output=True, text=True, timeout=300)
+        print("alias:", os.environ["RANK"], os.environ["ZEROTRON_AS_DEEPSPEED"],
+              importlib.metadata.version("deepspeed"))
+    """)
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "zerotron.cli", "run", "-n", "1", "--as-deepspeed", str(script)],
+        cwd=str(tmp_path),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "alias: 0 1 0.18.0+zerotron." in out.stdout

@@ -1,5 +1,6 @@
 """DeepSpeed's optimizers (zerotron.ops) against references, ZeRO's elementwise check (trusted
 classes, the probe, zero_allow_untested_optimizer), and DeepSpeed config compatibility."""
+
 import json
 import math
 import warnings
@@ -7,6 +8,8 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import RankError, run_ranks
+from parity import assert_losses_close, global_batches, make_model, max_weight_diff, micro_batches
 
 import zerotron
 from zerotron import Config, ConfigError
@@ -15,9 +18,6 @@ from zerotron.ops.adam import CPUAdam, DeepSpeedCPUAdam, FusedAdam
 from zerotron.ops.lamb import FusedLamb
 from zerotron.ops.lion import DeepSpeedCPULion, FusedLion
 from zerotron.optim import build_optimizer, check_shardable, probe_elementwise
-
-from distributed import RankError, run_ranks
-from parity import assert_losses_close, global_batches, make_model, max_weight_diff, micro_batches
 
 STEPS = 3
 
@@ -63,7 +63,7 @@ def _adam_reference(init, grads, lr, betas, eps, weight_decay, adamw, bias_corre
                 g = g + wd * p
             m = b1 * m + (1 - b1) * g
             v = b2 * v + (1 - b2) * g * g
-            c1, c2 = (1 - b1 ** t, 1 - b2 ** t) if bias_correction else (1.0, 1.0)
+            c1, c2 = (1 - b1**t, 1 - b2**t) if bias_correction else (1.0, 1.0)
             update = (m / c1) / ((v / c2).sqrt() + eps)
             if adamw:
                 update = update + wd * p
@@ -101,8 +101,9 @@ def test_fused_adam_without_bias_correction_matches_the_uncorrected_update(adam_
 
 def test_fused_adam_bias_correction_is_per_group():
     init, grads = _problem()
-    ours, _ = _train(lambda ps: FusedAdam([{"params": [ps[0]], "bias_correction": False}, {"params": [ps[1]]}],
-                                          **HYPER), init, grads)
+    ours, _ = _train(
+        lambda ps: FusedAdam([{"params": [ps[0]], "bias_correction": False}, {"params": [ps[1]]}], **HYPER), init, grads
+    )
     no = _adam_reference(init, grads, adamw=True, bias_correction=False, **HYPER)
     yes = _adam_reference(init, grads, adamw=True, bias_correction=True, **HYPER)
     assert _max_diff([ours[0]], [no[0]]) < 1e-6 and _max_diff([ours[1]], [yes[1]]) < 1e-6
@@ -233,7 +234,7 @@ def _lamb_reference(init, grads, lr, betas, eps, wd, max_coeff, min_coeff, bias_
             u = m / denom + wd * p
             w_norm, u_norm = p.norm().item(), u.norm().item()
             r = min(max(w_norm / u_norm, min_coeff), max_coeff) if w_norm > 0 and u_norm > 0 else 1.0
-            step = lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t) if bias_correction else lr
+            step = lr * math.sqrt(1 - b2**t) / (1 - b1**t) if bias_correction else lr
             p = p - step * r * u
         coeffs.append(r)
         out.append(p)
@@ -243,13 +244,26 @@ def _lamb_reference(init, grads, lr, betas, eps, wd, max_coeff, min_coeff, bias_
 @pytest.mark.parametrize("bias_correction,eps_inside_sqrt", [(True, False), (False, True)])
 def test_lamb_matches_the_reference_with_a_per_parameter_trust_ratio(bias_correction, eps_inside_sqrt):
     init, grads = _problem(shapes=((6, 5), (7,), (4,), (3,)))
-    init[0] = init[0] * 100   # ||w|| / ||u|| far above max_coeff: clamped to it
+    init[0] = init[0] * 100  # ||w|| / ||u|| far above max_coeff: clamped to it
     init[1] = init[1] * 1e-4  # far below min_coeff: clamped to it
     init[3] = torch.zeros(3)  # ||w|| = 0: the ratio is 1
-    hyper = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-6, wd=0.01, max_coeff=10.0, min_coeff=0.01,
-                 bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt)
-    ours, opt = _train(lambda ps: FusedLamb(ps, lr=1e-2, eps=1e-6, weight_decay=0.01, bias_correction=bias_correction,
-                                            eps_inside_sqrt=eps_inside_sqrt), init, grads)
+    hyper = dict(
+        lr=1e-2,
+        betas=(0.9, 0.999),
+        eps=1e-6,
+        wd=0.01,
+        max_coeff=10.0,
+        min_coeff=0.01,
+        bias_correction=bias_correction,
+        eps_inside_sqrt=eps_inside_sqrt,
+    )
+    ours, opt = _train(
+        lambda ps: FusedLamb(
+            ps, lr=1e-2, eps=1e-6, weight_decay=0.01, bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt
+        ),
+        init,
+        grads,
+    )
     ref, coeffs = _lamb_reference(init, grads, **hyper)
     for a, b in zip(ours, ref):  # relative to each tensor's scale (one is 100x, one 1e-4x the others)
         assert (a.double() - b).abs().max().item() <= 1e-6 * max(b.abs().max().item(), 1e-3)
@@ -337,6 +351,7 @@ def test_probe_leaves_the_global_rng_alone():
 
 def test_probe_uses_every_groups_settings():
     params = _params()
+
     # the second group's settings make this (elementwise-looking) optimizer normalize per tensor
     class Switch(MomentumSGD):
         @torch.no_grad()
@@ -346,19 +361,29 @@ def test_probe_uses_every_groups_settings():
                     if p.grad is not None:
                         g = p.grad / p.grad.norm() if group["momentum"] == 0 else p.grad
                         p.add_(g, alpha=-group["lr"])
+
     assert probe_elementwise(Switch([{"params": params}]))[0] == "elementwise"
     assert probe_elementwise(Switch([{"params": params[:1]}, {"params": params[1:], "momentum": 0.0}]))[0] == "differs"
 
 
 def test_check_shardable_trusts_refuses_and_honours_zero_allow_untested_optimizer():
-    for opt in (torch.optim.AdamW(_params()), torch.optim.SGD(_params(), lr=0.1), FusedAdam(_params()),
-                FusedLion(_params()), DeepSpeedCPUAdagrad(_params()), torch.optim.RMSprop(_params())):
+    for opt in (
+        torch.optim.AdamW(_params()),
+        torch.optim.SGD(_params(), lr=0.1),
+        FusedAdam(_params()),
+        FusedLion(_params()),
+        DeepSpeedCPUAdagrad(_params()),
+        torch.optim.RMSprop(_params()),
+    ):
         check_shardable(opt, stage=2)
     check_shardable(MomentumSGD(_params()), stage=2)  # probed: elementwise
     with pytest.raises(ValueError, match=r"PerTensorNormalizedSGD is not elementwise.*whole-tensor norms.*stage 0"):
         check_shardable(PerTensorNormalizedSGD(_params()), stage=2)
-    for opt, why in ((FusedLamb(_params()), "trust ratio"), (torch.optim.Adafactor(_params()), "factors"),
-                     (torch.optim.LBFGS(_params()), "dot products")):
+    for opt, why in (
+        (FusedLamb(_params()), "trust ratio"),
+        (torch.optim.Adafactor(_params()), "factors"),
+        (torch.optim.LBFGS(_params()), "dot products"),
+    ):
         with pytest.raises(ValueError, match=why):
             check_shardable(opt, stage=1, allow_untested=True)  # known: the key cannot make it exact
     with pytest.raises(ValueError, match=r"could not be tested.*\"zero_allow_untested_optimizer\": true"):
@@ -371,9 +396,14 @@ def test_check_shardable_trusts_refuses_and_honours_zero_allow_untested_optimize
 
 # =============================================================================== ZeRO on 2 ranks
 def _zero_config(stage, **extra):
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-            "steps_per_print": 10 ** 6, "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-            **extra}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**6,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        **extra,
+    }
 
 
 def _reference(make_optimizer, steps, batch):
@@ -393,8 +423,9 @@ def _reference(make_optimizer, steps, batch):
 def _engine_train(stage, client, extra, steps):
     dp, rank = dist.get_world_size(), dist.get_rank()
     model = make_model()
-    engine, *_ = zerotron.initialize(model=model, config=_zero_config(stage, **extra),
-                                     optimizer=client(model.parameters()) if client else None)
+    engine, *_ = zerotron.initialize(
+        model=model, config=_zero_config(stage, **extra), optimizer=client(model.parameters()) if client else None
+    )
     losses = [engine.train_batch(iter(micro_batches(b, rank, dp, 1))).item() for b in global_batches(steps, 2 * dp)]
     return losses, zerotron.zero.consolidated_state_dict(engine.module), type(engine.optimizer).__name__
 
@@ -419,10 +450,13 @@ def _lamb(params):
     return FusedLamb(params, lr=1e-3)
 
 
-@pytest.mark.parametrize("stage,client,message", [
-    (2, _normalized, r"PerTensorNormalizedSGD is not elementwise.*whole-tensor norms.*zero_optimization.stage 0"),
-    (1, _lamb, r"FusedLamb is not elementwise: its trust ratio"),
-])
+@pytest.mark.parametrize(
+    "stage,client,message",
+    [
+        (2, _normalized, r"PerTensorNormalizedSGD is not elementwise.*whole-tensor norms.*zero_optimization.stage 0"),
+        (1, _lamb, r"FusedLamb is not elementwise: its trust ratio"),
+    ],
+)
 def test_zero_refuses_a_non_elementwise_optimizer(stage, client, message):
     with pytest.raises(RankError, match=message):
         run_ranks(_engine_train, 2, stage, client, {}, 1)
@@ -439,8 +473,9 @@ def test_zero_refuses_an_optimizer_it_cannot_test_unless_told():
 
 def test_zero_allow_untested_optimizer_lets_it_run():
     ref_losses, ref_state = _reference(lambda ps: torch.optim.SGD(ps, lr=0.05), STEPS, 4)
-    for losses, state, _ in run_ranks(_engine_train, 2, 2, _needs_a_model, {"zero_allow_untested_optimizer": True},
-                                      STEPS):
+    for losses, state, _ in run_ranks(
+        _engine_train, 2, 2, _needs_a_model, {"zero_allow_untested_optimizer": True}, STEPS
+    ):
         assert_losses_close(losses, ref_losses, rtol=1e-5)
         assert max_weight_diff(state, ref_state) < 1e-5
 
@@ -464,17 +499,21 @@ def test_lamb_from_the_config_under_zero_is_refused_before_anything_starts(stage
     assert "not elementwise" in str(info.value) and "use zero_optimization.stage 0" in str(info.value)
 
 
-ADAM_NO_CORRECTION = {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1,
-                                                 "bias_correction": False}}
+ADAM_NO_CORRECTION = {
+    "type": "Adam",
+    "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1, "bias_correction": False},
+}
 
 
 @pytest.mark.parametrize("stage", [0, 2])
 def test_adam_without_bias_correction_from_the_config_trains_like_one_process(stage):
-    make = lambda ps: FusedAdam(ps, lr=1e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1,  # noqa: E731
-                                bias_correction=False)
+    def make(ps):
+        return FusedAdam(ps, lr=1e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1, bias_correction=False)
+
     ref_losses, ref_state = _reference(make, STEPS, 4)
-    corrected_losses, _ = _reference(lambda ps: torch.optim.AdamW(ps, lr=1e-3, betas=(0.9, 0.95), eps=1e-6,
-                                                                  weight_decay=0.1), STEPS, 4)
+    corrected_losses, _ = _reference(
+        lambda ps: torch.optim.AdamW(ps, lr=1e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1), STEPS, 4
+    )
     assert abs(corrected_losses[-1] - ref_losses[-1]) > 1e-4  # the comparison can tell them apart
     for losses, state, name in run_ranks(_engine_train, 2, stage, None, {"optimizer": ADAM_NO_CORRECTION}, STEPS):
         assert name == "FusedAdam"
@@ -506,12 +545,20 @@ def test_bias_correction_both_values_and_how_adam_is_built():
     assert type(opt) is torch.optim.AdamW
 
 
-@pytest.mark.parametrize("type_name,on_host,cls", [
-    ("Lion", False, FusedLion), ("LION", True, DeepSpeedCPULion), ("lamb", False, FusedLamb),
-    ("Adagrad", False, torch.optim.Adagrad), ("adagrad", True, DeepSpeedCPUAdagrad),
-    ("RMSprop", False, torch.optim.RMSprop), ("adamax", False, torch.optim.Adamax), ("NAdam", False, torch.optim.NAdam),
-    ("sgd", False, torch.optim.SGD),
-])
+@pytest.mark.parametrize(
+    "type_name,on_host,cls",
+    [
+        ("Lion", False, FusedLion),
+        ("LION", True, DeepSpeedCPULion),
+        ("lamb", False, FusedLamb),
+        ("Adagrad", False, torch.optim.Adagrad),
+        ("adagrad", True, DeepSpeedCPUAdagrad),
+        ("RMSprop", False, torch.optim.RMSprop),
+        ("adamax", False, torch.optim.Adamax),
+        ("NAdam", False, torch.optim.NAdam),
+        ("sgd", False, torch.optim.SGD),
+    ],
+)
 def test_deepspeed_and_torch_optimizer_names(type_name, on_host, cls):
     assert type(build_optimizer(type_name, {"lr": 1e-3}, _p(), on_host=on_host)) is cls
 
@@ -528,8 +575,9 @@ def test_optimizer_parameters_are_checked_against_what_gets_built():
     assert opt.param_groups[0]["max_coeff"] == 5.0 and opt.param_groups[0]["bias_correction"] is False
 
 
-@pytest.mark.parametrize("type_name,what", [("OneBitAdam", "1-bit Adam"), ("onebitlamb", "1-bit LAMB"),
-                                            ("ZeroOneAdam", "0/1 Adam")])
+@pytest.mark.parametrize(
+    "type_name,what", [("OneBitAdam", "1-bit Adam"), ("onebitlamb", "1-bit LAMB"), ("ZeroOneAdam", "0/1 Adam")]
+)
 def test_one_bit_optimizers_are_refused_with_the_fix(type_name, what):
     with pytest.raises(ConfigError) as info:
         _load({"optimizer": {"type": type_name, "params": {"lr": 1e-3, "freeze_step": 100}}})
@@ -537,8 +585,15 @@ def test_one_bit_optimizers_are_refused_with_the_fix(type_name, what):
     assert what in str(info.value) and "use 'Adam' or 'Lamb'" in str(info.value)
 
 
-@pytest.mark.parametrize("type_name,why", [("Muon", "orthogonalizes whole matrices"), ("LBFGS", "closure"),
-                                           ("SparseAdam", "sparse gradients"), ("Shampoo", "torch.optim")])
+@pytest.mark.parametrize(
+    "type_name,why",
+    [
+        ("Muon", "orthogonalizes whole matrices"),
+        ("LBFGS", "closure"),
+        ("SparseAdam", "sparse gradients"),
+        ("Shampoo", "torch.optim"),
+    ],
+)
 def test_optimizers_zerotron_cannot_build_are_refused_with_the_reason(type_name, why):
     with pytest.raises(ConfigError, match=why):
         _load({"optimizer": {"type": type_name}})
@@ -547,6 +602,7 @@ def test_optimizers_zerotron_cannot_build_are_refused_with_the_reason(type_name,
 def test_mup_optimizers_come_from_mup(monkeypatch):
     import sys
     import types
+
     monkeypatch.delitem(sys.modules, "mup", raising=False)
     monkeypatch.setattr("builtins.__import__", _no_mup(__import__))
     with pytest.raises(ConfigError, match="pip install mup"):
@@ -565,6 +621,7 @@ def _no_mup(real_import):
         if name == "mup":
             raise ImportError("No module named 'mup'")
         return real_import(name, *args, **kwargs)
+
     return fake
 
 
@@ -576,8 +633,11 @@ def test_fp32_optimizer_states_false_warns():
 # =============================================================================== config: other keys
 def test_offload_param_below_stage_3_is_ignored_with_a_warning_naming_it():
     for stage in (0, 1, 2):
-        with pytest.warns(UserWarning, match=rf"zero_optimization.offload_param is ignored at zero_optimization.stage "
-                                             rf"{stage}"):
+        with pytest.warns(
+            UserWarning,
+            match=rf"zero_optimization.offload_param is ignored at zero_optimization.stage "
+            rf"{stage}",
+        ):
             _load({"zero_optimization": {"stage": stage, "offload_param": {"device": "cpu", "pin_memory": True}}})
     with pytest.warns(UserWarning, match="offload_param is ignored"):  # NVMe too: it is not used anyway
         _load({"zero_optimization": {"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "/x"}}})
@@ -590,27 +650,40 @@ def test_offload_param_below_stage_3_is_ignored_with_a_warning_naming_it():
 def test_features_zerotron_lacks_are_warned_about_by_name():
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        _load({"compression_training": {"weight_quantization": {}}, "autotuning": {"enabled": True},
-               "zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}},
-               "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
-               "torch_autocast": {"enabled": True, "dtype": "torch.bfloat16"},
-               "progressive_layer_drop": {"enabled": False}})
+        _load(
+            {
+                "compression_training": {"weight_quantization": {}},
+                "autotuning": {"enabled": True},
+                "zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}},
+                "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+                "torch_autocast": {"enabled": True, "dtype": "torch.bfloat16"},
+                "progressive_layer_drop": {"enabled": False},
+            }
+        )
     text = _messages(record)
     assert "zerotron does not implement these DeepSpeed features and ignores their keys" in text
-    for name in ("compression_training", "autotuning", "zero_optimization.zenflow",
-                 "bf16.bf16_master_weights_and_grads", "torch_autocast"):
+    for name in (
+        "compression_training",
+        "autotuning",
+        "zero_optimization.zenflow",
+        "bf16.bf16_master_weights_and_grads",
+        "torch_autocast",
+    ):
         assert name in text, name
     assert "unknown config keys" not in text and "progressive_layer_drop" not in text
 
 
-@pytest.mark.parametrize("extra,key", [
-    ({"progressive_layer_drop": {"enabled": True, "theta": 0.5}}, "progressive_layer_drop.enabled"),
-    ({"curriculum_learning": {"enabled": True}}, "curriculum_learning.enabled"),
-    ({"elasticity": {"enabled": True, "max_train_batch_size": 64}}, "elasticity.enabled"),
-    ({"sequence_parallel_size": 2}, "sequence_parallel_size"),
-    ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
-    ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation"),
-])
+@pytest.mark.parametrize(
+    "extra,key",
+    [
+        ({"progressive_layer_drop": {"enabled": True, "theta": 0.5}}, "progressive_layer_drop.enabled"),
+        ({"curriculum_learning": {"enabled": True}}, "curriculum_learning.enabled"),
+        ({"elasticity": {"enabled": True, "max_train_batch_size": 64}}, "elasticity.enabled"),
+        ({"sequence_parallel_size": 2}, "sequence_parallel_size"),
+        ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
+        ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation"),
+    ],
+)
 def test_features_whose_absence_changes_the_math_are_refused(extra, key):
     with pytest.raises(ConfigError) as info:
         _load(extra)
@@ -622,19 +695,40 @@ def test_deprecated_and_alias_zero_keys_are_read():
         cfg = _load({"zero_optimization": {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True}})
     off = cfg.zero_optimization.offload_optimizer
     assert off.device == "cpu" and off.pin_memory
-    cfg = _load({"zero_optimization": {"stage": 3, "prefetch_bucket_size": 123, "param_persistence_threshold": 7,
-                                       "max_live_parameters": 99, "gather_16bit_weights_on_model_save": True}})
+    cfg = _load(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "prefetch_bucket_size": 123,
+                "param_persistence_threshold": 7,
+                "max_live_parameters": 99,
+                "gather_16bit_weights_on_model_save": True,
+            }
+        }
+    )
     z = cfg.zero_optimization
-    assert (z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold, z.stage3_max_live_parameters,
-            z.stage3_gather_16bit_weights_on_model_save) == (123, 7, 99, True)
+    assert (
+        z.stage3_prefetch_bucket_size,
+        z.stage3_param_persistence_threshold,
+        z.stage3_max_live_parameters,
+        z.stage3_gather_16bit_weights_on_model_save,
+    ) == (123, 7, 99, True)
     with pytest.raises(ConfigError, match="another name for stage3_prefetch_bucket_size"):
         _load({"zero_optimization": {"stage": 3, "prefetch_bucket_size": 1, "stage3_prefetch_bucket_size": 2}})
 
 
 def test_auto_inside_deepspeeds_model_sections_means_the_default():
-    cfg = _load({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": "auto", "sub_group_size": "auto",
-                                       "offload_param": {"device": "cpu", "buffer_size": "auto"}},
-                 "fp16": {"enabled": True, "loss_scale_window": "auto"}})
+    cfg = _load(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "stage3_max_live_parameters": "auto",
+                "sub_group_size": "auto",
+                "offload_param": {"device": "cpu", "buffer_size": "auto"},
+            },
+            "fp16": {"enabled": True, "loss_scale_window": "auto"},
+        }
+    )
     assert cfg.zero_optimization.stage3_max_live_parameters == 1_000_000_000
     assert cfg.zero_optimization.offload_param.buffer_size == 100_000_000 and cfg.fp16.loss_scale_window == 1000
     with pytest.raises(ConfigError, match="cannot resolve 'auto'"):
@@ -652,9 +746,14 @@ def test_zero_allow_untested_optimizer_is_a_setting():
 # =============================================================================== the survey script
 def test_config_survey_counts_and_reasons(tmp_path, capsys):
     from tools.config_survey import main
+
     configs = {
-        "clean.json": {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-                       "optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "bias_correction": False}}},
+        "clean.json": {
+            "train_batch_size": 8,
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 2,
+            "optimizer": {"type": "Lamb", "params": {"lr": 1e-3, "bias_correction": False}},
+        },
         "warn.json": {"train_micro_batch_size_per_gpu": "auto", "autotuning": {"enabled": True}},
         "onebit.json": {"train_batch_size": 4, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}},
         "not_ds.json": {"vocab_size": 10},
@@ -668,6 +767,7 @@ def test_config_survey_counts_and_reasons(tmp_path, capsys):
     assert set(by_file) == {"clean.json", "warn.json", "onebit.json"}
     assert by_file["clean.json"]["outcome"] == "load" and by_file["clean.json"]["world_size"] == 2
     assert by_file["warn.json"]["outcome"] == "warn" and by_file["warn.json"]["warnings"] == [
-        "not implemented: autotuning"]
+        "not implemented: autotuning"
+    ]
     assert by_file["onebit.json"]["outcome"] == "refused" and "optimizer.type" in by_file["onebit.json"]["reason"]
     assert "load: 1   load with warnings: 1   refused: 1" in out and "not JSON (templates): 1" in out

@@ -1,5 +1,6 @@
 """The `deepspeed.utils`, `deepspeed.runtime` and `deepspeed.moe.utils` surface (zerotron/compat):
 what scripts import from them does what it does under DeepSpeed, on zerotron's engines."""
+
 import argparse
 import json
 import logging
@@ -9,10 +10,10 @@ import numpy
 import pytest
 import torch
 import torch.distributed as dist
-
-import zerotron
 from distributed import run_ranks
 from parity import EPS, LR, ds_config, global_batches, make_model, micro_batches
+
+import zerotron
 from zerotron.compat import moe, runtime, utils
 from zerotron.compat.runtime import lr_schedules
 from zerotron.compat.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -60,10 +61,12 @@ def _log_dist_on_ranks():
 
 def test_log_dist_speaks_only_on_the_named_ranks():
     r0, r1 = run_ranks(_log_dist_on_ranks, 2)
-    assert r0 == [(logging.INFO, "[Rank 0] to all"), (logging.WARNING, "[Rank 0] to zero"),
-                  (logging.INFO, "[Rank 0] once")]
-    assert r1 == [(logging.INFO, "[Rank 1] to one"), (logging.INFO, "[Rank 1] to all"),
-                  (logging.INFO, "[Rank 1] once")]
+    assert r0 == [
+        (logging.INFO, "[Rank 0] to all"),
+        (logging.WARNING, "[Rank 0] to zero"),
+        (logging.INFO, "[Rank 0] once"),
+    ]
+    assert r1 == [(logging.INFO, "[Rank 1] to one"), (logging.INFO, "[Rank 1] to all"), (logging.INFO, "[Rank 1] once")]
     assert utils.logging.get_dist_msg("x", ranks=None) == "[Rank -1] x"  # no process group: every rank
 
 
@@ -71,9 +74,10 @@ def test_set_random_seed_is_reproducible():
     def draws(seed):
         runtime.utils.set_random_seed(seed)
         return random.random(), float(numpy.random.rand()), torch.rand(3).tolist()
+
     assert draws(7) == draws(7)
     assert draws(7) != draws(8)
-    draws(2 ** 70)  # larger than numpy's and torch's seed ranges: reduced, as DeepSpeed does
+    draws(2**70)  # larger than numpy's and torch's seed ranges: reduced, as DeepSpeed does
 
 
 def test_see_memory_usage_prints_only_when_forced(capsys):
@@ -117,11 +121,16 @@ def test_lr_schedules_are_zerotrons_and_step_like_them():
     assert lr_schedules.WarmupLR is zerotron.schedulers.WarmupLR
     assert lr_schedules.OneCycle is zerotron.schedulers.OneCycle
     assert lr_schedules.VALID_LR_SCHEDULES == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
-    assert (lr_schedules.WARMUP_MIN_LR, lr_schedules.WARMUP_MAX_LR, lr_schedules.WARMUP_NUM_STEPS,
-            lr_schedules.TOTAL_NUM_STEPS) == ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")
+    assert (
+        lr_schedules.WARMUP_MIN_LR,
+        lr_schedules.WARMUP_MAX_LR,
+        lr_schedules.WARMUP_NUM_STEPS,
+        lr_schedules.TOTAL_NUM_STEPS,
+    ) == ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = lr_schedules.WarmupDecayLR(opt, total_num_steps=10, warmup_max_lr=0.1, warmup_num_steps=4,
-                                       warmup_type="linear")
+    sched = lr_schedules.WarmupDecayLR(
+        opt, total_num_steps=10, warmup_max_lr=0.1, warmup_num_steps=4, warmup_type="linear"
+    )
     lrs = []
     for _ in range(11):
         sched.step()
@@ -132,16 +141,18 @@ def test_lr_schedules_are_zerotrons_and_step_like_them():
 
 def test_lr_range_test_grows_the_lr_continuously_or_in_stairs():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = lr_schedules.LRRangeTest(opt, lr_range_test_min_lr=0.01, lr_range_test_step_size=4,
-                                     lr_range_test_step_rate=2.0)
+    sched = lr_schedules.LRRangeTest(
+        opt, lr_range_test_min_lr=0.01, lr_range_test_step_size=4, lr_range_test_step_rate=2.0
+    )
     assert opt.param_groups[0]["lr"] == 0.01 and sched.get_last_lr() == [0.01]
     got = []
     for _ in range(6):
         sched.step()
         got.append(opt.param_groups[0]["lr"])
     assert got == pytest.approx([0.01 * (1 + 2.0 * (i + 1) / 4) for i in range(6)])
-    stairs = lr_schedules.LRRangeTest(opt, lr_range_test_min_lr=0.01, lr_range_test_step_size=4,
-                                      lr_range_test_staircase=True)
+    stairs = lr_schedules.LRRangeTest(
+        opt, lr_range_test_min_lr=0.01, lr_range_test_step_size=4, lr_range_test_staircase=True
+    )
     got = []
     for _ in range(8):
         stairs.step()
@@ -157,8 +168,10 @@ def test_tuning_arguments_give_a_scheduler_config():
     args = parser.parse_args(["--lr_schedule", "WarmupLR", "--warmup_max_lr", "0.5", "--warmup_num_steps", "7"])
     config, error = lr_schedules.get_config_from_args(args)
     assert error is None
-    assert config == {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.5,
-                                                     "warmup_num_steps": 7, "warmup_type": "log"}}
+    assert config == {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.5, "warmup_num_steps": 7, "warmup_type": "log"},
+    }
     assert lr_schedules.get_lr_from_config(config) == (0.5, "")
     assert parser.parse_args(["--lr_range_test_staircase", "false"]).lr_range_test_staircase is False
     assert lr_schedules.get_config_from_args(parser.parse_args([]))[0] is None
@@ -167,21 +180,41 @@ def test_tuning_arguments_give_a_scheduler_config():
 def test_deepspeed_config_reads_a_config_with_deepspeeds_names():
     cfg = runtime.config.DeepSpeedConfig(ds_config(2, 3, zero_optimization={"stage": 2}, bf16={"enabled": True}))
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (6, 2, 3)
-    assert (cfg.zero_optimization_stage, cfg.zero_enabled, cfg.bfloat16_enabled, cfg.fp16_enabled) == (2, True, True, False)
+    assert (cfg.zero_optimization_stage, cfg.zero_enabled, cfg.bfloat16_enabled, cfg.fp16_enabled) == (
+        2,
+        True,
+        True,
+        False,
+    )
     assert cfg.optimizer_name == "adamw" and cfg.optimizer_params["lr"] == LR and cfg.world_size == 1
     assert cfg.zero_config.stage == 2 and cfg.model_dtype_name == "bf16"  # zerotron.Config's own attributes too
     assert runtime.config.DeepSpeedConfigError is zerotron.ConfigError
     with pytest.raises(runtime.config.DeepSpeedConfigError, match="gradient_clipping"):
         runtime.config.DeepSpeedConfig(ds_config(2, 1, clip=-1.0))
     c = runtime.constants
-    assert (c.TRAIN_BATCH_SIZE, c.GRADIENT_ACCUMULATION_STEPS, c.TRAIN_MICRO_BATCH_SIZE_PER_GPU, c.FP16,
-            c.BFLOAT16, c.GRADIENT_CLIPPING, c.ZERO_OPTIMIZATION) == (
-        "train_batch_size", "gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "fp16", "bf16",
-        "gradient_clipping", "zero_optimization")
+    assert (
+        c.TRAIN_BATCH_SIZE,
+        c.GRADIENT_ACCUMULATION_STEPS,
+        c.TRAIN_MICRO_BATCH_SIZE_PER_GPU,
+        c.FP16,
+        c.BFLOAT16,
+        c.GRADIENT_CLIPPING,
+        c.ZERO_OPTIMIZATION,
+    ) == (
+        "train_batch_size",
+        "gradient_accumulation_steps",
+        "train_micro_batch_size_per_gpu",
+        "fp16",
+        "bf16",
+        "gradient_clipping",
+        "zero_optimization",
+    )
     assert runtime.engine.DeepSpeedEngine is zerotron.Engine and runtime.engine.ADAMW_OPTIMIZER == "adamw"
     assert runtime.pipe.PipelineModule is zerotron.pipe.PipelineModule
     assert runtime.pipe.engine.PipelineEngine.__name__ == "PipelineEngine"
-    assert runtime.zero.Init is zerotron.zero.Init and runtime.zero.GatheredParameters is zerotron.zero.GatheredParameters
+    assert (
+        runtime.zero.Init is zerotron.zero.Init and runtime.zero.GatheredParameters is zerotron.zero.GatheredParameters
+    )
     status = runtime.zero.partition_parameters.ZeroParamStatus
     assert (status.AVAILABLE.value, status.NOT_AVAILABLE.value, status.INFLIGHT.value) == (1, 2, 3)
     assert runtime.activation_checkpointing.checkpointing is zerotron.checkpointing
@@ -199,6 +232,7 @@ def test_register_external_parameter_is_recorded():
 
 def test_pipe_topology_names_zerotrons_ranks():
     from zerotron.topology import Topology
+
     topo = runtime.pipe.PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=3)
     ours = Topology(12, tp=2, pp=2)
     for rank in range(12):
@@ -206,8 +240,9 @@ def test_pipe_topology_names_zerotrons_ranks():
         assert topo.get_rank(pipe=c.pipe, data=c.data, model=c.model) == rank
         assert ours.rank_of(pp=c.pipe, dp=c.data, tp=c.model) == rank
     for axis, dim in (("pipe", "pp"), ("data", "dp"), ("model", "tp")):
-        assert sorted(map(tuple, topo.get_axis_comm_lists(axis))) == \
-            sorted({tuple(ours.group_ranks(dim, r)) for r in range(12)})
+        assert sorted(map(tuple, topo.get_axis_comm_lists(axis))) == sorted(
+            {tuple(ours.group_ranks(dim, r)) for r in range(12)}
+        )
     assert topo.filter_match(pipe=0, data=1) == [2, 3] and topo.get_dim("model") == 2 and topo.get_dim("x") == 0
     assert topo.get_rank_repr(rank=3) == "model_01" and topo.world_size() == 12
     assert runtime.pipe.PipeDataParallelTopology(2, 2).get_axis_list("pipe", 1) == [2, 3]
@@ -216,9 +251,13 @@ def test_pipe_topology_names_zerotrons_ranks():
 def test_dynamic_loss_scaler_steps_like_zerotrons():
     from zerotron.config import FP16Config
     from zerotron.precision import LossScaler
-    ds = runtime.fp16.loss_scaler.DynamicLossScaler(init_scale=2 ** 6, scale_window=2, min_scale=2, delayed_shift=2,
-                                                    consecutive_hysteresis=False)
-    ours = LossScaler(FP16Config(enabled=True, initial_scale_power=6, loss_scale_window=2, hysteresis=2, min_loss_scale=2))
+
+    ds = runtime.fp16.loss_scaler.DynamicLossScaler(
+        init_scale=2**6, scale_window=2, min_scale=2, delayed_shift=2, consecutive_hysteresis=False
+    )
+    ours = LossScaler(
+        FP16Config(enabled=True, initial_scale_power=6, loss_scale_window=2, hysteresis=2, min_loss_scale=2)
+    )
     for overflow in [True, True, False, False, False, True, True, False, True]:
         ds.update_scale(overflow)
         ours.update(overflow)
@@ -227,16 +266,29 @@ def test_dynamic_loss_scaler_steps_like_zerotrons():
     static = runtime.fp16.loss_scaler.LossScaler(scale=128)
     static.update_scale(True)
     assert static.loss_scale == 128 and not static.has_overflow([])
-    quiet = runtime.fp16.loss_scaler.DynamicLossScaler(init_scale=2, scale_window=10, min_scale=2, delayed_shift=1,
-                                                       consecutive_hysteresis=False, raise_error_at_min_scale=False)
+    quiet = runtime.fp16.loss_scaler.DynamicLossScaler(
+        init_scale=2,
+        scale_window=10,
+        min_scale=2,
+        delayed_shift=1,
+        consecutive_hysteresis=False,
+        raise_error_at_min_scale=False,
+    )
     quiet.update_scale(True)
     assert quiet.cur_scale == 2 and quiet.cur_iter == 1
 
 
 def test_deepspeed_dataloader_reads_this_ranks_share():
     data = torch.utils.data.TensorDataset(torch.arange(8))
-    loader = runtime.dataloader.DeepSpeedDataLoader(data, batch_size=2, pin_memory=False, local_rank=0, tput_timer=None,
-                                                    data_parallel_world_size=2, data_parallel_rank=1)
+    loader = runtime.dataloader.DeepSpeedDataLoader(
+        data,
+        batch_size=2,
+        pin_memory=False,
+        local_rank=0,
+        tput_timer=None,
+        data_parallel_world_size=2,
+        data_parallel_rank=1,
+    )
     assert len(loader) == 2
     seen = sorted(int(v) for (batch,) in loader for v in batch)
     assert len(seen) == 4 and set(seen) < set(range(8))
@@ -262,7 +314,8 @@ def test_moe_params_move_to_groups_of_their_own():
     b.allreduce, b.group_name = False, "ep_size_2"
     c.allreduce, c.group_name = False, "ep_size_2"
     out = moe.utils.split_params_into_different_moe_groups_for_optimizer(
-        [{"params": [a, b, c], "name": "dense", "lr": 0.5}], max_group_size=6)
+        [{"params": [a, b, c], "name": "dense", "lr": 0.5}], max_group_size=6
+    )
     assert [g["params"] for g in out] == [[a], [b], [c]]
     assert out[1] == {"params": [b], "name": "ep_size_2", "moe": True, "lr": 0.5} and moe.utils.is_moe_param(b)
     assert moe.utils.split_params_into_shared_and_expert_params([a, b, c]) == ([a], [b, c])
@@ -275,18 +328,34 @@ def test_moe_params_move_to_groups_of_their_own():
 def _group_answers():
     dp_group = groups._get_data_parallel_group()
     engine = utils.current_engine(required=False)
-    return {"dp": (groups._get_data_parallel_world_size(), groups._get_data_parallel_rank(),
-                   list(range(dist.get_world_size())) if dp_group is dist.group.WORLD
-                   else dist.get_process_group_ranks(dp_group)),
-            "mp": (groups._get_model_parallel_world_size(), groups.get_tensor_model_parallel_world_size(),
-                   groups.get_tensor_model_parallel_rank(), groups.get_model_parallel_rank(),
-                   groups.get_tensor_model_parallel_src_rank()),
-            "tp_ranks": None if engine is None else dist.get_process_group_ranks(groups.get_model_parallel_group()),
-            "sp": (groups._get_sequence_parallel_world_size(), groups._get_sequence_parallel_rank(),
-                   groups._get_sequence_data_parallel_world_size()),
-            "ep": (groups._get_expert_parallel_world_size("ep_size_1"), groups._get_expert_parallel_rank("x"),
-                   groups._get_expert_data_parallel_world_size("x")),
-            "src": groups._get_broadcast_src_rank()}
+    return {
+        "dp": (
+            groups._get_data_parallel_world_size(),
+            groups._get_data_parallel_rank(),
+            list(range(dist.get_world_size()))
+            if dp_group is dist.group.WORLD
+            else dist.get_process_group_ranks(dp_group),
+        ),
+        "mp": (
+            groups._get_model_parallel_world_size(),
+            groups.get_tensor_model_parallel_world_size(),
+            groups.get_tensor_model_parallel_rank(),
+            groups.get_model_parallel_rank(),
+            groups.get_tensor_model_parallel_src_rank(),
+        ),
+        "tp_ranks": None if engine is None else dist.get_process_group_ranks(groups.get_model_parallel_group()),
+        "sp": (
+            groups._get_sequence_parallel_world_size(),
+            groups._get_sequence_parallel_rank(),
+            groups._get_sequence_data_parallel_world_size(),
+        ),
+        "ep": (
+            groups._get_expert_parallel_world_size("ep_size_1"),
+            groups._get_expert_parallel_rank("x"),
+            groups._get_expert_data_parallel_world_size("x"),
+        ),
+        "src": groups._get_broadcast_src_rank(),
+    }
 
 
 def _groups_after_initialize(tp):
@@ -305,25 +374,31 @@ def _groups_after_initialize(tp):
 
 def _newest_engine_without_registration():
     from zerotron.compat.utils import engines
+
     walks = []
     real = engines.gc.get_objects
     engines.gc.get_objects = lambda *a: walks.append(1) or real(*a)
     try:
         first, *_ = zerotron.initialize(model=make_model(), config=ds_config(2, 1))
         answers = [utils.current_engine() is first]
-        second, *_ = zerotron.initialize(model=make_model(seed=1), config=ds_config(2, 1, zero_optimization={"stage": 1}))
+        second, *_ = zerotron.initialize(
+            model=make_model(seed=1), config=ds_config(2, 1, zero_optimization={"stage": 1})
+        )
         answers.append(utils.current_engine() is second)
         walked = len(walks)
         for _ in range(5):
             groups._get_data_parallel_world_size()
             utils.current_engine()
         answers.append(len(walks) == walked)  # nothing new was built: no second walk
-        answers.append(isinstance(second.optimizer, DeepSpeedZeroOptimizer) and
-                       not isinstance(first.optimizer, DeepSpeedZeroOptimizer))
+        answers.append(
+            isinstance(second.optimizer, DeepSpeedZeroOptimizer)
+            and not isinstance(first.optimizer, DeepSpeedZeroOptimizer)
+        )
         utils.register_engine(first)
         answers.append(utils.current_engine() is first)
         del first
         import gc
+
         gc.collect()
         answers.append(utils.current_engine() is second)  # the registered one is gone
     finally:
@@ -368,6 +443,7 @@ def _set_values(named_shapes):
 
 def _safe_functions_under_every_stage():
     from zerotron.zero import consolidated_state_dict
+
     batches = global_batches(2, 4)
     shapes = {n: p.shape for n, p in make_model().named_parameters()}  # (ZeRO-3 parameters read as empty)
     out = {}
@@ -384,16 +460,18 @@ def _safe_functions_under_every_stage():
         engine.backward(engine(x, y))  # the second step's gradients, before its step
         params = dict(engine.module.named_parameters())
         traffic = engine.comm_stats()
-        r = {"param": {n: utils.safe_get_full_fp32_param(p).cpu() for n, p in params.items()},
-             "grad": {n: utils.safe_get_full_grad(p).cpu() for n, p in params.items()},
-             "exp_avg": {n: utils.safe_get_full_optimizer_state(p, "exp_avg").cpu() for n, p in params.items()},
-             "exp_avg_sq": {n: utils.safe_get_full_optimizer_state(p, "exp_avg_sq").cpu() for n, p in params.items()},
-             "step": float(utils.safe_get_full_optimizer_state(params["norm.weight"], "step")),
-             "missing_state": utils.safe_get_full_optimizer_state(params["norm.weight"], "nothing"),
-             "local_numel": {n: utils.safe_get_local_fp32_param(p).numel() for n, p in params.items()},
-             "not_ours": utils.safe_get_full_fp32_param(torch.nn.Parameter(torch.zeros(2))),
-             "zero3": isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3),
-             "zero12": isinstance(engine.optimizer, DeepSpeedZeroOptimizer)}
+        r = {
+            "param": {n: utils.safe_get_full_fp32_param(p).cpu() for n, p in params.items()},
+            "grad": {n: utils.safe_get_full_grad(p).cpu() for n, p in params.items()},
+            "exp_avg": {n: utils.safe_get_full_optimizer_state(p, "exp_avg").cpu() for n, p in params.items()},
+            "exp_avg_sq": {n: utils.safe_get_full_optimizer_state(p, "exp_avg_sq").cpu() for n, p in params.items()},
+            "step": float(utils.safe_get_full_optimizer_state(params["norm.weight"], "step")),
+            "missing_state": utils.safe_get_full_optimizer_state(params["norm.weight"], "nothing"),
+            "local_numel": {n: utils.safe_get_local_fp32_param(p).numel() for n, p in params.items()},
+            "not_ours": utils.safe_get_full_fp32_param(torch.nn.Parameter(torch.zeros(2))),
+            "zero3": isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3),
+            "zero12": isinstance(engine.optimizer, DeepSpeedZeroOptimizer),
+        }
         r["not_training_traffic"] = engine.comm_stats() == traffic
         r["consolidated"] = consolidated_state_dict(engine.module)
         # Setting: the fp32 master and the weights every rank computes with.
@@ -404,7 +482,9 @@ def _safe_functions_under_every_stage():
         with torch.no_grad():
             r["loss_after_set"] = float(engine(x_eval, y_eval))
         r["param_after_set"] = {n: utils.safe_get_full_fp32_param(params[n]).cpu() for n in SET_NAMES}
-        r["consolidated_after_set"] = {n: v for n, v in consolidated_state_dict(engine.module).items() if n in SET_NAMES}
+        r["consolidated_after_set"] = {
+            n: v for n, v in consolidated_state_dict(engine.module).items() if n in SET_NAMES
+        }
         target = params["layers.1.attn.wk.weight"]
         state = values["layers.0.attn.wq.weight"][:32] + 1.0
         utils.safe_set_full_optimizer_state(target, state, "exp_avg")
@@ -429,9 +509,11 @@ def _single_process_reference():
     opt.step()
     opt.zero_grad()
     names = dict(model.named_parameters())
-    ref = {"param": {n: p.detach().clone() for n, p in names.items()},
-           "exp_avg": {n: opt.state[p]["exp_avg"].clone() for n, p in names.items()},
-           "exp_avg_sq": {n: opt.state[p]["exp_avg_sq"].clone() for n, p in names.items()}}
+    ref = {
+        "param": {n: p.detach().clone() for n, p in names.items()},
+        "exp_avg": {n: opt.state[p]["exp_avg"].clone() for n, p in names.items()},
+        "exp_avg_sq": {n: opt.state[p]["exp_avg_sq"].clone() for n, p in names.items()},
+    }
     x, y = batches[1]
     model(x, y).backward()
     ref["grad"] = {n: p.grad.clone() for n, p in names.items()}
@@ -479,8 +561,9 @@ def test_safe_set_full_fp32_param_changes_the_next_forward(safe_results, stage):
         r = r[stage]
         assert r["loss_after_set"] == pytest.approx(want, rel=1e-6) and abs(want - before) > 1e-3
         for n in SET_NAMES:
-            assert torch.equal(r["param_after_set"][n], values[n]) and torch.equal(r["consolidated_after_set"][n],
-                                                                                    values[n])
+            assert torch.equal(r["param_after_set"][n], values[n]) and torch.equal(
+                r["consolidated_after_set"][n], values[n]
+            )
         state = values["layers.0.attn.wq.weight"][:32] + 1.0
         assert torch.equal(r["state_after_set"], state)
         torch.testing.assert_close(r["grad_after_set"], state * 2)
@@ -488,21 +571,30 @@ def test_safe_set_full_fp32_param_changes_the_next_forward(safe_results, stage):
 
 def _mixed_precision_values():
     from zerotron.zero import consolidated_state_dict
+
     batches = global_batches(2, 4)
     out = {}
-    for name, stage, precision in (("bf16-0", 0, {"bf16": {"enabled": True}}), ("bf16-2", 2, {"bf16": {"enabled": True}}),
-                                   ("fp16-3", 3, {"fp16": {"enabled": True, "initial_scale_power": 12}})):
+    for name, stage, precision in (
+        ("bf16-0", 0, {"bf16": {"enabled": True}}),
+        ("bf16-2", 2, {"bf16": {"enabled": True}}),
+        ("fp16-3", 3, {"fp16": {"enabled": True, "initial_scale_power": 12}}),
+    ):
         zero = {"stage": stage, "stage3_param_persistence_threshold": 100}
-        engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(2, 1, zero_optimization=zero, **precision))
+        engine, *_ = zerotron.initialize(
+            model=make_model(), config=ds_config(2, 1, zero_optimization=zero, **precision)
+        )
         ((x, y),) = micro_batches(batches[0], engine.coords.dp, 2, 1)
         engine.backward(engine(x, y))
         engine.step()
         ((x, y),) = micro_batches(batches[1], engine.coords.dp, 2, 1)
         engine.backward(engine(x, y))
         params = dict(engine.module.named_parameters())
-        out[name] = {"master": {n: utils.safe_get_full_fp32_param(p).cpu() for n, p in params.items()},
-                     "grad": {n: utils.safe_get_full_grad(p).cpu() for n, p in params.items()},
-                     "weights": consolidated_state_dict(engine.module), "scale": engine.loss_scale}
+        out[name] = {
+            "master": {n: utils.safe_get_full_fp32_param(p).cpu() for n, p in params.items()},
+            "grad": {n: utils.safe_get_full_grad(p).cpu() for n, p in params.items()},
+            "weights": consolidated_state_dict(engine.module),
+            "scale": engine.loss_scale,
+        }
         del engine, params
     return out
 
@@ -528,11 +620,12 @@ def test_safe_get_under_bf16_and_fp16_gives_fp32_masters_and_unscaled_gradients(
         got = torch.cat([r["grad"][n].reshape(-1) for n, _ in model.named_parameters()])
         want = torch.cat([p.grad.reshape(-1) for _, p in model.named_parameters()])
         assert float((got - want).norm() / want.norm()) < 0.05, name
-        assert r["scale"] == (2.0 ** 12 if name.startswith("fp16") else 1.0)
+        assert r["scale"] == (2.0**12 if name.startswith("fp16") else 1.0)
 
 
 def _offloaded_gradient_and_weight_edits():
     from zerotron.zero import consolidated_state_dict
+
     batches = global_batches(2, 4)
     out = {}
     for stage in (2, 3):
@@ -550,8 +643,11 @@ def _offloaded_gradient_and_weight_edits():
         # the gradient has already left for the host: the edit must reach the host-side step too
         utils.safe_set_full_grad(p, torch.zeros(64, 64))
         engine.step()
-        r = {"momentum_decayed": torch.allclose(utils.safe_get_full_optimizer_state(p, "exp_avg"), 0.9 * momentum,
-                                                rtol=1e-6, atol=0)}
+        r = {
+            "momentum_decayed": torch.allclose(
+                utils.safe_get_full_optimizer_state(p, "exp_avg"), 0.9 * momentum, rtol=1e-6, atol=0
+            )
+        }
         new = torch.full((64, 64), 0.01)
         utils.safe_set_full_fp32_param(p, new)
         r["weights_set"] = torch.equal(consolidated_state_dict(engine.module)["layers.0.attn.wq.weight"], new)
@@ -562,7 +658,10 @@ def _offloaded_gradient_and_weight_edits():
 
 def test_safe_set_under_offload_reaches_the_host_step_and_the_weights():
     for r in run_ranks(_offloaded_gradient_and_weight_edits, 2, timeout=120):
-        assert r == {2: {"momentum_decayed": True, "weights_set": True}, 3: {"momentum_decayed": True, "weights_set": True}}
+        assert r == {
+            2: {"momentum_decayed": True, "weights_set": True},
+            3: {"momentum_decayed": True, "weights_set": True},
+        }
 
 
 def test_safe_functions_return_none_outside_an_engine():
@@ -601,6 +700,7 @@ def test_zero_to_fp32_gives_the_models_state_dict(tmp_path):
     _same(torch.load(tmp_path / "bin" / "pytorch_model.bin"), state)
     zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(ckpt, tmp_path / "st", safe_serialization=True)
     from safetensors.torch import load_file
+
     _same(load_file(str(tmp_path / "st" / "model.safetensors")), state)
     zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(ckpt, tmp_path / "shards", max_shard_size="100KB")
     index = json.loads((tmp_path / "shards" / "pytorch_model.bin.index.json").read_text())

@@ -2,6 +2,7 @@
 
 Pure Python: no process groups. Every error case checks that the message names the key.
 """
+
 import json
 import math
 import pathlib
@@ -155,8 +156,9 @@ def test_tensor_parallel_that_does_not_divide_the_world(world_size, tp):
     assert "must divide the number of processes" in str(info.value)
 
 
-@pytest.mark.parametrize("tp,pp,key", [(1, 3, "pipeline.stages"), (3, 1, "tensor_parallel.autotp_size"),
-                                       (2, 3, "pipeline.stages")])
+@pytest.mark.parametrize(
+    "tp,pp,key", [(1, 3, "pipeline.stages"), (3, 1, "tensor_parallel.autotp_size"), (2, 3, "pipeline.stages")]
+)
 def test_the_layout_error_names_the_key_the_user_set(tp, pp, key):
     with pytest.raises(ConfigError) as info:
         Config.load({TBS: 16, "pipeline": {"stages": pp}, "tensor_parallel": {"autotp_size": tp}}, world_size=2)
@@ -185,14 +187,20 @@ BAD = [
     ({"steps_per_print": "10"}, "steps_per_print", "expected an integer"),
     ({"fp16": {"enabled": True, "loss_scale_window": "1000"}}, "fp16.loss_scale_window", "expected an integer"),
     ({"zero_optimization": {"stage": "0"}}, "zero_optimization.stage", "expected an integer"),
-    ({"zero_optimization": {"reduce_bucket_size": "5e8"}}, "zero_optimization.reduce_bucket_size",
-     "expected an integer"),
+    (
+        {"zero_optimization": {"reduce_bucket_size": "5e8"}},
+        "zero_optimization.reduce_bucket_size",
+        "expected an integer",
+    ),
     # floats that are not integers for int keys
     ({TBS: 8.5}, TBS, "expected an integer"),
     ({GAS: 1.5}, GAS, "expected an integer"),
     ({"fp16": {"initial_scale_power": 15.5}}, "fp16.initial_scale_power", "expected an integer"),
-    ({"zero_optimization": {"allgather_bucket_size": 2.5e8 + 0.5}}, "zero_optimization.allgather_bucket_size",
-     "expected an integer"),
+    (
+        {"zero_optimization": {"allgather_bucket_size": 2.5e8 + 0.5}},
+        "zero_optimization.allgather_bucket_size",
+        "expected an integer",
+    ),
     ({TBS: math.inf}, TBS, "expected an integer"),
     ({TBS: math.nan}, TBS, "expected an integer"),
     # booleans are not ints or numbers; ints are not booleans
@@ -222,22 +230,46 @@ BAD = [
     ({"zero_optimization": {"reduce_bucket_size": -5}}, "zero_optimization.reduce_bucket_size", "positive"),
     ({"zero_optimization": {"allgather_bucket_size": 0}}, "zero_optimization.allgather_bucket_size", "positive"),
     ({"zero_optimization": {"sub_group_size": -1}}, "zero_optimization.sub_group_size", "positive"),
-    ({"zero_optimization": {"stage3_prefetch_bucket_size": -1}}, "zero_optimization.stage3_prefetch_bucket_size",
-     "0: no prefetching"),
-    ({"zero_optimization": {"stage3_max_live_parameters": 0}}, "zero_optimization.stage3_max_live_parameters",
-     "positive"),
-    ({"zero_optimization": {"stage3_param_persistence_threshold": -1}},
-     "zero_optimization.stage3_param_persistence_threshold", "non-negative"),
-    ({"zero_optimization": {"offload_optimizer": {"device": "tape"}}},
-     "zero_optimization.offload_optimizer.device", "use 'none', 'cpu' or 'nvme'"),
-    ({"zero_optimization": {"offload_param": {"device": "tape"}}},
-     "zero_optimization.offload_param.device", "use 'none', 'cpu' or 'nvme'"),
-    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
-     "zero_optimization.offload_optimizer.device", "needs zero_optimization.stage 1, 2 or 3"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}},
-     "zero_optimization.offload_param.device", "NVMe offload (ZeRO-Infinity) is not supported"),
-    ({"zero_optimization": {"offload_optimizer": {"device": 1}}},
-     "zero_optimization.offload_optimizer.device", "expected a string"),
+    (
+        {"zero_optimization": {"stage3_prefetch_bucket_size": -1}},
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "0: no prefetching",
+    ),
+    (
+        {"zero_optimization": {"stage3_max_live_parameters": 0}},
+        "zero_optimization.stage3_max_live_parameters",
+        "positive",
+    ),
+    (
+        {"zero_optimization": {"stage3_param_persistence_threshold": -1}},
+        "zero_optimization.stage3_param_persistence_threshold",
+        "non-negative",
+    ),
+    (
+        {"zero_optimization": {"offload_optimizer": {"device": "tape"}}},
+        "zero_optimization.offload_optimizer.device",
+        "use 'none', 'cpu' or 'nvme'",
+    ),
+    (
+        {"zero_optimization": {"offload_param": {"device": "tape"}}},
+        "zero_optimization.offload_param.device",
+        "use 'none', 'cpu' or 'nvme'",
+    ),
+    (
+        {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+        "zero_optimization.offload_optimizer.device",
+        "needs zero_optimization.stage 1, 2 or 3",
+    ),
+    (
+        {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}},
+        "zero_optimization.offload_param.device",
+        "NVMe offload (ZeRO-Infinity) is not supported",
+    ),
+    (
+        {"zero_optimization": {"offload_optimizer": {"device": 1}}},
+        "zero_optimization.offload_optimizer.device",
+        "expected a string",
+    ),
     # clipping and communication
     ({"gradient_clipping": -1.0}, "gradient_clipping", "0 to disable"),
     ({"gradient_clipping": math.nan}, "gradient_clipping", "expected a finite number"),
@@ -245,50 +277,94 @@ BAD = [
     ({"communication_data_type": "float32"}, "communication_data_type", "'fp32', 'fp16' or 'bf16'"),
     # optimizer
     ({"optimizer": {"type": "Shampoo", "params": {}}}, "optimizer.type", "a torch.optim optimizer's name"),
-    ({"optimizer": {"type": "Lamb", "params": {}}, "zero_optimization": {"stage": 2}}, "optimizer.type",
-     "use zero_optimization.stage 0"),
+    (
+        {"optimizer": {"type": "Lamb", "params": {}}, "zero_optimization": {"stage": 2}},
+        "optimizer.type",
+        "use zero_optimization.stage 0",
+    ),
     ({"optimizer": {"type": "OneBitAdam"}}, "optimizer.type", "your own torch optimizer"),
-    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}},
-     "optimizer.params.max_grad_norm", "gradient_clipping"),
-    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "momentum": 0.9}}}, "optimizer.params.momentum",
-     "unknown parameter"),
-    ({"optimizer": {"type": "SGD", "params": {"lr": 1e-3, "betas": [0.9, 0.999]}}}, "optimizer.params.betas",
-     "unknown parameter"),
-    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "foo": 1}}}, "optimizer.params.foo",
-     "unknown parameter"),
+    (
+        {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}},
+        "optimizer.params.max_grad_norm",
+        "gradient_clipping",
+    ),
+    (
+        {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "momentum": 0.9}}},
+        "optimizer.params.momentum",
+        "unknown parameter",
+    ),
+    (
+        {"optimizer": {"type": "SGD", "params": {"lr": 1e-3, "betas": [0.9, 0.999]}}},
+        "optimizer.params.betas",
+        "unknown parameter",
+    ),
+    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "foo": 1}}}, "optimizer.params.foo", "unknown parameter"),
     ({"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}}, "optimizer.params.betas", "two numbers in [0, 1)"),
-    ({"optimizer": {"type": "Adam", "params": {"betas": [0.9, 1.0]}}}, "optimizer.params.betas",
-     "two numbers in [0, 1)"),
-    ({"optimizer": {"type": "AdamW", "params": {"betas": [-0.1, 0.999]}}}, "optimizer.params.betas",
-     "two numbers in [0, 1)"),
-    ({"optimizer": {"type": "AdamW", "params": {"betas": "0.9,0.999"}}}, "optimizer.params.betas",
-     "two numbers in [0, 1)"),
-    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.999, 0.9]}}}, "optimizer.params.betas",
-     "two numbers in [0, 1)"),
+    (
+        {"optimizer": {"type": "Adam", "params": {"betas": [0.9, 1.0]}}},
+        "optimizer.params.betas",
+        "two numbers in [0, 1)",
+    ),
+    (
+        {"optimizer": {"type": "AdamW", "params": {"betas": [-0.1, 0.999]}}},
+        "optimizer.params.betas",
+        "two numbers in [0, 1)",
+    ),
+    (
+        {"optimizer": {"type": "AdamW", "params": {"betas": "0.9,0.999"}}},
+        "optimizer.params.betas",
+        "two numbers in [0, 1)",
+    ),
+    (
+        {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.999, 0.9]}}},
+        "optimizer.params.betas",
+        "two numbers in [0, 1)",
+    ),
     ({"optimizer": {"type": "AdamW", "params": {"lr": -1e-3}}}, "optimizer.params.lr", "non-negative"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": "1e-3"}}}, "optimizer.params.lr", "non-negative"),
     ({"optimizer": {"type": "AdamW", "params": {"eps": -1e-8}}}, "optimizer.params.eps", "non-negative"),
-    ({"optimizer": {"type": "AdamW", "params": {"weight_decay": -0.1}}}, "optimizer.params.weight_decay",
-     "non-negative"),
+    (
+        {"optimizer": {"type": "AdamW", "params": {"weight_decay": -0.1}}},
+        "optimizer.params.weight_decay",
+        "non-negative",
+    ),
     ({"optimizer": {"type": "SGD", "params": {"momentum": -0.9}}}, "optimizer.params.momentum", "non-negative"),
-    ({"optimizer": {"type": "Adam", "params": {"bias_correction": False, "torch_adam": True}}},
-     "optimizer.params.bias_correction", "torch's Adam (torch_adam: true) always applies bias correction"),
+    (
+        {"optimizer": {"type": "Adam", "params": {"bias_correction": False, "torch_adam": True}}},
+        "optimizer.params.bias_correction",
+        "torch's Adam (torch_adam: true) always applies bias correction",
+    ),
     # scheduler
     ({"scheduler": {"type": "CosineAnnealing", "params": {}}}, "scheduler.type", "WarmupLR"),
-    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": -1}}}, "scheduler.params.warmup_num_steps",
-     "integer >= 0"),
-    ({"scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 10}}}, "scheduler.params.total_num_steps",
-     "WarmupLR takes only"),
-    ({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}},
-     "scheduler.params.total_num_steps", "WarmupDecayLR needs total_num_steps"),
-    ({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": 5}}},
-     "scheduler.params.total_num_steps", ">= warmup_num_steps (10)"),
+    (
+        {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": -1}}},
+        "scheduler.params.warmup_num_steps",
+        "integer >= 0",
+    ),
+    (
+        {"scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 10}}},
+        "scheduler.params.total_num_steps",
+        "WarmupLR takes only",
+    ),
+    (
+        {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}},
+        "scheduler.params.total_num_steps",
+        "WarmupDecayLR needs total_num_steps",
+    ),
+    (
+        {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": 5}}},
+        "scheduler.params.total_num_steps",
+        ">= warmup_num_steps (10)",
+    ),
     # monitors
     ({"wandb": {"enabled": True}}, "wandb.enabled", "tensorboard"),
     # "auto" on a key zerotron cannot resolve
     ({"steps_per_print": "auto"}, "steps_per_print", "cannot resolve 'auto'"),
-    ({"activation_checkpointing": {"partition_activations": "auto"}}, "activation_checkpointing.partition_activations",
-     "cannot resolve 'auto'"),
+    (
+        {"activation_checkpointing": {"partition_activations": "auto"}},
+        "activation_checkpointing.partition_activations",
+        "cannot resolve 'auto'",
+    ),
 ]
 
 
@@ -310,12 +386,22 @@ def test_fp16_and_bf16_message_names_both():
 
 
 def test_integer_valued_floats_are_accepted_for_int_keys():
-    cfg = load({"zero_optimization": {"reduce_bucket_size": 5e8, "allgather_bucket_size": 2e8,
-                                      "stage3_param_persistence_threshold": 1e4},
-                "steps_per_print": 1e2})
+    cfg = load(
+        {
+            "zero_optimization": {
+                "reduce_bucket_size": 5e8,
+                "allgather_bucket_size": 2e8,
+                "stage3_param_persistence_threshold": 1e4,
+            },
+            "steps_per_print": 1e2,
+        }
+    )
     z = cfg.zero_optimization
-    assert (z.reduce_bucket_size, z.allgather_bucket_size, z.stage3_param_persistence_threshold) == \
-        (500_000_000, 200_000_000, 10_000)
+    assert (z.reduce_bucket_size, z.allgather_bucket_size, z.stage3_param_persistence_threshold) == (
+        500_000_000,
+        200_000_000,
+        10_000,
+    )
     assert all(type(v) is int for v in (z.reduce_bucket_size, z.allgather_bucket_size, cfg.steps_per_print))
     assert cfg.steps_per_print == 100
 
@@ -327,17 +413,21 @@ def test_ints_are_accepted_for_float_keys_and_converted():
 
 
 def test_valid_values_are_accepted():
-    cfg = load({
-        "gradient_clipping": 0.0,
-        "communication_data_type": "bf16",
-        "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "none"}},
-        "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "betas": [0.8, 0.99], "eps": 1e-6,
-                                                 "weight_decay": 0.01, "adam_w_mode": False}},
-        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": 100}},
-        "wandb": {"enabled": False},
-        "tensorboard": {"enabled": True, "output_path": "/tmp/tb", "job_name": "x"},
-    })
+    cfg = load(
+        {
+            "gradient_clipping": 0.0,
+            "communication_data_type": "bf16",
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "none"}},
+            "optimizer": {
+                "type": "Adam",
+                "params": {"lr": 3e-4, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.01, "adam_w_mode": False},
+            },
+            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": 100}},
+            "wandb": {"enabled": False},
+            "tensorboard": {"enabled": True, "output_path": "/tmp/tb", "job_name": "x"},
+        }
+    )
     assert cfg.model_dtype_name == "bf16"
     assert cfg.communication_data_type == "bf16"
     assert cfg.optimizer.type == "Adam" and cfg.optimizer.params["lr"] == 3e-4
@@ -350,9 +440,14 @@ def test_defaults_are_deepspeeds():
     cfg = load()
     assert cfg.gradient_clipping == 1.0 and cfg.steps_per_print == 10
     assert cfg.fp16.enabled is False and cfg.bf16.enabled is False and cfg.model_dtype_name == "fp32"
-    assert (cfg.fp16.loss_scale, cfg.fp16.initial_scale_power, cfg.fp16.loss_scale_window,
-            cfg.fp16.hysteresis, cfg.fp16.consecutive_hysteresis, cfg.fp16.min_loss_scale) == \
-        (0.0, 16, 1000, 2, False, 1.0)
+    assert (
+        cfg.fp16.loss_scale,
+        cfg.fp16.initial_scale_power,
+        cfg.fp16.loss_scale_window,
+        cfg.fp16.hysteresis,
+        cfg.fp16.consecutive_hysteresis,
+        cfg.fp16.min_loss_scale,
+    ) == (0.0, 16, 1000, 2, False, 1.0)
     assert cfg.zero_optimization.stage == 0
     assert cfg.zero_optimization.reduce_bucket_size is None  # unset: the engine cuts ~8 buckets (zero/flat.py)
     assert cfg.optimizer is None and cfg.scheduler is None
@@ -376,8 +471,18 @@ def test_deepspeed_adam_is_adamw_unless_adam_w_mode_false():
     assert type(build_optimizer("Adam", {"lr": 1e-3, "adam_w_mode": False}, _param())) is torch.optim.Adam
     assert type(build_optimizer("AdamW", {"lr": 1e-3, "adam_w_mode": False}, _param())) is torch.optim.AdamW
     assert type(build_optimizer("SGD", {"lr": 1e-3, "momentum": 0.9}, _param())) is torch.optim.SGD
-    opt = build_optimizer("Adam", {"lr": 2e-3, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.1,
-                                   "bias_correction": True, "torch_adam": True}, _param())
+    opt = build_optimizer(
+        "Adam",
+        {
+            "lr": 2e-3,
+            "betas": [0.8, 0.9],
+            "eps": 1e-6,
+            "weight_decay": 0.1,
+            "bias_correction": True,
+            "torch_adam": True,
+        },
+        _param(),
+    )
     group = opt.param_groups[0]
     assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (2e-3, (0.8, 0.9), 1e-6, 0.1)
 
@@ -443,19 +548,25 @@ def test_section_that_is_not_an_object(section):
 # Inside a section zerotron knows, an unknown key is an error naming the nearest key (DeepSpeed's
 # config models refuse unknown fields too); at the top level, a near miss of a key is an error, and a
 # section that is neither DeepSpeed's nor zerotron's is a warning.
-@pytest.mark.parametrize("extra,key,near", [
-    ({"zero_optimization": {"stgae": 2}}, "zero_optimization.stgae", "stage"),
-    ({"fp16": {"enabled": False, "loss_scal": 0}}, "fp16.loss_scal", "loss_scale"),
-    ({"optimizer": {"type": "AdamW", "parms": {}}}, "optimizer.parms", "params"),
-    ({"zero_optimization": {"offload_optimizer": {"device": "none", "devise": "cpu"}}},
-     "zero_optimization.offload_optimizer.devise", "device"),
-    ({"zerotron": {"checkpoint_polcy": "none"}}, "zerotron.checkpoint_polcy", "checkpoint_policy"),
-    ({"pipeline": {"stage": 1}}, "pipeline.stage", "stages"),
-    ({"train_micro_batch_size_per_gpus": 4}, "train_micro_batch_size_per_gpus", "train_micro_batch_size_per_gpu"),
-    ({"train_batchsize": 4}, "train_batchsize", "train_batch_size"),
-    ({"zero_optimisation": {"stage": 2}}, "zero_optimisation", "zero_optimization"),
-    ({"gradient_acumulation_steps": 2}, "gradient_acumulation_steps", "gradient_accumulation_steps"),
-])
+@pytest.mark.parametrize(
+    "extra,key,near",
+    [
+        ({"zero_optimization": {"stgae": 2}}, "zero_optimization.stgae", "stage"),
+        ({"fp16": {"enabled": False, "loss_scal": 0}}, "fp16.loss_scal", "loss_scale"),
+        ({"optimizer": {"type": "AdamW", "parms": {}}}, "optimizer.parms", "params"),
+        (
+            {"zero_optimization": {"offload_optimizer": {"device": "none", "devise": "cpu"}}},
+            "zero_optimization.offload_optimizer.devise",
+            "device",
+        ),
+        ({"zerotron": {"checkpoint_polcy": "none"}}, "zerotron.checkpoint_polcy", "checkpoint_policy"),
+        ({"pipeline": {"stage": 1}}, "pipeline.stage", "stages"),
+        ({"train_micro_batch_size_per_gpus": 4}, "train_micro_batch_size_per_gpus", "train_micro_batch_size_per_gpu"),
+        ({"train_batchsize": 4}, "train_batchsize", "train_batch_size"),
+        ({"zero_optimisation": {"stage": 2}}, "zero_optimisation", "zero_optimization"),
+        ({"gradient_acumulation_steps": 2}, "gradient_acumulation_steps", "gradient_accumulation_steps"),
+    ],
+)
 def test_a_misspelt_key_is_an_error_that_names_the_nearest_key(extra, key, near):
     with pytest.raises(ConfigError) as info:
         load(extra)
@@ -480,44 +591,145 @@ def test_an_unknown_top_level_section_warns_with_its_name():
 def test_every_key_deepspeed_accepts_in_a_section_zerotron_knows_is_accepted():
     """DeepSpeed 0.19.8's fields of the sections zerotron parses (read off its pydantic models and
     its pipeline/activation-checkpointing dicts): none is refused as a typo."""
-    zero = ["allgather_bucket_size", "allgather_partitions", "allgather_sequential", "compute_grad_norm",
-            "contiguous_gradients", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory",
-            "elastic_checkpoint", "enable_sanity_checks", "gather_16bit_weights_on_model_save",
-            "ignore_unused_parameters", "leaf_module", "legacy_stage1", "load_from_fp32_weights",
-            "log_trace_cache_warnings", "max_live_parameters", "max_reuse_distance", "memory_efficient_linear",
-            "model_persistence_threshold", "module_granularity_threshold", "overlap_comm", "override_module_apply",
-            "param_persistence_threshold", "parameter_alignment", "pipeline_loading_checkpoint",
-            "prefetch_bucket_size", "reduce_bucket_size", "reduce_scatter", "round_robin_gradients",
-            "save_muon_momentum_buffer_in_memory", "stage", "stage3_allgather_sequential",
-            "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
-            "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_model_persistence_threshold",
-            "stage3_module_granularity_threshold", "stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
-            "stage3_use_all_reduce_for_fetch_params", "sub_group_size", "use_all_reduce_for_fetch_params",
-            "use_multi_rank_bucket_allreduce", "zenflow", "zero_hpz_partition_size", "zero_quantized_gradients",
-            "zero_quantized_nontrainable_weights", "zero_quantized_weights"]
+    zero = [
+        "allgather_bucket_size",
+        "allgather_partitions",
+        "allgather_sequential",
+        "compute_grad_norm",
+        "contiguous_gradients",
+        "cpu_offload",
+        "cpu_offload_param",
+        "cpu_offload_use_pin_memory",
+        "elastic_checkpoint",
+        "enable_sanity_checks",
+        "gather_16bit_weights_on_model_save",
+        "ignore_unused_parameters",
+        "leaf_module",
+        "legacy_stage1",
+        "load_from_fp32_weights",
+        "log_trace_cache_warnings",
+        "max_live_parameters",
+        "max_reuse_distance",
+        "memory_efficient_linear",
+        "model_persistence_threshold",
+        "module_granularity_threshold",
+        "overlap_comm",
+        "override_module_apply",
+        "param_persistence_threshold",
+        "parameter_alignment",
+        "pipeline_loading_checkpoint",
+        "prefetch_bucket_size",
+        "reduce_bucket_size",
+        "reduce_scatter",
+        "round_robin_gradients",
+        "save_muon_momentum_buffer_in_memory",
+        "stage",
+        "stage3_allgather_sequential",
+        "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save",
+        "stage3_max_live_parameters",
+        "stage3_max_reuse_distance",
+        "stage3_model_persistence_threshold",
+        "stage3_module_granularity_threshold",
+        "stage3_param_persistence_threshold",
+        "stage3_prefetch_bucket_size",
+        "stage3_use_all_reduce_for_fetch_params",
+        "sub_group_size",
+        "use_all_reduce_for_fetch_params",
+        "use_multi_rank_bucket_allreduce",
+        "zenflow",
+        "zero_hpz_partition_size",
+        "zero_quantized_gradients",
+        "zero_quantized_nontrainable_weights",
+        "zero_quantized_weights",
+    ]
     sections = {
-        "fp16": ["auto_cast", "consecutive_hysteresis", "enabled", "fp16_master_weights_and_grads", "hysteresis",
-                 "initial_scale_power", "loss_scale", "loss_scale_window", "min_loss_scale"],
-        "bf16": ["bf16_master_weights_and_grads", "bf16_optimizer_states", "check_grad_overflow", "enabled",
-                 "immediate_grad_update"],
-        "tensorboard": ["enabled", "job_name", "output_path"], "csv_monitor": ["enabled", "job_name", "output_path"],
+        "fp16": [
+            "auto_cast",
+            "consecutive_hysteresis",
+            "enabled",
+            "fp16_master_weights_and_grads",
+            "hysteresis",
+            "initial_scale_power",
+            "loss_scale",
+            "loss_scale_window",
+            "min_loss_scale",
+        ],
+        "bf16": [
+            "bf16_master_weights_and_grads",
+            "bf16_optimizer_states",
+            "check_grad_overflow",
+            "enabled",
+            "immediate_grad_update",
+        ],
+        "tensorboard": ["enabled", "job_name", "output_path"],
+        "csv_monitor": ["enabled", "job_name", "output_path"],
         "wandb": ["enabled", "group", "project", "team"],
-        "tensor_parallel": ["autotp_size", "dtype", "injection_policy_tuple", "keep_module_on_host", "kernel_inject",
-                            "partition_config", "preset_model", "replace_with_kernel_inject", "tensor_parallel", "tp",
-                            "tp_overlap_comm", "vocab_parallel_ce_backend", "vocab_parallel_lm_head"],
-        "pipeline": ["stages", "partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned",
-                     "grad_partitioned", "use_reentrant"],
-        "activation_checkpointing": ["partition_activations", "number_checkpoints", "contiguous_memory_optimization",
-                                     "synchronize_checkpoint_boundary", "profile", "cpu_checkpointing"],
-        "optimizer": ["type", "params", "legacy_fusion"], "scheduler": ["type", "params"],
+        "tensor_parallel": [
+            "autotp_size",
+            "dtype",
+            "injection_policy_tuple",
+            "keep_module_on_host",
+            "kernel_inject",
+            "partition_config",
+            "preset_model",
+            "replace_with_kernel_inject",
+            "tensor_parallel",
+            "tp",
+            "tp_overlap_comm",
+            "vocab_parallel_ce_backend",
+            "vocab_parallel_lm_head",
+        ],
+        "pipeline": [
+            "stages",
+            "partition",
+            "seed_layers",
+            "activation_checkpoint_interval",
+            "pipe_partitioned",
+            "grad_partitioned",
+            "use_reentrant",
+        ],
+        "activation_checkpointing": [
+            "partition_activations",
+            "number_checkpoints",
+            "contiguous_memory_optimization",
+            "synchronize_checkpoint_boundary",
+            "profile",
+            "cpu_checkpointing",
+        ],
+        "optimizer": ["type", "params", "legacy_fusion"],
+        "scheduler": ["type", "params"],
     }
     offload_param = ["buffer_count", "buffer_size", "device", "max_in_cpu", "nvme_path", "pin_memory"]
-    offload_optimizer = ["buffer_count", "cpuadam_cores_perc", "device", "fast_init", "nvme_path", "pin_memory",
-                         "pipeline_read", "pipeline_write", "ratio", "super_offload"]
-    values = {"enabled": False, "device": "none", "stage": 0, "type": "AdamW", "params": {}, "stages": 1,
-              "tensor_parallel": {}, "tp": {}, "zenflow": {}, "autotp_size": 1, "pipeline": {}}
+    offload_optimizer = [
+        "buffer_count",
+        "cpuadam_cores_perc",
+        "device",
+        "fast_init",
+        "nvme_path",
+        "pin_memory",
+        "pipeline_read",
+        "pipeline_write",
+        "ratio",
+        "super_offload",
+    ]
+    values = {
+        "enabled": False,
+        "device": "none",
+        "stage": 0,
+        "type": "AdamW",
+        "params": {},
+        "stages": 1,
+        "tensor_parallel": {},
+        "tp": {},
+        "zenflow": {},
+        "autotp_size": 1,
+        "pipeline": {},
+    }
+
     def section(keys):
         return {k: values.get(k, None if k.endswith(("_path", "dtype")) else 1) for k in keys}
+
     raw = {name: section(keys) for name, keys in sections.items()}
     for key in zero:  # one at a time: some are aliases of others
         with warnings.catch_warnings():
@@ -543,11 +755,19 @@ def test_every_key_deepspeed_accepts_in_a_section_zerotron_knows_is_accepted():
 def test_known_no_effect_deepspeed_keys_do_not_warn():
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        cfg = Config.load({"train_batch_size": 8, "wall_clock_breakdown": False, "memory_breakdown": False,
-                           "zero_allow_untested_optimizer": True, "prescale_gradients": False,
-                           "flops_profiler": {"enabled": False, "profile_step": 1},
-                           "comms_logger": {"enabled": False}, "dump_state": False,
-                           "steps_per_print": 100})
+        cfg = Config.load(
+            {
+                "train_batch_size": 8,
+                "wall_clock_breakdown": False,
+                "memory_breakdown": False,
+                "zero_allow_untested_optimizer": True,
+                "prescale_gradients": False,
+                "flops_profiler": {"enabled": False, "profile_step": 1},
+                "comms_logger": {"enabled": False},
+                "dump_state": False,
+                "steps_per_print": 100,
+            }
+        )
     assert zerotron_warnings(record) == []
     assert cfg.raw["wall_clock_breakdown"] is False  # kept in the raw dict
 
@@ -567,31 +787,52 @@ ALL_AUTO = {
     "gradient_clipping": "auto",
     "fp16": {"enabled": "auto"},
     "bf16": {"enabled": "auto"},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                              "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                 "warmup_num_steps": "auto"}},
-    "zero_optimization": {"stage": 0, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-                          "stage3_param_persistence_threshold": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
+    },
+    "zero_optimization": {
+        "stage": 0,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+    },
 }
 
 
 def test_resolve_auto_from_values():
-    raw = resolve_auto(ALL_AUTO, micro_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=1.0,
-                       bf16=True, lr=3e-4, betas=[0.8, 0.95], eps=1e-6, weight_decay=0.1, warmup_steps=50,
-                       warmup_min_lr=1e-5, hidden_size=64)
+    raw = resolve_auto(
+        ALL_AUTO,
+        micro_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_grad_norm=1.0,
+        bf16=True,
+        lr=3e-4,
+        betas=[0.8, 0.95],
+        eps=1e-6,
+        weight_decay=0.1,
+        warmup_steps=50,
+        warmup_min_lr=1e-5,
+        hidden_size=64,
+    )
     assert raw == {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 2,
         "gradient_clipping": 1.0,
         "fp16": {},
         "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-6,
-                                                  "weight_decay": 0.1}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-5, "warmup_max_lr": 3e-4,
-                                                     "warmup_num_steps": 50}},
-        "zero_optimization": {"stage": 0, "reduce_bucket_size": 4096, "stage3_prefetch_bucket_size": 3686,
-                              "stage3_param_persistence_threshold": 640},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 1e-5, "warmup_max_lr": 3e-4, "warmup_num_steps": 50},
+        },
+        "zero_optimization": {
+            "stage": 0,
+            "reduce_bucket_size": 4096,
+            "stage3_prefetch_bucket_size": 3686,
+            "stage3_param_persistence_threshold": 640,
+        },
     }
     # the input is not modified
     assert ALL_AUTO["train_batch_size"] == "auto" and ALL_AUTO["optimizer"]["params"]["lr"] == "auto"
@@ -607,8 +848,10 @@ def test_load_with_auto_values_derives_the_batch():
 
 
 def test_auto_train_batch_size_derived_from_explicit_micro():
-    cfg = Config.load({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
-                       "gradient_accumulation_steps": 3}, world_size=4)
+    cfg = Config.load(
+        {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3},
+        world_size=4,
+    )
     assert triple(cfg) == (24, 2, 3)
     assert "train_batch_size" not in cfg.raw
 
@@ -627,13 +870,19 @@ def test_auto_with_nothing_falls_back_to_defaults():
     assert cfg.fp16.enabled is False and cfg.bf16.enabled is False
     assert cfg.scheduler.params == {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3}  # warmup_num_steps: default
     z = cfg.zero_optimization
-    assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold) == \
-        (None, 50_000_000, 100_000)  # reduce_bucket_size unset: the engine's rule (zero/flat.py)
+    assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold) == (
+        None,
+        50_000_000,
+        100_000,
+    )  # reduce_bucket_size unset: the engine's rule (zero/flat.py)
 
 
 def test_none_values_count_as_not_given():
-    raw = resolve_auto({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
-                        "train_micro_batch_size_per_gpu": "auto"}, lr=None, micro_batch_size=None)
+    raw = resolve_auto(
+        {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "train_micro_batch_size_per_gpu": "auto"},
+        lr=None,
+        micro_batch_size=None,
+    )
     assert raw == {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
 
 
@@ -659,9 +908,11 @@ def test_scheduler_warmup_max_lr_follows_the_optimizer_lr():
 
 
 def test_total_num_steps_auto_needs_a_value():
-    raw = {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "scheduler": {"type": "WarmupDecayLR",
-                         "params": {"warmup_num_steps": 10, "total_num_steps": "auto"}}}
+    raw = {
+        "train_batch_size": 8,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": "auto"}},
+    }
     with pytest.raises(ConfigError) as info:
         resolve_auto(raw)
     assert info.value.key == "scheduler.params.total_num_steps"
@@ -673,14 +924,19 @@ def test_total_num_steps_auto_needs_a_value():
 
 
 def test_hidden_size_sets_bucket_sizes():
-    raw = {"train_batch_size": 8,
-           "zero_optimization": {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-                                 "stage3_param_persistence_threshold": "auto"}}
+    raw = {
+        "train_batch_size": 8,
+        "zero_optimization": {
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+        },
+    }
     cfg = Config.load(raw, hidden_size=1024)
     z = cfg.zero_optimization
-    assert z.reduce_bucket_size == 1_048_576                  # 1024**2
-    assert z.stage3_prefetch_bucket_size == 943_718           # int(0.9 * 1024**2)
-    assert z.stage3_param_persistence_threshold == 10_240     # 10 * 1024
+    assert z.reduce_bucket_size == 1_048_576  # 1024**2
+    assert z.stage3_prefetch_bucket_size == 943_718  # int(0.9 * 1024**2)
+    assert z.stage3_param_persistence_threshold == 10_240  # 10 * 1024
     # an explicit value beats the one derived from hidden_size
     cfg = Config.load(raw, hidden_size=1024, reduce_bucket_size=1000)
     assert cfg.zero_optimization.reduce_bucket_size == 1000
@@ -697,20 +953,21 @@ def test_bf16_and_fp16_auto():
     cfg = Config.load({"train_batch_size": 8, "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}}, fp16=True)
     assert cfg.fp16.enabled is True and cfg.bf16.enabled is False and cfg.model_dtype_name == "fp16"
     with pytest.raises(ConfigError, match="fp16.enabled"):
-        Config.load({"train_batch_size": 8, "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}},
-                    fp16=True, bf16=True)
+        Config.load(
+            {"train_batch_size": 8, "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}}, fp16=True, bf16=True
+        )
 
 
 def test_gradient_clipping_auto():
-    assert Config.load({"train_batch_size": 8, "gradient_clipping": "auto"}, max_grad_norm=0.5).gradient_clipping \
-        == 0.5
+    assert Config.load({"train_batch_size": 8, "gradient_clipping": "auto"}, max_grad_norm=0.5).gradient_clipping == 0.5
     assert Config.load({"train_batch_size": 8, "gradient_clipping": "auto"}).gradient_clipping == 1.0
 
 
 def test_auto_values_are_validated_after_resolution():
     with pytest.raises(ConfigError, match="optimizer.params.betas"):
-        Config.load({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"betas": "auto"}}},
-                    betas=[0.9, 1.5])
+        Config.load(
+            {"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"betas": "auto"}}}, betas=[0.9, 1.5]
+        )
     with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu"):
         Config.load({"train_micro_batch_size_per_gpu": "auto"}, micro_batch_size=0)
 
@@ -771,6 +1028,7 @@ def test_loading_copies_the_source():
 
 def test_config_built_directly_and_old_bf16_name():
     from zerotron.config import BF16Config
+
     cfg = Config.load(Config(train_batch_size=8, bf16=BF16Config(enabled=True)), world_size=2)
     assert cfg.train_micro_batch_size_per_gpu == 4 and cfg.bf16.enabled
     assert Config.load({"train_batch_size": 4, "bfloat16": {"enabled": True}}).bf16.enabled

@@ -7,12 +7,7 @@ import pytest
 import torch
 
 from zerotron import data as zdata
-from zerotron.data import (
-    ResumableDistributedSampler,
-    TokenWindows,
-    corpus_loaders,
-    load_corpus,
-)
+from zerotron.data import ResumableDistributedSampler, TokenWindows, corpus_loaders, load_corpus
 
 CAP = 200_000
 STDLIB = sysconfig.get_paths()["stdlib"]
@@ -71,8 +66,17 @@ def test_corpus_excludes_tests_site_packages_idlelib():
 
 
 def test_corpus_files_walk_fake_tree(tmp_path):
-    for rel in ["a.py", "pkg/b.py", "pkg/notes.txt", "test/t.py", "pkg/tests/t.py",
-                "site-packages/x.py", "dist-packages/y.py", "idlelib/z.py", "testing/k.py"]:
+    for rel in [
+        "a.py",
+        "pkg/b.py",
+        "pkg/notes.txt",
+        "test/t.py",
+        "pkg/tests/t.py",
+        "site-packages/x.py",
+        "dist-packages/y.py",
+        "idlelib/z.py",
+        "testing/k.py",
+    ]:
         p = tmp_path / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text("pass\n")
@@ -150,7 +154,7 @@ def global_perm(n, seed, epoch):
 def test_union_drop_last_is_truncated_permutation():
     n, world = 103, 4
     order = epoch_union(n, world, seed=7)
-    assert order == global_perm(n, 7, 0)[: 100]
+    assert order == global_perm(n, 7, 0)[:100]
     assert len(set(order)) == len(order) == 100  # each index at most once
 
 
@@ -321,7 +325,7 @@ def test_resume_on_another_number_of_replicas_continues_the_epoch(before, after,
         rest = _epoch_from(state, n, after, seed=7, drop_last=drop_last)
         whole = seen + rest
         if drop_last:
-            assert whole == perm[:len(whole)] and n - after < len(whole) <= n
+            assert whole == perm[: len(whole)] and n - after < len(whole) <= n
         else:
             assert whole[:n] == perm and len(whole) - n < after  # the pad wraps around
         follower = ResumableDistributedSampler(n, after, 0, seed=7, drop_last=drop_last, infinite=False)
@@ -332,8 +336,9 @@ def test_resume_on_another_number_of_replicas_continues_the_epoch(before, after,
 
 def test_an_old_state_counted_per_rank_still_loads():
     s = ResumableDistributedSampler(40, 4, 1, seed=3)
-    s.load_state_dict({"epoch": 1, "offset": 3, "seed": 3, "dataset_len": 40, "num_replicas": 2,
-                       "shuffle": True, "drop_last": True})
+    s.load_state_dict(
+        {"epoch": 1, "offset": 3, "seed": 3, "dataset_len": 40, "num_replicas": 2, "shuffle": True, "drop_last": True}
+    )
     assert s.state_dict()["position"] == 6 and next(iter(s)) == global_perm(40, 3, 1)[7]
 
 

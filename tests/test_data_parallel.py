@@ -1,12 +1,21 @@
 """Data parallelism (ZeRO stage 0) trains the same model as one process, and overlaps its reduction."""
+
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import run_ranks
+from parity import (
+    LR,
+    assert_losses_close,
+    ds_config,
+    global_batches,
+    make_model,
+    max_weight_diff,
+    micro_batches,
+    reference_training,
+)
 
 import zerotron
-from distributed import run_ranks
-from parity import (LR, assert_losses_close, ds_config, global_batches, make_model, max_weight_diff,
-                    micro_batches, reference_training)
 
 STEPS = 5
 
@@ -101,9 +110,13 @@ def test_bf16_trains_close_to_fp32_with_fp32_masters():
 
 def _bf16_dtypes(micro, gas, steps):
     dp, rank = dist.get_world_size(), dist.get_rank()
-    engine, optimizer, *_ = zerotron.initialize(model=make_model(), config=ds_config(micro, gas, bf16={"enabled": True}))
-    losses = [engine.train_batch(iter(micro_batches(b, rank, dp, gas))).item()
-              for b in global_batches(steps, micro * gas * dp)]
+    engine, optimizer, *_ = zerotron.initialize(
+        model=make_model(), config=ds_config(micro, gas, bf16={"enabled": True})
+    )
+    losses = [
+        engine.train_batch(iter(micro_batches(b, rank, dp, gas))).item()
+        for b in global_batches(steps, micro * gas * dp)
+    ]
     masters = {p.dtype for g in optimizer.param_groups for p in g["params"]}
     states = {t.dtype for s in optimizer.state.values() for t in s.values() if t.dim() > 0}
     return losses, masters | states, {p.dtype for p in engine.module.parameters()}

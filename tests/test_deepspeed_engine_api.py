@@ -1,13 +1,14 @@
 """The engine and ZeRO-3 surface DeepSpeed scripts touch besides the training verbs: accessors,
 no_sync, moving optimizer states, destroy, attributes passed through to the model, and ZeRO-3
 parameters read outside forward (placeholders, ds_* attributes, GatheredParameters(enabled=))."""
+
 import pytest
 import torch
 import torch.nn as nn
-
-import zerotron
 from distributed import RankError, run_ranks
 from parity import assert_losses_close, ds_config, global_batches, make_model, micro_batches, reference_training
+
+import zerotron
 
 Z3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
 
@@ -15,9 +16,15 @@ Z3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
 def _released_parameter_reads():
     engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(1, 1, zero_optimization=Z3))
     p = engine.module.layers[0].attn.wq.weight
-    out = {"shape": tuple(p.shape), "ds_shape": tuple(p.ds_shape), "ds_numel": p.ds_numel,
-           "status": p.ds_status.name, "sum": float(p.detach().sum()), "ds_tensor": p.ds_tensor.numel(),
-           "ids_unique": len({q.ds_id for q in engine.module.parameters()}) == len(list(engine.module.parameters()))}
+    out = {
+        "shape": tuple(p.shape),
+        "ds_shape": tuple(p.ds_shape),
+        "ds_numel": p.ds_numel,
+        "status": p.ds_status.name,
+        "sum": float(p.detach().sum()),
+        "ds_tensor": p.ds_tensor.numel(),
+        "ids_unique": len({q.ds_id for q in engine.module.parameters()}) == len(list(engine.module.parameters())),
+    }
     with zerotron.zero.GatheredParameters([p], enabled=False):  # a plain block: nothing gathered, no crash
         out["disabled"] = tuple(p.shape)
     with zerotron.zero.GatheredParameters([p]):
@@ -30,6 +37,7 @@ def _released_parameter_reads():
     with zerotron.zero.GatheredParameters([p]):
         out["changed_by_step"] = not torch.equal(whole, p.detach())
     from zerotron.compat.runtime.zero.partition_parameters import ZeroParamStatus
+
     out["status_is_deepspeeds"] = p.ds_status == ZeroParamStatus.NOT_AVAILABLE
     return out
 
@@ -67,6 +75,7 @@ class _MoEModel(nn.Module):
 
 def _units(leaf: bool):
     from zerotron.utils import set_z3_leaf_modules
+
     torch.manual_seed(0)
     model = _MoEModel()
     if leaf:
@@ -124,21 +133,30 @@ def test_no_sync_is_refused_where_gradients_are_partitioned():
 
 def _accessors_and_states():
     from zerotron.ops.adam import FusedAdam
+
     model = make_model()
-    engine, optimizer, *_ = zerotron.initialize(model=model, optimizer=FusedAdam(model.parameters(), lr=1e-3),
-                                                config={"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": False},
-                                                        "zero_optimization": {"stage": 1}})
+    engine, optimizer, *_ = zerotron.initialize(
+        model=model,
+        optimizer=FusedAdam(model.parameters(), lr=1e-3),
+        config={"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": False}, "zero_optimization": {"stage": 1}},
+    )
     x, y = global_batches(3, 2)[0]
     engine.backward(engine(x, y))
     engine.step()
-    out = {"name": engine.optimizer_name(), "bf16": engine.bfloat16_enabled(), "applied": engine.was_step_applied(),
-           "overflow": optimizer.overflow, "group_size": torch.distributed.get_world_size(engine.data_parallel_group),
-           "passthrough": engine.config is engine.__dict__["config"] and engine.tok_emb is model.tok_emb,
-           "model_method": engine.num_params() if hasattr(model, "num_params") else None}
+    out = {
+        "name": engine.optimizer_name(),
+        "bf16": engine.bfloat16_enabled(),
+        "applied": engine.was_step_applied(),
+        "overflow": optimizer.overflow,
+        "group_size": torch.distributed.get_world_size(engine.data_parallel_group),
+        "passthrough": engine.config is engine.__dict__["config"] and engine.tok_emb is model.tok_emb,
+        "model_method": engine.num_params() if hasattr(model, "num_params") else None,
+    }
     before = {k: v.clone() for s in optimizer.state.values() for k, v in s.items() if torch.is_tensor(v)}
     engine.offload_states()
-    out["on_host"] = all(v.device.type == "cpu" for s in optimizer.state.values() for v in s.values()
-                         if torch.is_tensor(v))
+    out["on_host"] = all(
+        v.device.type == "cpu" for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+    )
     engine.reload_states()
     after = {k: v for s in optimizer.state.values() for k, v in s.items() if torch.is_tensor(v)}
     out["reloaded_equal"] = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

@@ -1,5 +1,6 @@
 """When things go wrong: hangs become messages, NaN steps are skipped, preemption and killed ranks
 lose nothing, bad input is named. Jobs run as real `zerotron run` / `zerotron train` processes."""
+
 import os
 import signal
 import subprocess
@@ -9,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import zerotron
 from distributed import run_ranks
 from faults.soak import children, env, latest_step  # the soak test's launcher environment and probes
 from parity import ds_config, make_model
+
+import zerotron
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,8 +40,14 @@ def _run_job(tmp_path, source: str, *args, timeout=120):
     script = tmp_path / "job.py"
     script.write_text(source)
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "zerotron.cli", "run", "-n", "2", *args, str(script)], cwd=ROOT,
-                         env=env(), capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-m", "zerotron.cli", "run", "-n", "2", *args, str(script)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return out, time.monotonic() - start
 
 
@@ -56,6 +63,7 @@ def test_a_rank_that_skips_a_collective_stops_the_job_with_a_message(tmp_path):
 
 def _mismatched_calls():
     from zerotron.comm import Comm
+
     zerotron.watchdog.configure(timeout_s=10, checks=True)
     comm, t = Comm(None, "world"), torch.ones(8)
     comm.all_reduce(t)
@@ -68,7 +76,9 @@ def _mismatched_calls():
 def test_collective_checks_name_the_first_divergence():
     for message in run_ranks(_mismatched_calls, 2):
         assert "collective #2 on group world[0, 1]" in message
-        assert "calls all_reduce(SUM) float32[8] at step 0" in message and "calls broadcast(from 0) float32[8]" in message
+        assert (
+            "calls all_reduce(SUM) float32[8] at step 0" in message and "calls broadcast(from 0) float32[8]" in message
+        )
 
 
 BRANCH_JOB = """
@@ -102,13 +112,21 @@ def _nan_run(precision, stage, nan_steps, limit):
     """Train 6 steps; rank 1's logits become NaN at `nan_steps`. Returns what each step did."""
     torch.manual_seed(0)
     model = make_model()
-    engine, *_ = zerotron.initialize(model=model, config=ds_config(
-        2, 1, zero_optimization={"stage": stage}, bf16={"enabled": precision == "bf16"},
-        zerotron={"max_nonfinite_steps": limit}))
+    engine, *_ = zerotron.initialize(
+        model=model,
+        config=ds_config(
+            2,
+            1,
+            zero_optimization={"stage": stage},
+            bf16={"enabled": precision == "bf16"},
+            zerotron={"max_nonfinite_steps": limit},
+        ),
+    )
     rank = torch.distributed.get_rank()
     step_box = [0]
     engine.module.lm_head.register_forward_hook(
-        lambda m, i, out: out * float("nan") if rank == 1 and step_box[0] in nan_steps else out)
+        lambda m, i, out: out * float("nan") if rank == 1 and step_box[0] in nan_steps else out
+    )
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
     changed = []
     try:
@@ -138,15 +156,45 @@ def test_a_streak_of_nan_steps_stops_training():
 
 
 # ---- preemption and restarts ---------------------------------------------------------------------
-TRAIN = ["--model", "tiny", "--nproc", "2", "--seq-len", "32", "--eval-batches", "1", "--sample-bytes", "0",
-         "--corpus-bytes", "60000"]
+TRAIN = [
+    "--model",
+    "tiny",
+    "--nproc",
+    "2",
+    "--seq-len",
+    "32",
+    "--eval-batches",
+    "1",
+    "--sample-bytes",
+    "0",
+    "--corpus-bytes",
+    "60000",
+]
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_75(tmp_path):
     save = tmp_path / "ckpt"
-    job = subprocess.Popen([sys.executable, "-m", "zerotron.cli", "train", *TRAIN, "--steps", "100000",
-                            "--save-dir", str(save), "--save-every", "1000000"], cwd=ROOT, env=env(),
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "zerotron.cli",
+            "train",
+            *TRAIN,
+            "--steps",
+            "100000",
+            "--save-dir",
+            str(save),
+            "--save-every",
+            "1000000",
+        ],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         for line in job.stdout:  # the header is printed just before the first step
             if line.startswith("zerotron train:"):
@@ -161,15 +209,33 @@ def test_sigterm_saves_a_checkpoint_and_exits_75(tmp_path):
     assert "preempted: checkpoint saved at step" in stdout
     step = latest_step(save)
     assert step > 0
-    resumed = subprocess.run([sys.executable, "-m", "zerotron.cli", "train", *TRAIN, "--steps", str(step + 2),
-                              "--save-dir", str(save), "--resume", "auto"], cwd=ROOT, env=env(),
-                             capture_output=True, text=True, timeout=180)
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zerotron.cli",
+            "train",
+            *TRAIN,
+            "--steps",
+            str(step + 2),
+            "--save-dir",
+            str(save),
+            "--resume",
+            "auto",
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {save / f'global_step{step}'} at step {step}" in resumed.stdout
 
 
 def _weights(directory: Path) -> dict:
     from safetensors.torch import load_file
+
     out = {}
     for f in sorted(directory.glob("*.safetensors")):
         out.update({f"{f.name}/{k}": v for k, v in load_file(str(f)).items()})
@@ -179,16 +245,54 @@ def _weights(directory: Path) -> dict:
 def test_a_killed_rank_restarts_and_ends_on_the_uninterrupted_weights(tmp_path):
     steps = 40
     plain = tmp_path / "plain"
-    ref = subprocess.run([sys.executable, "-m", "zerotron.cli", "train", *TRAIN, "--steps", str(steps),
-                          "--save-dir", str(plain), "--save-every", "4"], cwd=ROOT, env=env(),
-                         capture_output=True, text=True, timeout=240)
+    ref = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zerotron.cli",
+            "train",
+            *TRAIN,
+            "--steps",
+            str(steps),
+            "--save-dir",
+            str(plain),
+            "--save-every",
+            "4",
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
 
     save = tmp_path / "elastic"
-    job = subprocess.Popen([sys.executable, "-m", "zerotron.cli", "train", *TRAIN, "--steps", str(steps),
-                            "--save-dir", str(save), "--save-every", "4", "--max-restarts", "1", "--resume", "auto"],
-                           cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "zerotron.cli",
+            "train",
+            *TRAIN,
+            "--steps",
+            str(steps),
+            "--save-dir",
+            str(save),
+            "--save-every",
+            "4",
+            "--max-restarts",
+            "1",
+            "--resume",
+            "auto",
+        ],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while latest_step(save) < 8 and time.monotonic() < deadline and job.poll() is None:
@@ -227,12 +331,12 @@ engine.step()
 def test_out_of_vocabulary_tokens_stop_the_job_with_their_name(tmp_path):
     out, seconds = _run_job(tmp_path, BAD_TOKENS_JOB.format(tests=str(ROOT / "tests")))
     assert out.returncode != 0 and seconds < 60
-    assert ("zerotron: bad input at step 0: token id 300 on rank(s) [1] is outside the vocabulary [0, 256)"
-            in out.stderr)
+    assert "zerotron: bad input at step 0: token id 300 on rank(s) [1] is outside the vocabulary [0, 256)" in out.stderr
 
 
 def _bad_token_on_rank_1():
     import torch.distributed as dist
+
     engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(2, 1))
     x = torch.randint(0, 256, (2, 16))
     if dist.get_rank() == 1:
@@ -249,8 +353,10 @@ def _bad_token_on_rank_1():
 
 def test_out_of_vocabulary_tokens_are_named_on_every_rank_before_the_update():
     for message, untouched in run_ranks(_bad_token_on_rank_1, 2):
-        assert message == ("bad input at step 0: token id 300 on rank(s) [1] is outside the vocabulary [0, 256): "
-                           "check the tokenizer against the model's vocab_size (the step was not applied)")
+        assert message == (
+            "bad input at step 0: token id 300 on rank(s) [1] is outside the vocabulary [0, 256): "
+            "check the tokenizer against the model's vocab_size (the step was not applied)"
+        )
         assert untouched
 
 
@@ -270,12 +376,38 @@ def test_bad_batches_and_data_are_named_before_anything_runs():
 
 
 def test_train_names_a_missing_config_and_too_little_data(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "zerotron.cli", "train", "--config", str(tmp_path / "none.json")],
-                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "zerotron.cli", "train", "--config", str(tmp_path / "none.json")],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "none.json': no such file" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "zerotron.cli", "train", "--model", "tiny", "--nproc", "1",
-                          "--corpus-bytes", "300", "--seq-len", "128", "--steps", "1"],
-                         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zerotron.cli",
+            "train",
+            "--model",
+            "tiny",
+            "--nproc",
+            "1",
+            "--corpus-bytes",
+            "300",
+            "--seq-len",
+            "128",
+            "--steps",
+            "1",
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0 and "fewer than one global batch (8)" in out.stderr
 
 
@@ -300,5 +432,6 @@ def test_the_watchdog_thread_stops_before_the_interpreter_finalizes():
 def test_finished_jobs_exit_zero():
     # tests/faults/exits.py, short: the 3D and ZeRO-2 bf16 runs that used to abort at teardown now and then
     from faults.exits import soak
+
     counts = soak({"3d-8-ranks": 2, "zero2-bf16-2-ranks": 3}, log=lambda *a: None)
     assert counts == {"3d-8-ranks": {0: 2}, "zero2-bf16-2-ranks": {0: 3}}, counts

@@ -12,6 +12,7 @@ arithmetic on one rank, or a new pinned torch (on another torch build or CPU ker
 replays relax to LAYOUT_RTOL; regenerating makes them exact again). Say in the commit that updates
 the file what changed and why; never regenerate only to make a failing test pass.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,17 +23,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-import zerotron
 from distributed import run_ranks
 from parity import EPS, LR, SEQ, ds_config, global_batches, make_model, micro_batches, reference_training
+
+import zerotron
 from zerotron.parallelize import to_pipeline
 
 GOLDEN = Path(__file__).parent / "golden" / "gpt_losses.json"
 STEPS = 8
-ROWS = 4          # rows of one global batch, the same for every layout
-MODEL_SEED = 0    # parity.make_model's torch.manual_seed
-DATA_SEED = 1     # parity.global_batches' generator
+ROWS = 4  # rows of one global batch, the same for every layout
+MODEL_SEED = 0  # parity.make_model's torch.manual_seed
+DATA_SEED = 1  # parity.global_batches' generator
 # Every layout on two ranks, as the parity tests configure it; (name, micro, gas, extra config).
 # One global batch of ROWS rows: 2 data-parallel ranks x 2 rows for DP and ZeRO, one replica of 4
 # rows for TP, 4 micro-batches of one row through the pipeline (as tests/test_pipeline.py).
@@ -57,14 +58,17 @@ def _engine_losses(micro, gas, extra, pipeline_stages=1):
         model = to_pipeline(model, pipeline_stages, partition_method="type:_PipeBlock")
     engine, *_ = zerotron.initialize(model=model, config=ds_config(micro, gas, **extra))
     assert micro * gas * dp == ROWS
-    return [engine.train_batch(iter(micro_batches(b, dp_rank, dp, gas))).item()
-            for b in global_batches(STEPS, ROWS, seed=DATA_SEED)]
+    return [
+        engine.train_batch(iter(micro_batches(b, dp_rank, dp, gas))).item()
+        for b in global_batches(STEPS, ROWS, seed=DATA_SEED)
+    ]
 
 
 def _all_layouts(layouts):
     """Every layout in turn in the same two rank processes: one start-up for all of them."""
-    return {name: _engine_losses(micro, gas, extra, 2 if "pipeline" in extra else 1)
-            for name, micro, gas, extra in layouts}
+    return {
+        name: _engine_losses(micro, gas, extra, 2 if "pipeline" in extra else 1) for name, micro, gas, extra in layouts
+    }
 
 
 def _one_rank():
@@ -86,8 +90,12 @@ def _platform() -> dict:
     torch's capability level (AVX512) does not fix MKL's and oneDNN's: they dispatch on the CPU's
     own extensions (AMX, AVX512-FP16, VNNI, ...), and two AVX512 machines differing only there
     rounded step 2 of the reference differently (8.6e-8 relative)."""
-    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "machine": platform.machine(), "cpu_extensions": _cpu_extensions()}
+    return {
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "machine": platform.machine(),
+        "cpu_extensions": _cpu_extensions(),
+    }
 
 
 def _cpu_extensions() -> str:
@@ -109,11 +117,26 @@ def update():
     one_rank = run_ranks(_one_rank, 1, timeout=60)[0]
     data = {
         "_doc": "Per-step losses of the reference GPT; regenerate only as tests/test_golden_loss.py says.",
-        "meta": {"model": "tiny", "model_overrides": {"max_seq_len": SEQ}, "dtype": "float32",
-                 "model_seed": MODEL_SEED, "data_seed": DATA_SEED, "steps": STEPS, "global_batch_rows": ROWS,
-                 "seq_len": SEQ, "optimizer": {"type": "AdamW", "lr": LR, "betas": [0.9, 0.95], "eps": EPS,
-                                               "weight_decay": 0.1, "fused": True},
-                 "gradient_clipping": 1.0, **_platform()},
+        "meta": {
+            "model": "tiny",
+            "model_overrides": {"max_seq_len": SEQ},
+            "dtype": "float32",
+            "model_seed": MODEL_SEED,
+            "data_seed": DATA_SEED,
+            "steps": STEPS,
+            "global_batch_rows": ROWS,
+            "seq_len": SEQ,
+            "optimizer": {
+                "type": "AdamW",
+                "lr": LR,
+                "betas": [0.9, 0.95],
+                "eps": EPS,
+                "weight_decay": 0.1,
+                "fused": True,
+            },
+            "gradient_clipping": 1.0,
+            **_platform(),
+        },
         "reference": reference,
         "zerotron_1rank": one_rank,
     }
@@ -182,4 +205,5 @@ if __name__ == "__main__":
     os.environ.setdefault("ZEROTRON_STRICT_COMM", "1")  # as tests/conftest.py
     os.environ.setdefault("PYTHONPATH", os.path.dirname(os.path.abspath(__file__)))
     import test_golden_loss  # the rank processes find the functions under this name, not __main__
+
     test_golden_loss.update()

@@ -1,6 +1,7 @@
 """tools/gpu, the one-GPU runbook, in its CPU smoke mode: every part's code path on a tiny model
 (the GPU-only branches, memory counters and the micro-batch probe, are not reached here), plus the
 arithmetic that sizes the offload part on the GPU machine."""
+
 import json
 import math
 import os
@@ -20,8 +21,14 @@ def test_smoke_run_prints_and_writes_every_part(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    run = subprocess.run([sys.executable, "-m", "tools.gpu", "--smoke", "--out", str(out)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+    run = subprocess.run(
+        [sys.executable, "-m", "tools.gpu", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "tools/gpu summary (smoke (CPU))" in run.stdout
     for marker in ("[0] correctness", "[1] MFU", "[2] offload", "[3] activation checkpointing"):
@@ -67,7 +74,7 @@ def test_smoke_run_prints_and_writes_every_part(tmp_path):
 
 def test_offload_arithmetic():
     assert parts.pinned_bytes(1) == 1 and parts.pinned_bytes(4096) == 4096 and parts.pinned_bytes(4097) == 8192
-    psi = 10 ** 9
+    psi = 10**9
     assert parts.offload_host_bytes(psi) == 4 * GiB + 2 * GiB + 8 * psi  # 4e9 B -> 4 GiB, 2e9 B -> 2 GiB
     assert parts.states_bytes_without_offload(psi) == (16 * psi, 20 * psi)
     assert parts.choose_micro_batch(base=10 * GiB, per_sample=5 * GiB, capacity=100 * GiB, fraction=0.85, cap=32) == 15
@@ -78,9 +85,12 @@ def test_offload_arithmetic():
 
 def test_parameter_count_matches_the_model():
     """tools/gpu counts parameters from the config (building a 13b, even on the meta device, is slow)."""
-    import torch
     from dataclasses import replace
+
+    import torch
+
     from zerotron.models.gpt import GPT, SIZES, config_for
+
     # Every shape with two blocks (the count is per block; more blocks only cost time on the meta device).
     cases = [replace(config_for(size), n_layer=2) for size in SIZES]
     cases.append(replace(config_for("small"), tie_embeddings=True))
@@ -96,6 +106,7 @@ def test_offload_plan_for_13b_on_the_h200_machine():
     """What the GPU run will do with the defaults: 13b fits neither the GPU without offload nor 128 GiB of
     host memory with it, so it trains 27 of the 40 layers (8.57B parameters: 14 host bytes each)."""
     from zerotron.models.gpt import config_for
+
     cfg = config_for("13b", max_seq_len=2048)
     psi, per_layer, fixed = parts.param_counts(cfg)
     assert 12.6e9 < psi < 12.8e9
@@ -108,8 +119,13 @@ def test_offload_plan_for_13b_on_the_h200_machine():
 
 def test_the_self_check_verdict_reads_every_nested_check():
     from tools.gpu.checks import all_passed
-    passing = {"zero_parity": {"zero2_gas1": {"ok": True}}, "overflow": {"fp16": {"ok": True}, "bf16": {"ok": True}},
-               "launch_blocking_rerun": {"skipped": "CUDA only"}, "host_syncs": {"ok": True, "count": 1}}
+
+    passing = {
+        "zero_parity": {"zero2_gas1": {"ok": True}},
+        "overflow": {"fp16": {"ok": True}, "bf16": {"ok": True}},
+        "launch_blocking_rerun": {"skipped": "CUDA only"},
+        "host_syncs": {"ok": True, "count": 1},
+    }
     assert all_passed(passing)
     failing = {**passing, "overflow": {"fp16": {"ok": False, "loss_scale": [65536.0, 65536.0]}, "bf16": {"ok": True}}}
     assert not all_passed(failing)  # a real overflow bug is not "all checks passed"
@@ -122,6 +138,7 @@ def test_the_overflow_check_expects_what_the_engines_scaler_does():
     from tools.gpu.checks import scale_after_one_overflow
     from zerotron.config import FP16Config
     from zerotron.precision import LossScaler
+
     for hysteresis in (1, 2, 3):
         scaler = LossScaler(FP16Config(enabled=True, hysteresis=hysteresis))
         before = scaler.scale

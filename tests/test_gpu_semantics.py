@@ -1,6 +1,7 @@
 """What NCCL and GPUs demand that gloo on a CPU forgives, checked on the CPU: strict communication
 (one work per point-to-point batch, outputs valid only after wait(), no host tensors in
 collectives, asynchronous completion seen by the watchdog), host syncs per step, timeouts."""
+
 import datetime
 import os
 import subprocess
@@ -10,11 +11,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import RankError, run_ranks
+from parity import ds_config, global_batches, make_model, micro_batches
 
 import zerotron
 from tools.sync_counter import SyncCounter
-from distributed import RankError, run_ranks
-from parity import ds_config, global_batches, make_model, micro_batches
 from zerotron.parallelize import to_pipeline
 
 STRICT = {"ZEROTRON_STRICT_COMM": "1"}
@@ -27,10 +28,11 @@ def test_the_suite_runs_under_strict_communication():
 # ---- strict mode itself --------------------------------------------------------------------------
 def _stale_read():
     from zerotron.comm import Comm
+
     comm = Comm(None, "world")
     x = torch.full((4,), float(dist.get_rank() + 1))
     work = comm.all_reduce(x, async_op=True)
-    before = x.clone()          # read before wait(): what NCCL gives is not the result yet
+    before = x.clone()  # read before wait(): what NCCL gives is not the result yet
     work.wait()
     return before.tolist(), x.tolist()
 
@@ -42,6 +44,7 @@ def test_an_async_output_is_written_only_at_wait():
 
 def _batch_is_one_work():
     from zerotron.comm import Comm
+
     comm = Comm(None, "world")
     other = 1 - dist.get_rank()
     out, got = torch.full((3,), float(dist.get_rank())), torch.zeros(3)
@@ -60,8 +63,9 @@ def test_a_point_to_point_batch_is_one_work_and_its_receives_land_at_wait():
 def _host_tensor_in_a_collective():
     from zerotron.comm import Comm
     from zerotron.zero.offload import host_empty
+
     buffer = host_empty(8, torch.float32, pin=False)
-    derived = buffer[:4].square().sum()   # computed from host memory: still host memory
+    derived = buffer[:4].square().sum()  # computed from host memory: still host memory
     Comm(None, "world").all_reduce(derived)
 
 
@@ -86,8 +90,14 @@ def test_offload_with_gradient_clipping_reduces_its_norm_on_the_device(stage):
 
 # ---- host syncs -------------------------------------------------------------------------------------
 def _count_syncs(kind, steps=3):
-    tp, pp, stage = {"zero0": (1, 1, 0), "zero1": (1, 1, 1), "zero2": (1, 1, 2), "zero3": (1, 1, 3),
-                     "tp": (2, 1, 0), "pp": (1, 2, 0)}[kind]
+    tp, pp, stage = {
+        "zero0": (1, 1, 0),
+        "zero1": (1, 1, 1),
+        "zero2": (1, 1, 2),
+        "zero3": (1, 1, 3),
+        "tp": (2, 1, 0),
+        "pp": (1, 2, 0),
+    }[kind]
     world, gas = dist.get_world_size(), 2
     dp = world // (tp * pp)
     config = ds_config(1, gas, tensor_parallel={"autotp_size": tp}, zero_optimization={"stage": stage})
@@ -130,8 +140,12 @@ def test_init_distributed_timeout_bounds_a_stalled_collective(tmp_path):
     script = tmp_path / "stall.py"
     script.write_text(_STALLED.format(tests=os.path.dirname(__file__)))
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "zerotron.cli", "run", "-n", "2", str(script)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "zerotron.cli", "run", "-n", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     took = time.monotonic() - start
     assert out.returncode != 0
     assert "collective timeout" in out.stderr and "timeout 6 s" in out.stderr, out.stderr[-2000:]
@@ -142,8 +156,10 @@ def _group_timeouts():
     zerotron.init_distributed(timeout=datetime.timedelta(seconds=42))
     from zerotron.comm import group_timeout
     from zerotron.topology import Topology
+
     topo = Topology(dist.get_world_size(), tp=2).build_groups()
     from zerotron import watchdog
+
     return group_timeout().total_seconds(), watchdog.get().timeout_s, topo.group("tp") is not None
 
 
@@ -156,12 +172,19 @@ def test_every_group_and_the_watchdog_take_init_distributeds_timeout():
 def _issue_order(stage, gas, steps=3):
     """Every operation this rank issues through zerotron's Comm, in order: (group, operation)."""
     from zerotron.comm import core
+
     order = []
     issue = core.Comm._issue  # (point-to-point batches go through it too)
-    core.Comm._issue = lambda self, op, *a, **k: (order.append((self.name, tuple(self.ranks), op)),
-                                                   issue(self, op, *a, **k))[1]
-    zero = {"stage": stage, "reduce_bucket_size": 20_000, "stage3_param_persistence_threshold": 0,
-            "stage3_prefetch_bucket_size": 2}
+    core.Comm._issue = lambda self, op, *a, **k: (
+        order.append((self.name, tuple(self.ranks), op)),
+        issue(self, op, *a, **k),
+    )[1]
+    zero = {
+        "stage": stage,
+        "reduce_bucket_size": 20_000,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_prefetch_bucket_size": 2,
+    }
     engine, *_ = zerotron.initialize(model=make_model(n_kv_head=4), config=ds_config(1, gas, zero_optimization=zero))
     for b in global_batches(steps, gas * 2):
         engine.train_batch(iter(micro_batches(b, engine.coords.dp, 2, gas)))

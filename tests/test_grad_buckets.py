@@ -2,12 +2,21 @@
 reduce_bucket_size unset, about eight buckets whatever the model's size, launched in backward order
 while backward still runs, each reduced once; a configured reduce_bucket_size keeps DeepSpeed's
 meaning (here 5e8: the whole tiny model is one bucket, reduced only after backward)."""
+
 import pytest
 import torch.distributed as dist
+from distributed import run_ranks
+from parity import (
+    assert_losses_close,
+    ds_config,
+    global_batches,
+    make_model,
+    max_weight_diff,
+    micro_batches,
+    reference_training,
+)
 
 import zerotron
-from distributed import run_ranks
-from parity import assert_losses_close, ds_config, global_batches, make_model, max_weight_diff, micro_batches, reference_training
 from zerotron.zero.flat import OVERLAP_BUCKETS
 
 STEPS, GAS = 3, 2
@@ -29,6 +38,7 @@ def _train(stage, zero_extra):
     def recording_launch(bucket, in_backward):
         launches.append((bucket.index, in_backward, arrived[0]))
         return launch(bucket, in_backward)
+
     reducer._launch = recording_launch
     kind = "all_reduce" if stage == 0 else "reduce_scatter_flat"
     issue = getattr(reducer.comm, kind)
@@ -36,6 +46,7 @@ def _train(stage, zero_extra):
     def counting(*args, **kwargs):
         collectives[0] += 1
         return issue(*args, **kwargs)
+
     setattr(reducer.comm, kind, counting)
     losses = []
     for i, batch in enumerate(global_batches(STEPS, 2 * GAS * dp)):
@@ -48,12 +59,21 @@ def _train(stage, zero_extra):
             losses.append(loss.item())
             engine.step()
     sizes = [sum(p.numel() for p in b.params) for b in reducer.buckets]
-    return {"losses": losses, "weights": zerotron.zero.consolidated_state_dict(engine.module), "launches": launches, "collectives": collectives[0], "sizes": sizes,
-            "gradients": len(params), "total": sum(p.numel() for p in params)}
+    return {
+        "losses": losses,
+        "weights": zerotron.zero.consolidated_state_dict(engine.module),
+        "launches": launches,
+        "collectives": collectives[0],
+        "sizes": sizes,
+        "gradients": len(params),
+        "total": sum(p.numel() for p in params),
+    }
 
 
 def _sweep(stage):
-    return {name: _train(stage, extra) for name, extra in (("default", {}), ("one_bucket", {"reduce_bucket_size": 5e8}))}
+    return {
+        name: _train(stage, extra) for name, extra in (("default", {}), ("one_bucket", {"reduce_bucket_size": 5e8}))
+    }
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

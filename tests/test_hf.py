@@ -1,14 +1,14 @@
 """Hugging Face Transformers models (built from tiny configs, random weights, no downloads)."""
+
 import types
 
 import pytest
 import torch
-
-import zerotron
+import transformers  # noqa: F401,E402  (installed by the test extra)
 from distributed import run_ranks
 from parity import assert_losses_close, ds_config, global_batches, hf_loss, reference_training
 
-import transformers  # noqa: F401,E402  (installed by the test extra)
+import zerotron
 
 STEPS = 3
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
@@ -16,13 +16,32 @@ FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
 
 def make(kind, **extra):
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
     torch.manual_seed(0)
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, **extra)
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **extra,
+    )
     if kind == "gpt2":
-        cfg = GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
-                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                         eos_token_id=0, **extra)
+        cfg = GPT2Config(
+            vocab_size=256,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            bos_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            eos_token_id=0,
+            **extra,
+        )
     else:
         cfg = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[kind](**common)
     cfg._attn_implementation = "sdpa"
@@ -35,6 +54,7 @@ def reference(kind, rows=4, **extra):
 
 def _train(kind, stage, tp=1, extra=None, grad_ckpt=False):
     import torch.distributed as dist
+
     model = make(kind)
     if grad_ckpt:  # Transformers' own checkpointing: it calls each layer through torch's checkpoint
         if hasattr(model, "activation_checkpointing_enable"):  # Transformers >= 5.2x
@@ -84,6 +104,7 @@ def test_tensor_parallel_from_the_model_plan(kind):
 def test_plan_translation_and_errors():
     from zerotron.errors import ConfigError
     from zerotron.hf import tensor_parallel_plan
+
     plan = tensor_parallel_plan(make("llama"), 2)
     assert plan["model.layers.*.self_attn.q_proj"] == "column" and plan["model.layers.*.mlp.down_proj"] == "row"
     assert plan["model.embed_tokens"] == "vocab" and plan["lm_head"] == "column_gathered"
@@ -93,38 +114,73 @@ def test_plan_translation_and_errors():
 
 def test_resolve_config_fills_auto_like_the_trainer():
     from zerotron.hf import resolve_config
-    args = types.SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=3e-4,
-                                 adam_beta1=0.9, adam_beta2=0.98, adam_epsilon=1e-7, weight_decay=0.01,
-                                 max_grad_norm=0.5, fp16=False, bf16=True, warmup_steps=0, warmup_ratio=0.1,
-                                 max_steps=200)
-    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-          "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
-          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                    "weight_decay": "auto"}},
-          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                            "warmup_num_steps": "auto", "total_num_steps": "auto"}},
-          "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-                                "stage3_param_persistence_threshold": "auto"}}
+
+    args = types.SimpleNamespace(
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=3e-4,
+        adam_beta1=0.9,
+        adam_beta2=0.98,
+        adam_epsilon=1e-7,
+        weight_decay=0.01,
+        max_grad_norm=0.5,
+        fp16=False,
+        bf16=True,
+        warmup_steps=0,
+        warmup_ratio=0.1,
+        max_steps=200,
+    )
+    ds = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        },
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": "auto",
+                "warmup_max_lr": "auto",
+                "warmup_num_steps": "auto",
+                "total_num_steps": "auto",
+            },
+        },
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+        },
+    }
     out = resolve_config(ds, args, make("llama"))
     assert out["train_micro_batch_size_per_gpu"] == 4 and out["gradient_accumulation_steps"] == 2
     assert out["gradient_clipping"] == 0.5 and out["bf16"]["enabled"] is True and out["fp16"]["enabled"] is False
     assert out["optimizer"]["params"] == {"lr": 3e-4, "betas": [0.9, 0.98], "eps": 1e-7, "weight_decay": 0.01}
-    assert out["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-4, "warmup_num_steps": 20,
-                                          "total_num_steps": 200}
+    assert out["scheduler"]["params"] == {
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": 3e-4,
+        "warmup_num_steps": 20,
+        "total_num_steps": 200,
+    }
     zero = out["zero_optimization"]
     assert zero["reduce_bucket_size"] == 64 * 64 and zero["stage3_param_persistence_threshold"] == 640
 
 
 def _generate(kind):
     import torch.distributed as dist
+
     model = make(kind)
-    engine, *_ = zerotron.initialize(model=model, config=ds_config(
-        1, 1, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0}))
+    engine, *_ = zerotron.initialize(
+        model=model, config=ds_config(1, 1, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0})
+    )
     prompt = torch.tensor([[5, 6, 7, 8]])
     # ranks stop at different lengths: the finished rank keeps joining the gathers until all are done
     new = 3 if dist.get_rank() == 0 else 9
-    out = zerotron.hf.generate(engine, prompt, max_new_tokens=new, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)
+    out = zerotron.hf.generate(engine, prompt, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0].tolist()
 
 
@@ -132,20 +188,26 @@ def _generate(kind):
 def test_generation_under_zero3_with_ranks_stopping_at_different_lengths(kind):
     short, long = run_ranks(_generate, 2, kind, timeout=90)
     model = make(kind).eval()
-    want = model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=9, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0].tolist()
-    assert long == want and short == want[:len(short)] and len(short) == 7
+    want = model.generate(
+        torch.tensor([[5, 6, 7, 8]]), max_new_tokens=9, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0].tolist()
+    assert long == want and short == want[: len(short)] and len(short) == 7
 
 
 # ---- Hugging Face directories in and out -----------------------------------------------------------
 def _round_trip(source, out, stage, tp, kind="llama"):
     import torch.distributed as dist
+
     torch.manual_seed(123)  # different weights from the file's: the load must replace them all
     model = make(kind)
     model.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
     dp = dist.get_world_size() // tp
-    config = ds_config(4 // dp, 1, zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0},
-                       tensor_parallel={"autotp_size": tp})
+    config = ds_config(
+        4 // dp,
+        1,
+        zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0},
+        tensor_parallel={"autotp_size": tp},
+    )
     engine, *_ = zerotron.initialize(model=model, config=config)
     zerotron.hf.load_hf_weights(engine, source)
     losses = []
@@ -162,9 +224,10 @@ def _round_trip(source, out, stage, tp, kind="llama"):
 @pytest.mark.parametrize("kind,stage,tp", [("llama", 3, 1), ("llama", 1, 2), ("gpt2", 3, 1), ("gpt2", 0, 2)])
 def test_hf_directory_round_trip(tmp_path, kind, stage, tp):
     from transformers import AutoModelForCausalLM
+
     source, out = tmp_path / "source", tmp_path / "out"
     make(kind).save_pretrained(source)  # seed 0 weights
-    ref = reference(kind)[:2]            # the same weights trained in one process
+    ref = reference(kind)[:2]  # the same weights trained in one process
     results = run_ranks(_round_trip, 2, str(source), str(out), stage, tp, kind)
     assert (out / "model.safetensors.index.json").exists() and (out / "config.json").exists()
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -188,7 +251,9 @@ def _checkpoint_hf(directory):
 
 def test_convert_writes_a_hugging_face_directory(tmp_path):
     from transformers import AutoModelForCausalLM
+
     from zerotron.checkpoint.export import convert
+
     logits = run_ranks(_checkpoint_hf, 2, str(tmp_path / "ck"))[0]
     convert(tmp_path / "ck", tmp_path / "hf", "fp32", max_shard_size=50_000)
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
@@ -201,11 +266,13 @@ def test_convert_writes_a_hugging_face_directory(tmp_path):
 # ---- pipeline parallelism ------------------------------------------------------------------------------
 def _pipeline(kind, tie, stage, tp, gas=4):
     import torch.distributed as dist
+
     model = make(kind, **({} if kind == "gpt2" else {"tie_word_embeddings": tie}))
     module = zerotron.hf.to_pipeline(model, 2)
     dp = dist.get_world_size() // (2 * tp)
-    config = ds_config(4 // (dp * gas) or 1, gas, zero_optimization={"stage": stage},
-                       tensor_parallel={"autotp_size": tp})
+    config = ds_config(
+        4 // (dp * gas) or 1, gas, zero_optimization={"stage": stage}, tensor_parallel={"autotp_size": tp}
+    )
     engine, *_ = zerotron.initialize(model=module, config=config)
     losses = []
     for x, _ in global_batches(STEPS, 4):
@@ -214,9 +281,16 @@ def _pipeline(kind, tie, stage, tp, gas=4):
     return losses
 
 
-@pytest.mark.parametrize("kind,tie,world,stage,tp", [("llama", False, 2, 0, 1), ("qwen2", True, 2, 1, 1),
-                                                     ("gpt2", True, 2, 0, 1), ("llama", False, 4, 0, 2),
-                                                     ("gpt2", True, 4, 1, 2)])
+@pytest.mark.parametrize(
+    "kind,tie,world,stage,tp",
+    [
+        ("llama", False, 2, 0, 1),
+        ("qwen2", True, 2, 1, 1),
+        ("gpt2", True, 2, 0, 1),
+        ("llama", False, 4, 0, 2),
+        ("gpt2", True, 4, 1, 2),
+    ],
+)
 def test_pipeline_parity(kind, tie, world, stage, tp):
     """GPT-2 ties its embeddings by default; the Llama-family cases choose."""
     ref = reference(kind, **({} if kind == "gpt2" else {"tie_word_embeddings": tie}))

@@ -1,6 +1,7 @@
 """accelerate on zerotron (ZEROTRON_AS_DEEPSPEED=1), against the same loop on plain DDP: a
 DeepSpeedPlugin in the script (ZeRO-2, ZeRO-3) and `accelerate launch --use_deepspeed` (the plugin
 from the launcher); losses, gradient norms, save_state/load_state, get_state_dict and save_pretrained."""
+
 import json
 import os
 import subprocess
@@ -20,10 +21,19 @@ RTOL = 1e-5
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from transformers import AutoModelForCausalLM, LlamaConfig
+
     path = tmp_path_factory.mktemp("model")
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(path)
+    AutoModelForCausalLM.from_config(
+        LlamaConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).save_pretrained(path)
     return path
 
 
@@ -31,17 +41,46 @@ def _run(mode: str, out: Path, model_dir: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
     env.update(ZEROTRON_AS_DEEPSPEED="0" if mode == "ddp" else "1", OMP_NUM_THREADS="1")
     if mode == "launch":  # as users start it: accelerate's launcher, ZeRO-3 and clipping from its flags
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", "3",
-               "--zero3_save_16bit_model", "true", "--gradient_clipping", "1.0", "--gradient_accumulation_steps", "1",
-               "--num_processes", "2",
-               "--main_process_port", str(free_port()), str(SCRIPT), mode, str(out), str(model_dir)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--use_deepspeed",
+            "--zero_stage",
+            "3",
+            "--zero3_save_16bit_model",
+            "true",
+            "--gradient_clipping",
+            "1.0",
+            "--gradient_accumulation_steps",
+            "1",
+            "--num_processes",
+            "2",
+            "--main_process_port",
+            str(free_port()),
+            str(SCRIPT),
+            mode,
+            str(out),
+            str(model_dir),
+        ]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(SCRIPT), mode, str(out), str(model_dir)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(SCRIPT),
+            mode,
+            str(out),
+            str(model_dir),
+        ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    line = next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
 
 
 def _close(a, b):
@@ -58,6 +97,7 @@ def ddp(tmp_path_factory, model_dir):
 @pytest.mark.parametrize("mode,stage", [("2", 2), ("3", 3), ("launch", 3)])
 def test_accelerate_deepspeed_trains_saves_and_resumes_like_ddp(tmp_path, ddp, model_dir, mode, stage):
     from transformers import AutoModelForCausalLM
+
     (want, want_dir), got = ddp, _run(mode, tmp_path, model_dir)
     # zerotron's engine did the work (accelerate silently falls back to DDP when DeepSpeed is off)
     assert got["engine"] == "zerotron.engine.engine.Engine" and got["stage"] == stage, got

@@ -4,6 +4,7 @@ matches (losses within 1e-5 relative, weights within 1e-5) or is refused with a 
 training. A family that cannot be built tiny or trained by plain PyTorch (a new family whose config
 the generic rules of hf_families.py do not fit yet) is no finding about zerotron: it is counted and
 named apart ("unbuilt"). `python tests/test_hf_tensor_parallel.py` prints the table."""
+
 import sys
 import time
 from collections import Counter
@@ -11,11 +12,11 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-
-import zerotron
 from distributed import run_ranks
 from hf_families import SAMPLES_IN_TRAINING, families, tiny_config
 from parity import EPS, hf_loss, reference_training
+
+import zerotron
 
 STEPS, ROWS, SEQ, VOCAB = 3, 4, 16, 128
 # Adam divides each step by the gradient's magnitude, which amplifies float rounding towards the
@@ -38,19 +39,24 @@ def _build(cls_name):
 
 
 def _reference(cls_name):
-    losses, state = reference_training([(x, x) for x in _batches()], model=_build(cls_name), forward=hf_loss,
-                                       lr=LR, weight_decay=0.0)
+    losses, state = reference_training(
+        [(x, x) for x in _batches()], model=_build(cls_name), forward=hf_loss, lr=LR, weight_decay=0.0
+    )
     return losses, state
 
 
 def _split(cls_name, stage, ref_losses, ref_weights):
     """('ok' | 'refused' | 'FAIL', detail) on this rank."""
     model = _build(cls_name)
-    config = {"train_micro_batch_size_per_gpu": ROWS // 2, "gradient_accumulation_steps": 1,
-              "gradient_clipping": 1.0, "steps_per_print": 10 ** 6, "tensor_parallel": {"autotp_size": 2},
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-              "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95], "eps": EPS,
-                                                        "weight_decay": 0.0}}}
+    config = {
+        "train_micro_batch_size_per_gpu": ROWS // 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**6,
+        "tensor_parallel": {"autotp_size": 2},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95], "eps": EPS, "weight_decay": 0.0}},
+    }
     try:
         engine, *_ = zerotron.initialize(model=model, config=config)
     except zerotron.ConfigError as e:
@@ -73,6 +79,7 @@ def _split(cls_name, stage, ref_losses, ref_weights):
 def sweep(names=None) -> dict:
     """On each of 4 ranks: every family (or those named), under each layout."""
     import transformers
+
     transformers.logging.set_verbosity_error()
     out = {}
     for family, cls_name in families():
@@ -85,14 +92,19 @@ def sweep(names=None) -> dict:
             out[family] = {layout: ("unbuilt", f"{type(e).__name__}: {str(e)[:300]}") for layout in LAYOUTS}
         else:
             try:
-                out[family] = {layout: _split(cls_name, stage, ref_losses, ref_weights)
-                               for layout, stage in LAYOUTS.items()}
+                out[family] = {
+                    layout: _split(cls_name, stage, ref_losses, ref_weights) for layout, stage in LAYOUTS.items()
+                }
             except Exception as e:  # noqa: BLE001 - a family that breaks the sweep is a finding, not a crash
                 out[family] = {layout: ("FAIL", f"{type(e).__name__}: {str(e)[:300]}") for layout in LAYOUTS}
         out[family]["seconds"] = round(time.monotonic() - start, 2)
         if dist.get_rank() == 0:
-            print(f"[sweep] {family}: {out[family]['tp2'][0]} / {out[family]['tp2_zero3'][0]} "
-                  f"in {out[family]['seconds']} s", file=sys.stderr, flush=True)
+            print(
+                f"[sweep] {family}: {out[family]['tp2'][0]} / {out[family]['tp2_zero3'][0]} "
+                f"in {out[family]['seconds']} s",
+                file=sys.stderr,
+                flush=True,
+            )
         dist.barrier()
     return out
 
@@ -105,9 +117,13 @@ def _table(results: dict) -> str:
         lines.append(f"{family:24s} {cells} {note[:160]}")
     counts = {layout: Counter(r[layout][0] for r in results.values()) for layout in LAYOUTS}
     unbuilt = sorted(f for f, r in results.items() if r["tp2"][0] == "unbuilt")
-    lines.append(f"{len(results)} families; " + "; ".join(
-        f"{layout}: {c['ok']} match, {c['refused']} refused, {c['FAIL']} failed" for layout, c in counts.items())
-        + f"; {len(unbuilt)} cannot be built tiny{' (' + ', '.join(unbuilt) + ')' if unbuilt else ''}")
+    lines.append(
+        f"{len(results)} families; "
+        + "; ".join(
+            f"{layout}: {c['ok']} match, {c['refused']} refused, {c['FAIL']} failed" for layout, c in counts.items()
+        )
+        + f"; {len(unbuilt)} cannot be built tiny{' (' + ', '.join(unbuilt) + ')' if unbuilt else ''}"
+    )
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ schedules differ by design; the model is built before TrainingArguments (not ins
 loaded with from_pretrained after it (inside zero.Init, each rank loading its pieces). The docs' CPU
 offload configs run with gradient checkpointing and eval_on_start (an evaluate() at step 0).
 """
+
 import json
 import math
 import os
@@ -30,29 +31,71 @@ SCRIPT = ROOT / "examples" / "hf_trainer.py"
 RTOL = 1e-5
 
 _COMMON = {
-    "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+    "fp16": {"enabled": "auto"},
+    "bf16": {"enabled": "auto"},
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
-    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
 }
-ZERO2 = dict(_COMMON, zero_optimization={
-    "stage": 2, "offload_optimizer": {"device": "none"}, "allgather_partitions": True, "allgather_bucket_size": 2e8,
-    "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": "auto", "contiguous_gradients": True})
-ZERO3 = dict(_COMMON, zero_optimization={
-    "stage": 3, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"}, "overlap_comm": True,
-    "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
-    "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
-    "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
-    "stage3_gather_16bit_weights_on_model_save": True})
+ZERO2 = dict(
+    _COMMON,
+    zero_optimization={
+        "stage": 2,
+        "offload_optimizer": {"device": "none"},
+        "allgather_partitions": True,
+        "allgather_bucket_size": 2e8,
+        "overlap_comm": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": "auto",
+        "contiguous_gradients": True,
+    },
+)
+ZERO3 = dict(
+    _COMMON,
+    zero_optimization={
+        "stage": 3,
+        "offload_optimizer": {"device": "none"},
+        "offload_param": {"device": "none"},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+)
 _CPU = {"device": "cpu", "pin_memory": True}
 ZERO2_OFFLOAD = dict(ZERO2, zero_optimization=dict(ZERO2["zero_optimization"], offload_optimizer=_CPU))
-ZERO3_OFFLOAD = dict(ZERO3, zero_optimization=dict(ZERO3["zero_optimization"], offload_optimizer=_CPU, offload_param=_CPU))
+ZERO3_OFFLOAD = dict(
+    ZERO3, zero_optimization=dict(ZERO3["zero_optimization"], offload_optimizer=_CPU, offload_param=_CPU)
+)
 
 
 def _run(tmp: Path, name: str, config=None, *extra, nproc=2):
     out = tmp / name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
-           str(SCRIPT), "--use-cpu", "--output-dir", str(out), "--history", str(tmp / f"{name}.json"), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        str(SCRIPT),
+        "--use-cpu",
+        "--output-dir",
+        str(out),
+        "--history",
+        str(tmp / f"{name}.json"),
+        *extra,
+    ]
     if "--init-from" not in extra:
         cmd.append("--model-first")
     if config is not None:
@@ -60,8 +103,12 @@ def _run(tmp: Path, name: str, config=None, *extra, nproc=2):
         path.write_text(json.dumps(config))
         cmd += ["--deepspeed", str(path)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env.update(ZEROTRON_AS_DEEPSPEED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    env.update(
+        ZEROTRON_AS_DEEPSPEED="1",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+    )
     r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"{name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     result = json.loads((tmp / f"{name}.json").read_text())
@@ -92,9 +139,17 @@ def _save_initial_model(path):
     """The weights examples/hf_trainer.py builds with --model-first (seed 0), saved for from_pretrained."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
+
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
 
 
@@ -124,9 +179,13 @@ def test_zero3_matches_ddp_and_saves_full_weights(runs):
     # checkpoint layout the Trainer resumes from, and the consolidated (ZeRO-3 gathered) weights
     ckpt = tmp / "z3" / "checkpoint-3"
     assert (ckpt / "global_step3").is_dir() and (ckpt / "latest").read_text().strip() == "global_step3"
-    from safetensors.torch import load_file
     import torch
-    got, want = load_file(str(tmp / "z3_model" / "model.safetensors")), load_file(str(tmp / "ddp_model" / "model.safetensors"))
+    from safetensors.torch import load_file
+
+    got, want = (
+        load_file(str(tmp / "z3_model" / "model.safetensors")),
+        load_file(str(tmp / "ddp_model" / "model.safetensors")),
+    )
     assert set(got) == set(want)
     for k in want:
         assert got[k].shape == want[k].shape, k
@@ -149,10 +208,13 @@ def test_resume_same_losses(runs):
     assert runtimes and runtimes[-1]["step"] == 6
 
 
-@pytest.mark.parametrize("name,config,extra", [
-    ("z2_offload", ZERO2_OFFLOAD, ()),
-    ("z3_offload", ZERO3_OFFLOAD, ("--init-from", "init")),  # from_pretrained inside zero.Init, then offloaded
-])
+@pytest.mark.parametrize(
+    "name,config,extra",
+    [
+        ("z2_offload", ZERO2_OFFLOAD, ()),
+        ("z3_offload", ZERO3_OFFLOAD, ("--init-from", "init")),  # from_pretrained inside zero.Init, then offloaded
+    ],
+)
 def test_cpu_offload_with_gradient_checkpointing_and_eval_on_start(runs, name, config, extra):
     tmp, r = runs
     got = _run(tmp, name, config, "--gradient-checkpointing", "--eval-on-start", *extra)
@@ -176,11 +238,20 @@ def test_autotp_matches_one_process(tmp_path):
     consolidated weights as one process."""
     import torch
     from safetensors.torch import load_file
+
     one = _run(tmp_path, "one", None, "--save-model", str(tmp_path / "one_model"), nproc=1)
-    tp = _run(tmp_path, "tp", dict(ZERO2, zero_optimization={"stage": 1}, tensor_parallel={"autotp_size": 2}),
-              "--save-model", str(tmp_path / "tp_model"))
+    tp = _run(
+        tmp_path,
+        "tp",
+        dict(ZERO2, zero_optimization={"stage": 1}, tensor_parallel={"autotp_size": 2}),
+        "--save-model",
+        str(tmp_path / "tp_model"),
+    )
     _assert_same_losses(_losses(tp), _losses(one))
-    got, want = load_file(str(tmp_path / "tp_model" / "model.safetensors")), load_file(str(tmp_path / "one_model" / "model.safetensors"))
+    got, want = (
+        load_file(str(tmp_path / "tp_model" / "model.safetensors")),
+        load_file(str(tmp_path / "one_model" / "model.safetensors")),
+    )
     assert set(got) == set(want)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6, msg=k)
@@ -188,8 +259,16 @@ def test_autotp_matches_one_process(tmp_path):
 
 def test_config_is_a_read_only_mapping_and_accepts_inf():
     from zerotron.config import Config
-    c = Config.load({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-                     "steps_per_print": float("inf"), "zero_optimization": {"stage": 3}}, world_size=2)
+
+    c = Config.load(
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 2,
+            "steps_per_print": float("inf"),
+            "zero_optimization": {"stage": 3},
+        },
+        world_size=2,
+    )
     assert math.isinf(c.steps_per_print)
     assert c["train_batch_size"] == 8 and c.get("zero_optimization", {}).get("stage") == 3
     assert c.zero_optimization.stage == 3 and "optimizer" not in c and c.get("optimizer") is None
@@ -198,5 +277,6 @@ def test_config_is_a_read_only_mapping_and_accepts_inf():
     with pytest.raises(TypeError):
         c["train_batch_size"] = 1
     from zerotron.errors import ConfigError
+
     with pytest.raises(ConfigError):
         Config.load({"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0.5})

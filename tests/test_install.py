@@ -1,5 +1,6 @@
 """What the package declares. The fresh install itself is tested by `.ci/smoke`, which CI runs in an
 empty virtual environment before the test extra is installed (train, save, resume)."""
+
 import pathlib
 import re
 
@@ -22,8 +23,11 @@ def test_the_hf_extra_brings_what_the_trainer_needs():
 
 
 def test_ci_pins_the_integration_dependencies_of_the_test_extra():
-    pins = dict(line.split("==") for line in (ROOT / "tests" / "constraints.txt").read_text().splitlines()
-                if line and not line.startswith("#"))
+    pins = dict(
+        line.split("==")
+        for line in (ROOT / "tests" / "constraints.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
     for name in _list("test"):
         assert name in pins, f"{name} (test extra) has no pin in tests/constraints.txt"
     assert "torch" not in pins  # installed first, as the README says (the CPU build)

@@ -5,6 +5,7 @@ core module, every ZeRO stage's model states present the ModelStates interface, 
 the package is much over 400 lines. Around the package: bench/ holds side-by-side comparisons only
 (no test and no tool imports it, and it stays a small part of the code), tools/ and tests/ hold the
 rest."""
+
 import ast
 import collections
 import re
@@ -73,7 +74,7 @@ def _cycle(edges):
         stack.append(v)
         for w in sorted(edges.get(v, ())):
             if state.get(w) == "open":
-                return stack[stack.index(w):] + [w]
+                return stack[stack.index(w) :] + [w]
             if w not in state:
                 found = visit(w)
                 if found:
@@ -81,6 +82,7 @@ def _cycle(edges):
         state[v] = "done"
         stack.pop()
         return None
+
     for v in sorted(edges):
         if v not in state:
             found = visit(v)
@@ -102,8 +104,11 @@ def test_the_compatibility_edge_is_imported_by_no_core_module():
 
 def test_config_imports_only_its_own_tables_errors_and_warnings():
     modules = _modules()
-    allowed = {"zerotron.errors", "zerotron.optim",  # (the optimizer section's own checks)
-               "zerotron.log"}  # (warnings attributed to the user's line)
+    allowed = {
+        "zerotron.errors",
+        "zerotron.optim",  # (the optimizer section's own checks)
+        "zerotron.log",
+    }  # (warnings attributed to the user's line)
     for name in [m for m in modules if m == "zerotron.config" or m.startswith("zerotron.config.")]:
         outside = {m for m in _imports(name, modules[name], modules) if not m.startswith("zerotron.config")}
         assert outside <= allowed, (name, outside - allowed)
@@ -113,16 +118,22 @@ def _assigned_in_init(cls) -> set[str]:
     """Attributes `self.X = ...` that __init__ of `cls` or of a base assigns."""
     import inspect
     import textwrap
+
     names = set()
     for klass in cls.__mro__:
         init = vars(klass).get("__init__")
         if init is None or not hasattr(init, "__code__"):
             continue
         for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(init)))):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
-                if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+                else []
+            )
             for t in targets:
-                for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                for el in t.elts if isinstance(t, ast.Tuple) else [t]:
                     if isinstance(el, ast.Attribute) and isinstance(el.value, ast.Name) and el.value.id == "self":
                         names.add(el.attr)
     return names
@@ -130,10 +141,12 @@ def _assigned_in_init(cls) -> set[str]:
 
 def test_every_stage_presents_the_model_states_interface():
     import inspect
+
     from zerotron.zero.replicated import ReplicatedStates
     from zerotron.zero.sharded import ShardedStates
     from zerotron.zero.stage3 import Stage3States
     from zerotron.zero.strategy import MEMBERS, ModelStates
+
     methods = {n for n, v in vars(ModelStates).items() if inspect.isfunction(v) and not n.startswith("_")}
     attributes = set(ModelStates.__annotations__)
     assert methods | attributes == set(MEMBERS)
@@ -144,8 +157,11 @@ def test_every_stage_presents_the_model_states_interface():
 
 
 def test_no_file_is_much_over_400_lines():
-    long = {str(p.relative_to(PACKAGE.parent)): n for p in PACKAGE.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(PACKAGE.parent)): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, f"split these files: {long}"
 
 
@@ -154,13 +170,16 @@ def test_a_split_head_goes_only_to_a_model_that_takes_its_loss():
     on split logits; a model with nowhere to take it is refused with the fix."""
     import pytest
     import torch.nn as nn
+
     from zerotron.errors import ConfigError
-    from zerotron.tensor_parallel.tensor import SplitHead
     from zerotron.parallelize import adapter_for
+    from zerotron.tensor_parallel.tensor import SplitHead
+
     head = SplitHead(loss_fn=object(), output_fn=object())
     with pytest.raises(ConfigError, match="column_gathered"):
         adapter_for(nn.Linear(2, 2)).use_split_head(nn.Linear(2, 2), head)
     from zerotron.models.gpt import GPT, config_for
+
     model = GPT(config_for("tiny"))
     adapter_for(model).use_split_head(model, head)
     assert model.loss_fn is head.loss_fn and model.output_fn is head.output_fn
@@ -173,8 +192,12 @@ _IMPORTS_BENCH = re.compile(r"^\s*(from\s+bench(\.\w+)*\s+import|import\s+bench\
 def test_nothing_but_a_benchmark_imports_bench():
     """What a test or a tool needs from a benchmark belongs in tools/ (shared) or tests/ (fault
     harnesses, the planner's published runs); bench/ itself only compares."""
-    files = [*(REPO / "tests").rglob("*.py"), *(REPO / "tools").rglob("*.py"), *PACKAGE.rglob("*.py"),
-             *(REPO / "examples").rglob("*.py")]
+    files = [
+        *(REPO / "tests").rglob("*.py"),
+        *(REPO / "tools").rglob("*.py"),
+        *PACKAGE.rglob("*.py"),
+        *(REPO / "examples").rglob("*.py"),
+    ]
     importers = sorted(str(p.relative_to(REPO)) for p in files if _IMPORTS_BENCH.search(p.read_text()))
     assert not importers, f"these import bench/: {importers}"
 

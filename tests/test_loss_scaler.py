@@ -13,6 +13,7 @@ The dynamic scaler's trajectories below are written out by hand from DeepSpeed's
 
 Patterns: one character per update, "X" = overflow, "." = clean step.
 """
+
 import json
 
 import pytest
@@ -23,8 +24,15 @@ from zerotron.precision import LossScaleAtMinimum, LossScaler, MasterWeights, cl
 
 
 def fp16(power, window, hysteresis, consecutive=False, min_scale=1.0):
-    return FP16Config(enabled=True, loss_scale=0, initial_scale_power=power, loss_scale_window=window,
-                      hysteresis=hysteresis, consecutive_hysteresis=consecutive, min_loss_scale=min_scale)
+    return FP16Config(
+        enabled=True,
+        loss_scale=0,
+        initial_scale_power=power,
+        loss_scale_window=window,
+        hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive,
+        min_loss_scale=min_scale,
+    )
 
 
 def run(scaler, pattern):
@@ -40,41 +48,85 @@ def run(scaler, pattern):
 
 # (id, config, pattern, scale after each update, hysteresis left after each update) - by hand.
 CASES = [
-    ("clean-window2-hyst1", fp16(power=4, window=2, hysteresis=1), ".......",
-     [16, 16, 32, 32, 64, 64, 128],
-     [1, 1, 1, 1, 1, 1, 1]),
-    ("clean-window3-hyst2", fp16(power=2, window=3, hysteresis=2), "..........",
-     [4, 4, 4, 8, 8, 8, 16, 16, 16, 32],
-     [2, 2, 2, 2, 2, 2, 2, 2, 2, 2]),
-    ("one-overflow-window3-hyst1", fp16(power=4, window=3, hysteresis=1), "..X.......",
-     [16, 16, 8, 8, 8, 8, 16, 16, 16, 32],
-     [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]),
-    ("repeated-window2-hyst1", fp16(power=4, window=2, hysteresis=1), "X.X..X....",
-     [8, 8, 4, 4, 4, 2, 2, 2, 4, 4],
-     [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]),
+    (
+        "clean-window2-hyst1",
+        fp16(power=4, window=2, hysteresis=1),
+        ".......",
+        [16, 16, 32, 32, 64, 64, 128],
+        [1, 1, 1, 1, 1, 1, 1],
+    ),
+    (
+        "clean-window3-hyst2",
+        fp16(power=2, window=3, hysteresis=2),
+        "..........",
+        [4, 4, 4, 8, 8, 8, 16, 16, 16, 32],
+        [2, 2, 2, 2, 2, 2, 2, 2, 2, 2],
+    ),
+    (
+        "one-overflow-window3-hyst1",
+        fp16(power=4, window=3, hysteresis=1),
+        "..X.......",
+        [16, 16, 8, 8, 8, 8, 16, 16, 16, 32],
+        [1, 1, 1, 1, 1, 1, 1, 1, 1, 1],
+    ),
+    (
+        "repeated-window2-hyst1",
+        fp16(power=4, window=2, hysteresis=1),
+        "X.X..X....",
+        [8, 8, 4, 4, 4, 2, 2, 2, 4, 4],
+        [1, 1, 1, 1, 1, 1, 1, 1, 1, 1],
+    ),
     # an overflow exactly where the doubling was due halves instead, and restarts the count
-    ("overflow-at-doubling-window2-hyst1", fp16(power=4, window=2, hysteresis=1), "X..X...",
-     [8, 8, 8, 4, 4, 4, 8],
-     [1, 1, 1, 1, 1, 1, 1]),
-    ("burst-window2-hyst2", fp16(power=4, window=2, hysteresis=2), "XXX....XX",
-     [16, 8, 4, 4, 4, 8, 8, 8, 4],
-     [1, 1, 1, 1, 1, 2, 2, 1, 1]),
-    ("scattered-window2-hyst2", fp16(power=4, window=2, hysteresis=2), "XX.X.XX...",
-     [16, 8, 8, 4, 4, 2, 1, 1, 1, 2],
-     [1, 1, 1, 1, 1, 1, 1, 1, 1, 2]),
-    ("scattered-window2-hyst2-consecutive", fp16(power=4, window=2, hysteresis=2, consecutive=True), "XX.X.XX...",
-     [16, 8, 8, 8, 8, 8, 4, 4, 4, 8],
-     [1, 1, 2, 1, 2, 1, 1, 2, 2, 2]),
-    ("window3-hyst3", fp16(power=5, window=3, hysteresis=3), "X.X.XX....X",
-     [32, 32, 32, 32, 16, 8, 8, 8, 8, 16, 16],
-     [2, 2, 1, 1, 1, 1, 1, 1, 1, 3, 2]),
-    ("window3-hyst3-consecutive", fp16(power=5, window=3, hysteresis=3, consecutive=True), "XX.XXX....",
-     [32, 32, 32, 32, 32, 16, 16, 16, 16, 32],
-     [2, 1, 3, 2, 1, 1, 3, 3, 3, 3]),
+    (
+        "overflow-at-doubling-window2-hyst1",
+        fp16(power=4, window=2, hysteresis=1),
+        "X..X...",
+        [8, 8, 8, 4, 4, 4, 8],
+        [1, 1, 1, 1, 1, 1, 1],
+    ),
+    (
+        "burst-window2-hyst2",
+        fp16(power=4, window=2, hysteresis=2),
+        "XXX....XX",
+        [16, 8, 4, 4, 4, 8, 8, 8, 4],
+        [1, 1, 1, 1, 1, 2, 2, 1, 1],
+    ),
+    (
+        "scattered-window2-hyst2",
+        fp16(power=4, window=2, hysteresis=2),
+        "XX.X.XX...",
+        [16, 8, 8, 4, 4, 2, 1, 1, 1, 2],
+        [1, 1, 1, 1, 1, 1, 1, 1, 1, 2],
+    ),
+    (
+        "scattered-window2-hyst2-consecutive",
+        fp16(power=4, window=2, hysteresis=2, consecutive=True),
+        "XX.X.XX...",
+        [16, 8, 8, 8, 8, 8, 4, 4, 4, 8],
+        [1, 1, 2, 1, 2, 1, 1, 2, 2, 2],
+    ),
+    (
+        "window3-hyst3",
+        fp16(power=5, window=3, hysteresis=3),
+        "X.X.XX....X",
+        [32, 32, 32, 32, 16, 8, 8, 8, 8, 16, 16],
+        [2, 2, 1, 1, 1, 1, 1, 1, 1, 3, 2],
+    ),
+    (
+        "window3-hyst3-consecutive",
+        fp16(power=5, window=3, hysteresis=3, consecutive=True),
+        "XX.XXX....",
+        [32, 32, 32, 32, 32, 16, 16, 16, 16, 32],
+        [2, 1, 3, 2, 1, 1, 3, 3, 3, 3],
+    ),
     # the floor: 8 -> 4 -> max(2, 3) = 3, then doubling from the floor, then back to it
-    ("min-floor-window2", fp16(power=3, window=2, hysteresis=1, min_scale=3.0), "XX...X",
-     [4, 3, 3, 3, 6, 3],
-     [1, 1, 1, 1, 1, 1]),
+    (
+        "min-floor-window2",
+        fp16(power=3, window=2, hysteresis=1, min_scale=3.0),
+        "XX...X",
+        [4, 3, 3, 3, 6, 3],
+        [1, 1, 1, 1, 1, 1],
+    ),
 ]
 
 # (id, config, pattern whose last overflow raises LossScaleAtMinimum, scales before that)
@@ -83,8 +135,12 @@ AT_MINIMUM = [
     ("floored-to-min", fp16(power=3, window=2, hysteresis=1, min_scale=3.0), "XX...XX", [4, 3, 3, 3, 6, 3]),
     # at the minimum, hysteresis is still spent first
     ("hysteresis-at-min", fp16(power=1, window=100, hysteresis=2, min_scale=2.0), "XX", [2]),
-    ("hysteresis-at-min-consecutive", fp16(power=1, window=100, hysteresis=2, consecutive=True, min_scale=2.0),
-     "X.X.XX", [2, 2, 2, 2, 2]),
+    (
+        "hysteresis-at-min-consecutive",
+        fp16(power=1, window=100, hysteresis=2, consecutive=True, min_scale=2.0),
+        "X.X.XX",
+        [2, 2, 2, 2, 2],
+    ),
 ]
 
 
@@ -93,7 +149,7 @@ def test_dynamic_scale_trajectory(name, cfg, pattern, scales, hysteresis):
     assert len(pattern) == len(scales) == len(hysteresis)
     scaler = LossScaler(cfg)
     assert scaler.dynamic and scaler.enabled
-    assert scaler.scale == 2 ** cfg.initial_scale_power
+    assert scaler.scale == 2**cfg.initial_scale_power
     got_scales, got_hysteresis = run(scaler, pattern)
     assert got_scales == scales
     assert got_hysteresis == hysteresis
@@ -143,10 +199,13 @@ def test_doubling_is_window_plus_one_after_an_overflow():
     assert scales == [64, 64, 64, 64, 32, 32, 32, 32, 32, 32, 64, 64, 64, 64, 64, 128]
 
 
-@pytest.mark.parametrize("cfg", [
-    FP16Config(enabled=True, loss_scale=128.0, loss_scale_window=1, hysteresis=1),
-    FP16Config(enabled=True, loss_scale=0.5, min_loss_scale=1.0, loss_scale_window=1, hysteresis=1),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        FP16Config(enabled=True, loss_scale=128.0, loss_scale_window=1, hysteresis=1),
+        FP16Config(enabled=True, loss_scale=0.5, min_loss_scale=1.0, loss_scale_window=1, hysteresis=1),
+    ],
+)
 def test_static_scale_never_changes(cfg):
     scaler = LossScaler(cfg)
     assert scaler.enabled and not scaler.dynamic
@@ -179,8 +238,9 @@ def test_state_dict_round_trip():
     scales_b, hyst_b = run(b, rest)
     assert scales_b == scales_a == [8, 8, 8, 16, 16]
     assert hyst_b == hyst_a == [1, 1, 1, 3, 2]
-    assert b.state_dict() == a.state_dict() == {"scale": 16.0, "hysteresis_left": 2, "iteration": 11,
-                                                "last_overflow": 10}
+    assert (
+        b.state_dict() == a.state_dict() == {"scale": 16.0, "hysteresis_left": 2, "iteration": 11, "last_overflow": 10}
+    )
     # without the state, the same steps give a different trajectory
     fresh = LossScaler(cfg)
     assert run(fresh, rest)[0] != scales_b

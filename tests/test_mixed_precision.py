@@ -1,11 +1,12 @@
 """fp16 with dynamic loss scaling across ranks: an overflow anywhere skips the step everywhere."""
+
 import pytest
 import torch
 import torch.distributed as dist
-
-import zerotron
 from distributed import RankError, run_ranks
 from parity import assert_losses_close, ds_config, global_batches, make_model, micro_batches, reference_training
+
+import zerotron
 
 
 def _fp16_with_overflows(steps, overflow_steps, overflow_rank, fp16):
@@ -30,8 +31,14 @@ def _fp16_with_overflows(steps, overflow_steps, overflow_rank, fp16):
 
 
 def test_overflow_on_one_rank_skips_the_step_on_all_ranks():
-    fp16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 2,
-            "hysteresis": 1, "min_loss_scale": 1}
+    fp16 = {
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": 8,
+        "loss_scale_window": 2,
+        "hysteresis": 1,
+        "min_loss_scale": 1,
+    }
     results = run_ranks(_fp16_with_overflows, 2, 6, {1, 2}, 1, fp16)
     for scales, changed, skipped, _, _ in results:
         # overflow at steps 1 and 2 halves the scale twice; two clean steps after the last

@@ -1,20 +1,25 @@
 """Monitors write what DeepSpeed's do; the reference model's parts behave as designed."""
+
 import csv
 import os
 
 import torch
 import torch.distributed as dist
-
-import zerotron
 from distributed import run_ranks
 from parity import ds_config, global_batches, make_model, micro_batches
+
+import zerotron
 from zerotron.models.gpt import GPT, apply_rotary, config_for, rotary_tables
 
 
 def _monitored(out_dir):
     dp, rank = dist.get_world_size(), dist.get_rank()
-    config = ds_config(2, 1, csv_monitor={"enabled": True, "output_path": out_dir, "job_name": "job"},
-                       tensorboard={"enabled": True, "output_path": out_dir, "job_name": "tb"})
+    config = ds_config(
+        2,
+        1,
+        csv_monitor={"enabled": True, "output_path": out_dir, "job_name": "job"},
+        tensorboard={"enabled": True, "output_path": out_dir, "job_name": "tb"},
+    )
     engine, *_ = zerotron.initialize(model=make_model(), config=config)
     losses = [engine.train_batch(iter(micro_batches(b, rank, dp, 1))).item() for b in global_batches(3, 2 * dp)]
     engine.monitor.close()

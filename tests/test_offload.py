@@ -1,13 +1,21 @@
 """ZeRO-Offload: optimizer states and fp32 masters (and stage-3 parameter shards) in host memory,
 and the CPU Adam that steps them. On this CPU-only machine host and device memory are the same,
 but every offload code path runs (copies out, host step, staging buffer, copies back)."""
+
 import pytest
 import torch
+from distributed import run_ranks
+from parity import (
+    assert_losses_close,
+    ds_config,
+    global_batches,
+    make_model,
+    max_weight_diff,
+    micro_batches,
+    reference_training,
+)
 
 import zerotron
-from distributed import run_ranks
-from parity import (assert_losses_close, ds_config, global_batches, make_model, max_weight_diff, micro_batches,
-                    reference_training)
 from zerotron.ops.adam import CPUAdam, DeepSpeedCPUAdam
 from zerotron.parallelize import to_pipeline
 
@@ -47,6 +55,7 @@ def test_cpu_adam_refuses_what_it_cannot_update():
 # ---- the engine with offload ----------------------------------------------------------------------------
 def _train(stage, optimizer, param, bf16=False, gas=1, tp=1):
     import torch.distributed as dist
+
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
     if optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -55,14 +64,22 @@ def _train(stage, optimizer, param, bf16=False, gas=1, tp=1):
     config = ds_config(2, gas, zero_optimization=zero, bf16={"enabled": bf16}, tensor_parallel={"autotp_size": tp})
     engine, *_ = zerotron.initialize(model=make_model(n_kv_head=4), config=config)
     dp = dist.get_world_size() // tp
-    losses = [engine.train_batch(iter(micro_batches(b, engine.coords.dp, dp, gas))).item()
-              for b in global_batches(STEPS, 2 * gas * dp)]
-    return losses, zerotron.zero.consolidated_state_dict(engine.module), type(engine.optimizer).__name__, \
-        engine.memory_report()
+    losses = [
+        engine.train_batch(iter(micro_batches(b, engine.coords.dp, dp, gas))).item()
+        for b in global_batches(STEPS, 2 * gas * dp)
+    ]
+    return (
+        losses,
+        zerotron.zero.consolidated_state_dict(engine.module),
+        type(engine.optimizer).__name__,
+        engine.memory_report(),
+    )
 
 
-@pytest.mark.parametrize("stage,param,gas,world,tp", [(1, False, 1, 2, 1), (2, False, 2, 2, 1), (3, False, 1, 2, 1),
-                                                      (3, True, 2, 2, 1), (1, False, 1, 4, 2)])
+@pytest.mark.parametrize(
+    "stage,param,gas,world,tp",
+    [(1, False, 1, 2, 1), (2, False, 2, 2, 1), (3, False, 1, 2, 1), (3, True, 2, 2, 1), (1, False, 1, 4, 2)],
+)
 def test_parity_with_optimizer_offload(stage, param, gas, world, tp):
     ref_losses, ref_state = reference_training(global_batches(STEPS, 2 * gas * world // tp), n_kv_head=4)
     for losses, state, optimizer, _ in run_ranks(_train, world, stage, True, param, False, gas, tp):
@@ -92,6 +109,7 @@ def _shard_and_step_counters() -> tuple[int, int]:
     optimizer's step counters (one fp32 scalar per master tensor: one per bucket here)."""
     from zerotron.zero import _bucketed
     from zerotron.zero.flat import bucket_numel
+
     params = list(make_model(n_kv_head=4).parameters())
     buckets = _bucketed(params, bucket_numel(None, sum(p.numel() for p in params)))
     return sum(-(-sum(p.numel() for p in b) // 2) for b in buckets), 4 * len(buckets)
@@ -142,7 +160,7 @@ def test_cpu_adam_reads_bf16_gradients_and_applies_multipliers_bit_for_bit(same_
     g16 = torch.empty(n, dtype=torch.bfloat16)
     out = g16 if same_buffer else torch.empty(n, dtype=torch.bfloat16)
     ours.grad_in[a], ours.copy_out[a] = g16, out
-    inv, coef = torch.tensor(2.0 ** -10), torch.tensor(0.37)
+    inv, coef = torch.tensor(2.0**-10), torch.tensor(0.37)
     for _ in range(3):
         g16.copy_(torch.randn(n) * 1024)
         b.grad = _old_path_grads(g16, inv, coef)
@@ -161,12 +179,14 @@ def test_fused_host_step_measures_shards_as_they_leave_and_flags_only_nan_inf():
     from types import SimpleNamespace
 
     from zerotron.zero.offload import FusedHostStep, HostBuffers
+
     n = 1000
     host = HostBuffers(2 * n, torch.bfloat16, pin_memory=False)
-    masters = [torch.nn.Parameter(host.masters[i * n:(i + 1) * n]) for i in range(2)]
+    masters = [torch.nn.Parameter(host.masters[i * n : (i + 1) * n]) for i in range(2)]
     buckets = [SimpleNamespace(index=i, offset=i * n, shard_numel=n) for i in range(2)]
-    step = FusedHostStep(host, CPUAdam(masters, threads=1), masters, [(0, n), (n, 2 * n)],
-                         [(buckets[0], 0, n), (buckets[1], 0, n)])
+    step = FusedHostStep(
+        host, CPUAdam(masters, threads=1), masters, [(0, n), (n, 2 * n)], [(buckets[0], 0, n), (buckets[1], 0, n)]
+    )
     torch.manual_seed(0)
     shards = [torch.randn(n).bfloat16() for _ in range(2)]
 
@@ -174,9 +194,10 @@ def test_fused_host_step_measures_shards_as_they_leave_and_flags_only_nan_inf():
         for b, shard in zip(buckets, shards):
             host.gradient_out(b, shard)
         return step.inspect(inv).item()
-    assert flag(2.0 ** -3) == 0
+
+    assert flag(2.0**-3) == 0
     for norm, shard in zip(step.norms, shards):
-        assert torch.equal(norm, torch._foreach_norm([shard.float() * 2.0 ** -3])[0])
+        assert torch.equal(norm, torch._foreach_norm([shard.float() * 2.0**-3])[0])
     assert torch.equal(host.staging, torch.cat(shards))  # the gradients arrived where the weights leave from
     for value in (float("nan"), float("inf"), float("-inf")):
         shards[1][-3] = value
@@ -190,14 +211,18 @@ def _train_steps(offload, precision, extra=None, steps=5, gas=2):
     """forward/backward/step as a DeepSpeed script; fp16 starts at 2^40, so the first steps
     overflow and are skipped; small buckets; clipping at 1.0 (active on this model)."""
     import torch.distributed as dist
+
     dp, rank = dist.get_world_size(), dist.get_rank()
     zero = {"stage": 2, "reduce_bucket_size": 20_000, "allgather_bucket_size": 20_000, **(extra or {})}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
-    dtype = {"bf16": {"bf16": {"enabled": True}},
-             "fp16": {"fp16": {"enabled": True, "initial_scale_power": 40, "loss_scale_window": 2}}}[precision]
-    engine, *_ = zerotron.initialize(model=make_model(n_kv_head=4), config=ds_config(2, gas, zero_optimization=zero,
-                                                                                      **dtype))
+    dtype = {
+        "bf16": {"bf16": {"enabled": True}},
+        "fp16": {"fp16": {"enabled": True, "initial_scale_power": 40, "loss_scale_window": 2}},
+    }[precision]
+    engine, *_ = zerotron.initialize(
+        model=make_model(n_kv_head=4), config=ds_config(2, gas, zero_optimization=zero, **dtype)
+    )
     losses, norms = [], []
     for batch in global_batches(steps, 2 * gas * dp):
         for x, y in micro_batches(batch, rank, dp, gas):
@@ -206,12 +231,19 @@ def _train_steps(offload, precision, extra=None, steps=5, gas=2):
             engine.step()
             losses.append(loss.item())
         norms.append(None if engine.get_global_grad_norm() is None else float(engine.get_global_grad_norm()))
-    return losses, norms, zerotron.zero.consolidated_state_dict(engine.module), engine.skipped_steps, \
-        type(engine.optimizer).__name__
+    return (
+        losses,
+        norms,
+        zerotron.zero.consolidated_state_dict(engine.module),
+        engine.skipped_steps,
+        type(engine.optimizer).__name__,
+    )
 
 
-@pytest.mark.parametrize("precision,extra", [("fp16", None), ("fp16", {"reshard_after_backward": True}),
-                                             ("bf16", {"reshard_after_backward": True})])
+@pytest.mark.parametrize(
+    "precision,extra",
+    [("fp16", None), ("fp16", {"reshard_after_backward": True}), ("bf16", {"reshard_after_backward": True})],
+)
 def test_fused_host_step_trains_as_the_device_step_bit_for_bit(precision, extra):
     """Offloaded (CPU Adam reading the host gradients, unscaling and clipping in cache) and
     not: the same losses, norms and weights, bit for bit, through skipped fp16 steps; after a
@@ -234,6 +266,7 @@ def test_bf16_offload_keeps_no_fp32_gradients_on_the_host():
     shard, steps = _shard_and_step_counters()
     assert report["host"] == (4 + 2 + 8) * shard + steps
     from zerotron.planner.memory import rank_state_bytes
+
     numels = [p.numel() for p in make_model(n_kv_head=4).parameters()]
     predicted = rank_state_bytes(numels, dp=2, stage=2, dtype="bf16", offload_optimizer=True)
     assert abs(predicted["host"] - report["host"]) <= steps + 8  # the planner leaves the step counters out
@@ -244,6 +277,7 @@ def _host_passes(client_optimizer: bool, stage: int = 2):
     """bf16 with optimizer offload, 4 steps: the full fp32 -> bf16 passes over the host shard each step
     makes, and whether the staging buffer holds the weights after each step."""
     from zerotron.zero.offload import HostBuffers
+
     casts = []
     real = HostBuffers._cast_masters
     HostBuffers._cast_masters = lambda self: (casts.append(1), real(self))[1]
@@ -274,6 +308,7 @@ def test_an_offloaded_step_casts_the_masters_only_when_the_optimizer_does_not(cl
 
 def _uploads_in_an_offloaded_fp16_step():
     from tools.sync_counter import SyncCounter
+
     zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
     config = ds_config(2, 1, zero_optimization=zero, fp16={"enabled": True, "initial_scale_power": 8})
     engine, *_ = zerotron.initialize(model=make_model(n_kv_head=4), config=config)
@@ -317,20 +352,31 @@ class _RecordingRuntime:
 
 def _pinned_over_build_and_destroy(cycles=3):
     import gc
+
     import torch.distributed as dist
+
     from zerotron.zero import offload
+
     runtime = _RecordingRuntime()
     offload._cudart, offload.can_pin = (lambda: runtime), (lambda: True)
     seen = []
     for i in range(cycles):
         # DeepSpeed's default pin_memory (false) is pinned too: pageable memory stalls backward on a GPU
-        zero = {"stage": 3 if i % 2 else 2, "stage3_param_persistence_threshold": 0,
-                "offload_optimizer": {"device": "cpu", "pin_memory": False}}
+        zero = {
+            "stage": 3 if i % 2 else 2,
+            "stage3_param_persistence_threshold": 0,
+            "offload_optimizer": {"device": "cpu", "pin_memory": False},
+        }
         if i % 2:
             zero["offload_param"] = {"device": "cpu", "pin_memory": False}
         engine = zerotron.initialize(model=make_model(n_kv_head=4), config=ds_config(2, 1, zero_optimization=zero))[0]
-        engine.train_batch(iter(micro_batches(global_batches(1, 2 * dist.get_world_size())[0], engine.coords.dp,
-                                              dist.get_world_size(), 1)))
+        engine.train_batch(
+            iter(
+                micro_batches(
+                    global_batches(1, 2 * dist.get_world_size())[0], engine.coords.dp, dist.get_world_size(), 1
+                )
+            )
+        )
         seen.append(len(runtime.live))
         engine.destroy()
         del engine
@@ -348,8 +394,11 @@ def _uploads_of_offloaded_parameters():
     """ZeRO-3 offload_param: each gather's host-to-device copy of the shard, and whether it was issued
     on the transfer side (offload.Uploads.issue), with the gather that reads it."""
     import contextlib
+
     import torch.distributed as dist
+
     from zerotron.zero import offload, stage3
+
     inside, calls = [False], []
     real_issue, real_to_device = offload.Uploads.issue, stage3.to_device
 
@@ -361,10 +410,15 @@ def _uploads_of_offloaded_parameters():
                 yield
             finally:
                 inside[0] = False
+
     offload.Uploads.issue = issue
     stage3.to_device = lambda t, device=None: (calls.append(inside[0]), real_to_device(t, device))[1]
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_param": {"device": "cpu"},
-            "offload_optimizer": {"device": "cpu"}}
+    zero = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "offload_param": {"device": "cpu"},
+        "offload_optimizer": {"device": "cpu"},
+    }
     engine, *_ = zerotron.initialize(model=make_model(n_kv_head=4), config=ds_config(2, 1, zero_optimization=zero))
     world = dist.get_world_size()
     for b in global_batches(2, 2 * world):

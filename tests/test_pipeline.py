@@ -3,13 +3,13 @@
 import pytest
 import torch
 import torch.nn as nn
-
-import zerotron
 from distributed import RankError, run_ranks
 from parity import Dense, assert_losses_close, ds_config, global_batches, make_model, micro_batches, reference_training
+
+import zerotron
 from zerotron.errors import ConfigError
-from zerotron.pipe import LayerSpec, PipelineModule
 from zerotron.parallelize import to_pipeline
+from zerotron.pipe import LayerSpec, PipelineModule
 
 STEPS = 3
 
@@ -19,10 +19,16 @@ def _model(layers, tie):
 
 
 def _train_pipeline(pp, gas, schedule="1f1b", chunks=1, stage=0, tp=1, tie=False, layers=4, checkpoint=0):
-    module = to_pipeline(_model(layers, tie), pp, partition_method="type:_PipeBlock", num_virtual_stages=chunks,
-                         activation_checkpoint_interval=checkpoint)
-    config = ds_config(1, gas, zero_optimization={"stage": stage}, pipeline={"schedule": schedule},
-                       tensor_parallel={"autotp_size": tp})
+    module = to_pipeline(
+        _model(layers, tie),
+        pp,
+        partition_method="type:_PipeBlock",
+        num_virtual_stages=chunks,
+        activation_checkpoint_interval=checkpoint,
+    )
+    config = ds_config(
+        1, gas, zero_optimization={"stage": stage}, pipeline={"schedule": schedule}, tensor_parallel={"autotp_size": tp}
+    )
     engine, *_ = zerotron.initialize(model=module, config=config)
     dp = engine.topology.dp
     losses, norms = [], []
@@ -34,8 +40,9 @@ def _train_pipeline(pp, gas, schedule="1f1b", chunks=1, stage=0, tp=1, tie=False
 
 def _reference(batch, tie=False, layers=4, norms=None):
     """Plain single-process training of the same GPT; weights named as in its pipeline form."""
-    losses, state = reference_training(global_batches(STEPS, batch), norms=norms, n_layer=layers, n_kv_head=4,
-                                       tie_embeddings=tie)
+    losses, state = reference_training(
+        global_batches(STEPS, batch), norms=norms, n_layer=layers, n_kv_head=4, tie_embeddings=tie
+    )
     model = _model(layers, tie)
     model.load_state_dict(state)
     return losses, to_pipeline(model, 1).state_dict()
@@ -53,27 +60,41 @@ def _check(results, ref_losses, ref_state, ref_norms=None):
     assert worst < 1e-5, worst
 
 
-@pytest.mark.parametrize("pp,gas,schedule,chunks", [
-    (2, 4, "gpipe", 1), (2, 4, "1f1b", 1), (2, 4, "interleaved", 2), (2, 4, "zb-h1", 1),
-    (4, 4, "gpipe", 1), (4, 8, "1f1b", 1), (4, 8, "interleaved", 2), (4, 8, "zb-h1", 1), (4, 2, "zb-h1", 1)])
+@pytest.mark.parametrize(
+    "pp,gas,schedule,chunks",
+    [
+        (2, 4, "gpipe", 1),
+        (2, 4, "1f1b", 1),
+        (2, 4, "interleaved", 2),
+        (2, 4, "zb-h1", 1),
+        (4, 4, "gpipe", 1),
+        (4, 8, "1f1b", 1),
+        (4, 8, "interleaved", 2),
+        (4, 8, "zb-h1", 1),
+        (4, 2, "zb-h1", 1),
+    ],
+)
 def test_parity_with_single_process(pp, gas, schedule, chunks):
     layers = max(4, pp * chunks)
     ref_losses, ref_state = _reference(gas, layers=layers)
-    _check(run_ranks(_train_pipeline, pp, pp, gas, schedule, chunks, 0, 1, False, layers, timeout=120),
-           ref_losses, ref_state)
+    _check(
+        run_ranks(_train_pipeline, pp, pp, gas, schedule, chunks, 0, 1, False, layers, timeout=120),
+        ref_losses,
+        ref_state,
+    )
 
 
 # Model chunks make each stage's first point-to-point call a receive on a flow whose sender reaches
 # it only after this stage's first forward: NCCL, which creates a group's communicator at its first
 # operation (every rank of the group blocking until all arrive), deadlocks there unless the groups
 # were connected where they were made. Strict mode (tests/conftest.py) emulates the rule on gloo.
-@pytest.mark.parametrize("world,pp,schedule,tp", [(2, 2, "gpipe", 1), (4, 2, "interleaved", 1), (4, 2, "gpipe", 1),
-                                                  (4, 2, "interleaved", 2)])
+@pytest.mark.parametrize(
+    "world,pp,schedule,tp", [(2, 2, "gpipe", 1), (4, 2, "interleaved", 1), (4, 2, "gpipe", 1), (4, 2, "interleaved", 2)]
+)
 def test_model_chunks_over_data_and_tensor_parallel_ranks(world, pp, schedule, tp):
     gas, dp = 4, world // (pp * tp)
     ref_losses, ref_state = _reference(gas * dp)
-    _check(run_ranks(_train_pipeline, world, pp, gas, schedule, 2, 0, tp, False, 4, timeout=120),
-           ref_losses, ref_state)
+    _check(run_ranks(_train_pipeline, world, pp, gas, schedule, 2, 0, tp, False, 4, timeout=120), ref_losses, ref_state)
 
 
 @pytest.mark.parametrize("checkpoint", [0, 1])
@@ -124,12 +145,13 @@ def _specs(n, d):
 
 
 def _train_specs(pp, steps, gas, d=32, n=4, stage=0):
-    module = PipelineModule(_specs(n, d), num_stages=pp, loss_fn=nn.functional.mse_loss, seed_layers=True,
-                            partition_method="uniform")
+    module = PipelineModule(
+        _specs(n, d), num_stages=pp, loss_fn=nn.functional.mse_loss, seed_layers=True, partition_method="uniform"
+    )
     engine, *_ = zerotron.initialize(model=module, config=ds_config(2, gas, zero_optimization={"stage": stage}))
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randn(2, d, generator=g), torch.randn(2, d, generator=g)) for _ in range(steps * gas)]
-    losses = [engine.train_batch(iter(batches[i * gas:(i + 1) * gas])).item() for i in range(steps)]
+    losses = [engine.train_batch(iter(batches[i * gas : (i + 1) * gas])).item() for i in range(steps)]
     evals = engine.eval_batch(iter(batches[:gas])).item()
     return losses, evals, {k: v.clone() for k, v in engine.module.state_dict().items()}
 
@@ -142,7 +164,12 @@ def test_layer_specs_build_only_local_layers_and_match_one_stage():
         assert_losses_close(losses, ref_losses, rtol=1e-5)
         assert evals == pytest.approx(ref_eval, rel=1e-5)
         merged.update(state)
-    assert set(results[0][2]) == {"layers.0.lin.weight", "layers.0.lin.bias", "layers.1.lin.weight", "layers.1.lin.bias"}
+    assert set(results[0][2]) == {
+        "layers.0.lin.weight",
+        "layers.0.lin.bias",
+        "layers.1.lin.weight",
+        "layers.1.lin.bias",
+    }
     assert merged.keys() == ref_state.keys()
     assert max((merged[k] - ref_state[k]).abs().max().item() for k in ref_state) < 1e-5
 
@@ -169,6 +196,7 @@ def _train_varying_lengths(schedule):
         if kind == "act":
             posted.append(len(ops))
         return post(kind, src, dst, ops, **how)
+
     engine.p2p._post = counting
     losses, messages = [], []
     for step, batch in enumerate(_batches_of_varying_length()):
@@ -186,8 +214,9 @@ def test_shapes_changing_between_batches_cost_a_round_trip_only_when_they_change
     model = _model(4, False)
     model.load_state_dict(ref_state)
     results = run_ranks(_train_varying_lengths, 2, schedule)
-    _check([(losses, state, None, None) for losses, state, _ in results], ref_losses,
-           to_pipeline(model, 1).state_dict())
+    _check(
+        [(losses, state, None, None) for losses, state, _ in results], ref_losses, to_pipeline(model, 1).state_dict()
+    )
     # Two micro-batches, two activation messages a batch. The header travels with the first one
     # into buffers shaped as the last batch's; only a new shape (and the very first batch, whose
     # receiver posts the header alone) costs a second message and a round trip.
@@ -198,8 +227,14 @@ def test_shapes_changing_between_batches_cost_a_round_trip_only_when_they_change
 # ---- bubble -----------------------------------------------------------------------------------------
 def _measure_bubble(schedule, chunks, micro_batches, rounds=4):
     d, rows = 2048, 128  # each layer ~20 ms: transfers (1 MiB) are small next to compute
-    module = PipelineModule(_specs(4 * chunks, d), num_stages=2, loss_fn=nn.functional.mse_loss, seed_layers=True,
-                            partition_method="uniform", num_virtual_stages=chunks)
+    module = PipelineModule(
+        _specs(4 * chunks, d),
+        num_stages=2,
+        loss_fn=nn.functional.mse_loss,
+        seed_layers=True,
+        partition_method="uniform",
+        num_virtual_stages=chunks,
+    )
     config = ds_config(rows, micro_batches, pipeline={"schedule": schedule}, wall_clock_breakdown=True)
     engine, *_ = zerotron.initialize(model=module, config=config)
     # Inputs that require grad make the first stage compute its input gradient too, as every
@@ -241,14 +276,20 @@ def _initialize(config_extra):
     zerotron.initialize(model=module, config=ds_config(1, 2, **config_extra))
 
 
-@pytest.mark.parametrize("extra,message", [
-    ({"zero_optimization": {"stage": 3}}, "stages 0-2"),
-    ({"tensor_parallel": {"autotp_size": 2}, "zerotron": {"sequence_parallel": True}}, "sequence parallelism"),
-    ({"pipeline": {"schedule": "interleaved"}}, "num_virtual_stages"),
-    ({"pipeline": {"schedule": "zb-h1"}, "chunks": 2}, "pipeline.schedule.*zb-h1.*num_virtual_stages=1"),
-    ({"pipeline": {"schedule": "zb-h1"}, "zerotron": {"checkpoint_policy": "selective"}},
-     "checkpoint_policy.*selective.*every_block"),
-    ({"pipeline": {"stages": 4}}, "PipelineModule has 2 stages")])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        ({"zero_optimization": {"stage": 3}}, "stages 0-2"),
+        ({"tensor_parallel": {"autotp_size": 2}, "zerotron": {"sequence_parallel": True}}, "sequence parallelism"),
+        ({"pipeline": {"schedule": "interleaved"}}, "num_virtual_stages"),
+        ({"pipeline": {"schedule": "zb-h1"}, "chunks": 2}, "pipeline.schedule.*zb-h1.*num_virtual_stages=1"),
+        (
+            {"pipeline": {"schedule": "zb-h1"}, "zerotron": {"checkpoint_policy": "selective"}},
+            "checkpoint_policy.*selective.*every_block",
+        ),
+        ({"pipeline": {"stages": 4}}, "PipelineModule has 2 stages"),
+    ],
+)
 def test_unsupported_combinations_get_clear_errors(extra, message):
     world = 4 if "tensor_parallel" in extra else 2
     with pytest.raises(RankError, match=message):
@@ -268,5 +309,6 @@ def test_forward_on_a_pipeline_engine_points_to_train_batch():
 
 def test_config_error_when_pipeline_does_not_divide_the_world():
     from zerotron.config import Config
+
     with pytest.raises(ConfigError, match="pipeline"):
         Config.load(ds_config(1, 1), world_size=6, pipeline_stages=4)

@@ -1,11 +1,12 @@
 """The zero-bubble backward split (zerotron/pipe/backward.py): B gives the input's gradient and no
 weight gradient, W then gives the weight gradients of a plain backward, bit for bit, with the
 weights' post-accumulate-grad hooks (ZeRO's reduction) firing once each, in W."""
+
 import pytest
 import torch
 import torch.nn as nn
-
 from parity import make_model
+
 from zerotron.checkpointing import checkpoint
 from zerotron.models.gpt import cross_entropy
 from zerotron.parallelize import to_pipeline
@@ -46,8 +47,13 @@ def _split_matches_plain_backward(loss_of, x, weights, ordered=True):
 @pytest.mark.parametrize("interval", [0, 1, 2])
 def test_a_gpt_stage_splits_exactly(interval):
     """The last stage of a 2-stage GPT (2 blocks, norm, head, loss), checkpointed every `interval` layers."""
-    stage = to_pipeline(make_model(n_layer=4, n_kv_head=4), 2, partition_method="type:_PipeBlock", stage_id=1,
-                        activation_checkpoint_interval=interval)
+    stage = to_pipeline(
+        make_model(n_layer=4, n_kv_head=4),
+        2,
+        partition_method="type:_PipeBlock",
+        stage_id=1,
+        activation_checkpoint_interval=interval,
+    )
     labels = torch.randint(0, 256, (2, 16))
     x = torch.randn(2, 16, stage.chunks[0][0][1].config.d_model, requires_grad=True)
     _split_matches_plain_backward(lambda x: cross_entropy(stage(x.clone()), labels), x, list(stage.parameters()))
@@ -63,8 +69,12 @@ def test_a_weight_used_at_two_depths_is_counted_once():
     torch.manual_seed(0)
     shared, other = nn.Linear(8, 8), nn.Linear(8, 8)
     x = torch.randn(4, 8, requires_grad=True)
-    _split_matches_plain_backward(lambda x: torch.tanh(shared(torch.tanh(other(torch.tanh(shared(x)))))).sum(),
-                                  x, [*shared.parameters(), *other.parameters()], ordered=False)
+    _split_matches_plain_backward(
+        lambda x: torch.tanh(shared(torch.tanh(other(torch.tanh(shared(x)))))).sum(),
+        x,
+        [*shared.parameters(), *other.parameters()],
+        ordered=False,
+    )
 
 
 def test_an_output_part_independent_of_the_input():

@@ -1,18 +1,21 @@
 """Pipeline schedules and partitions, checked without processes: order of operations, deadlock
 freedom, in-flight activations, message order and the ideal bubble."""
+
 import itertools
 
 import pytest
 import torch.nn as nn
 
 from zerotron.pipe import LayerSpec, PipelineModule, TiedLayerSpec, build_schedule, simulate, theoretical_bubble
-from zerotron.pipe.schedule import Action
 from zerotron.pipe.partition import by_type, partition, uniform
+from zerotron.pipe.schedule import Action
 
-CASES = [(name, p, m, v) for name, v in (("gpipe", 1), ("1f1b", 1), ("gpipe", 2), ("interleaved", 2), ("interleaved", 3),
-                                          ("zb-h1", 1))
-         for p, m in itertools.product((1, 2, 3, 4, 8), (1, 2, 4, 8, 16))
-         if name != "interleaved" or m % p == 0]
+CASES = [
+    (name, p, m, v)
+    for name, v in (("gpipe", 1), ("1f1b", 1), ("gpipe", 2), ("interleaved", 2), ("interleaved", 3), ("zb-h1", 1))
+    for p, m in itertools.product((1, 2, 3, 4, 8), (1, 2, 4, 8, 16))
+    if name != "interleaved" or m % p == 0
+]
 
 
 @pytest.mark.parametrize("name,p,m,v", CASES)
@@ -21,7 +24,8 @@ def test_every_micro_batch_runs_forward_then_backward_once_per_chunk(name, p, m,
     kinds = "FBW" if name == "zb-h1" else "FB"  # zero bubble: the weight gradients are W actions
     for actions in schedule:
         assert sorted((a.kind, a.chunk, a.micro) for a in actions) == sorted(
-            (k, c, i) for k in kinds for c in range(v) for i in range(m))
+            (k, c, i) for k in kinds for c in range(v) for i in range(m)
+        )
         seen = set()
         for a in actions:  # on one stage, each chunk's backward comes after its forward, W after B
             if a.kind in "BW":
@@ -64,7 +68,19 @@ def test_zb_h1_idles_a_third_of_1f1b_with_equal_passes(p, m):
 def test_zb_h1_fills_the_cool_down_with_deferred_weight_passes():
     # stage s runs its W's s steps late; the last stage hands gradients back as fast as B allows
     assert [str(a) for a in build_schedule("zb-h1", 2, 4)[1]] == [
-        "F0.0", "B0.0", "F0.1", "B0.1", "W0.0", "F0.2", "B0.2", "W0.1", "F0.3", "B0.3", "W0.2", "W0.3"]
+        "F0.0",
+        "B0.0",
+        "F0.1",
+        "B0.1",
+        "W0.0",
+        "F0.2",
+        "B0.2",
+        "W0.1",
+        "F0.3",
+        "B0.3",
+        "W0.2",
+        "W0.3",
+    ]
     assert [a.kind for a in build_schedule("zb-h1", 2, 4)[0]] == list("FFBWFBWFBWBW")
     # unequal passes (given per stage): the paper's m(t_F + t_B + t_W) + (p - 1)(t_F + t_B - t_W)
     t_f, t_b, t_w = 1.0, 1.5, 0.5
@@ -74,6 +90,7 @@ def test_zb_h1_fills_the_cool_down_with_deferred_weight_passes():
 
 def test_zb_h1_is_refused_with_model_chunks():
     from zerotron.errors import ConfigError
+
     with pytest.raises(ConfigError, match="pipeline.schedule.*num_virtual_stages=1"):
         build_schedule("zb-h1", 2, 4, 2)
 
@@ -95,6 +112,7 @@ def test_interleaved_bounds_activations_in_flight():
 
 def test_interleaved_is_refused_without_model_chunks():
     from zerotron.errors import ConfigError
+
     with pytest.raises(ConfigError, match="pipeline.schedule.*num_virtual_stages=2 or more"):
         build_schedule("interleaved", 2, 4, 1)
 
@@ -164,12 +182,16 @@ class Block(nn.Module):
 
 
 def _layers():
-    return [TiedLayerSpec("emb", nn.Embedding, 100, 16), *[LayerSpec(Block, 16) for _ in range(6)],
-            TiedLayerSpec("emb", nn.Embedding, 100, 16, forward_fn=lambda m, x: x @ m.weight.t())]
+    return [
+        TiedLayerSpec("emb", nn.Embedding, 100, 16),
+        *[LayerSpec(Block, 16) for _ in range(6)],
+        TiedLayerSpec("emb", nn.Embedding, 100, 16, forward_fn=lambda m, x: x @ m.weight.t()),
+    ]
 
 
-@pytest.mark.parametrize("method,bounds", [("uniform", [0, 2, 4, 6, 8]), ("type:block", [0, 3, 5, 6, 8]),
-                                           ("parameters", [0, 1, 4, 7, 8])])
+@pytest.mark.parametrize(
+    "method,bounds", [("uniform", [0, 2, 4, 6, 8]), ("type:block", [0, 3, 5, 6, 8]), ("parameters", [0, 1, 4, 7, 8])]
+)
 def test_partition_methods_of_pipeline_module(method, bounds):
     m = PipelineModule(_layers(), num_stages=4, partition_method=method, stage_id=0)
     assert m.parts == bounds
@@ -195,6 +217,7 @@ def _stalls(schedule, p: int, v: int, group_of, ahead: bool = True) -> bool:
     gradient, its forward has run); else each just before its computation. True when the stages
     wait on each other forever."""
     from zerotron.pipe.schedule import location, virtual_stage
+
     last = p * v - 1
     programs = []
     for s, actions in enumerate(schedule):
@@ -202,9 +225,13 @@ def _stalls(schedule, p: int, v: int, group_of, ahead: bool = True) -> bool:
         for a in actions:
             vs = virtual_stage(s, a.chunk, p)
             if a.kind == "F":
-                program.append((("act", vs, a.micro) if vs > 0 else None, [("act", vs + 1, a.micro)] if vs < last else []))
+                program.append(
+                    (("act", vs, a.micro) if vs > 0 else None, [("act", vs + 1, a.micro)] if vs < last else [])
+                )
             elif a.kind == "B":
-                program.append((("grad", vs, a.micro) if vs < last else None, [("grad", vs - 1, a.micro)] if vs > 0 else []))
+                program.append(
+                    (("grad", vs, a.micro) if vs < last else None, [("grad", vs - 1, a.micro)] if vs > 0 else [])
+                )
             else:  # W: no messages
                 program.append((None, []))
         programs.append(program)
@@ -226,6 +253,7 @@ def _stalls(schedule, p: int, v: int, group_of, ahead: bool = True) -> bool:
             head = next((m for m in flow if m not in read), None)
             if head is not None and head not in posted and (head[0] == "act" or ("F",) + head[1:] in forwards):
                 post(r, head)
+
     while True:
         moved = False
         for r in range(p):
@@ -296,6 +324,7 @@ def test_each_receive_is_posted_as_soon_as_the_schedule_makes_it_knowable(name, 
     stage computes; and no flow has two receives outstanding."""
     from zerotron.pipe.p2p import Inbox
     from zerotron.pipe.schedule import location, virtual_stage
+
     last = p * v - 1
     for s, actions in enumerate(build_schedule(name, p, m, v)):
         reads, answers = [], []  # per action: what it receives (as the engine's _reads), the forward it answers

@@ -1,4 +1,5 @@
 """LR schedulers: trajectories against hand-computed DeepSpeed formulas, resume, validation."""
+
 import inspect
 import json
 import math
@@ -8,7 +9,13 @@ import torch
 
 from zerotron.errors import ConfigError
 from zerotron.schedulers import (
-    SCHEDULERS, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler, validate_scheduler,
+    SCHEDULERS,
+    OneCycle,
+    WarmupCosineLR,
+    WarmupDecayLR,
+    WarmupLR,
+    build_scheduler,
+    validate_scheduler,
 )
 
 
@@ -31,10 +38,10 @@ def run_to(sched, step):
 
 # ---------------------------------------------------------------- WarmupLR
 
+
 def test_warmup_log_trajectory():
     opt = make_opt()
-    sched = build_scheduler("WarmupLR", {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01,
-                                         "warmup_num_steps": 10}, opt)
+    sched = build_scheduler("WarmupLR", {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 10}, opt)
     # Set at construction, before any step.
     assert lrs(opt) == [0.001]
     assert sched.get_last_lr() == [0.001]
@@ -84,8 +91,9 @@ def test_warmup_max_lr_defaults():
 
 def test_warmup_per_group_values():
     opt = make_opt((0.5, 0.5))
-    sched = WarmupLR(opt, warmup_min_lr=[0.0, 0.01], warmup_max_lr=[0.1, 0.02], warmup_num_steps=10,
-                     warmup_type="linear")
+    sched = WarmupLR(
+        opt, warmup_min_lr=[0.0, 0.01], warmup_max_lr=[0.1, 0.02], warmup_num_steps=10, warmup_type="linear"
+    )
     assert lrs(opt) == [0.0, 0.01]
     sched.step(5)
     assert lrs(opt) == pytest.approx([0.05, 0.015])
@@ -103,21 +111,30 @@ def test_per_group_list_of_wrong_length():
 
 # ---------------------------------------------------------------- WarmupDecayLR
 
+
 def test_warmup_decay_trajectory():
     opt = make_opt()
-    sched = build_scheduler("WarmupDecayLR", {"total_num_steps": 20, "warmup_min_lr": 0.001,
-                                              "warmup_max_lr": 0.016, "warmup_num_steps": 5,
-                                              "warmup_type": "linear"}, opt)
+    sched = build_scheduler(
+        "WarmupDecayLR",
+        {
+            "total_num_steps": 20,
+            "warmup_min_lr": 0.001,
+            "warmup_max_lr": 0.016,
+            "warmup_num_steps": 5,
+            "warmup_type": "linear",
+        },
+        opt,
+    )
     assert lrs(opt) == [0.001]
     delta = 0.015
     expected = {
         0: 0.001,
-        3: 0.001 + delta * 3 / 5,               # warming up
-        5: 0.016,                               # decay starts at the max: (20-5)/15 = 1
-        10: 0.001 + delta * (20 - 10) / 15,     # linear decay
+        3: 0.001 + delta * 3 / 5,  # warming up
+        5: 0.016,  # decay starts at the max: (20-5)/15 = 1
+        10: 0.001 + delta * (20 - 10) / 15,  # linear decay
         19: 0.001 + delta * 1 / 15,
-        20: 0.001,                              # end of decay: back at warmup_min_lr
-        30: 0.001,                              # clamped, never below
+        20: 0.001,  # end of decay: back at warmup_min_lr
+        30: 0.001,  # clamped, never below
     }
     for k in sorted(expected):
         run_to(sched, k)
@@ -126,11 +143,20 @@ def test_warmup_decay_trajectory():
 
 # ---------------------------------------------------------------- WarmupCosineLR
 
+
 def test_warmup_cosine_trajectory():
     opt = make_opt((0.1, 0.02))
-    sched = build_scheduler("WarmupCosineLR", {"total_num_steps": 21, "warmup_num_steps": 5,
-                                               "warmup_min_ratio": 0.2, "cos_min_ratio": 0.1,
-                                               "warmup_type": "linear"}, opt)
+    sched = build_scheduler(
+        "WarmupCosineLR",
+        {
+            "total_num_steps": 21,
+            "warmup_num_steps": 5,
+            "warmup_min_ratio": 0.2,
+            "cos_min_ratio": 0.1,
+            "warmup_type": "linear",
+        },
+        opt,
+    )
     # Starts at 0, not at warmup_min_ratio * lr.
     assert lrs(opt) == [0.0, 0.0]
 
@@ -141,10 +167,10 @@ def test_warmup_cosine_trajectory():
     expected = {
         0: 0.2,
         2: 0.2 + 0.8 * 2 / 5,
-        5: ratio_after_warmup(5),   # already one step into the cosine
-        12: 0.55,                   # cosine midpoint: progress 8/16, ratio halfway to cos_min_ratio
-        20: 0.1,                    # end: cos_min_ratio at step total_num_steps - 1
-        40: 0.1,                    # and held there
+        5: ratio_after_warmup(5),  # already one step into the cosine
+        12: 0.55,  # cosine midpoint: progress 8/16, ratio halfway to cos_min_ratio
+        20: 0.1,  # end: cos_min_ratio at step total_num_steps - 1
+        40: 0.1,  # and held there
     }
     assert expected[5] < 1.0
     for k in sorted(expected):
@@ -164,9 +190,17 @@ def test_warmup_cosine_log_warmup_hits_one():
 
 # ---------------------------------------------------------------- OneCycle
 
-ONE_CYCLE = {"cycle_min_lr": 0.001, "cycle_max_lr": 0.011, "cycle_first_step_size": 4,
-             "cycle_second_step_size": 6, "decay_lr_rate": 0.5, "decay_step_size": 2,
-             "cycle_min_mom": 0.8, "cycle_max_mom": 0.9, "decay_mom_rate": 0.01}
+ONE_CYCLE = {
+    "cycle_min_lr": 0.001,
+    "cycle_max_lr": 0.011,
+    "cycle_first_step_size": 4,
+    "cycle_second_step_size": 6,
+    "decay_lr_rate": 0.5,
+    "decay_step_size": 2,
+    "cycle_min_mom": 0.8,
+    "cycle_max_mom": 0.9,
+    "decay_mom_rate": 0.01,
+}
 
 
 def test_one_cycle_lr_and_momentum_with_adam():
@@ -180,11 +214,11 @@ def test_one_cycle_lr_and_momentum_with_adam():
     # Step k sits at position k+1 of the 10-step cycle: up over 4 steps, down over 6.
     expected = {  # step: (position in cycle 0..1, or None in decay, lr, beta1)
         0: (0.25, 0.001 + 0.01 * 0.25, 0.9 - 0.1 * 0.25),
-        3: (1.0, 0.011, 0.8),                           # peak lr, lowest momentum
-        6: (0.5, 0.006, 0.85),                          # half way down
-        9: (0.0, 0.001, 0.9),                           # cycle done
-        10: (None, 0.001 / (1 + 0.5 * 0.5), 0.9 * (1 + 0.01 * 0.5)),   # (10-10+1)/2 = 0.5 intervals
-        13: (None, 0.001 / (1 + 0.5 * 2), 0.9 * (1 + 0.01 * 2)),       # 4/2 = 2 intervals, not rounded
+        3: (1.0, 0.011, 0.8),  # peak lr, lowest momentum
+        6: (0.5, 0.006, 0.85),  # half way down
+        9: (0.0, 0.001, 0.9),  # cycle done
+        10: (None, 0.001 / (1 + 0.5 * 0.5), 0.9 * (1 + 0.01 * 0.5)),  # (10-10+1)/2 = 0.5 intervals
+        13: (None, 0.001 / (1 + 0.5 * 2), 0.9 * (1 + 0.01 * 2)),  # 4/2 = 2 intervals, not rounded
     }
     for k in sorted(expected):
         run_to(sched, k)
@@ -198,8 +232,15 @@ def test_one_cycle_lr_and_momentum_with_adam():
 
 def test_one_cycle_staircase():
     opt = make_opt((0.1,), "adam")
-    sched = OneCycle(opt, cycle_min_lr=0.0, cycle_max_lr=1.0, cycle_first_step_size=9,
-                     cycle_second_step_size=6, cycle_first_stair_count=3, cycle_second_stair_count=2)
+    sched = OneCycle(
+        opt,
+        cycle_min_lr=0.0,
+        cycle_max_lr=1.0,
+        cycle_first_step_size=9,
+        cycle_second_step_size=6,
+        cycle_first_stair_count=3,
+        cycle_second_stair_count=2,
+    )
     # Rising half: 3 stairs of 3 steps; falling half: 2 stairs of 3 steps (offset = step + 1).
     expected = {0: 0.0, 1: 0.0, 2: 1 / 3, 5: 2 / 3, 7: 2 / 3, 8: 1.0, 9: 0.5, 11: 0.5, 12: 0.0, 14: 0.0}
     for k in sorted(expected):
@@ -232,8 +273,7 @@ def test_one_cycle_sgd_momentum_untouched():
 
 def test_one_cycle_per_group_momentum():
     opt = make_opt((0.1, 0.1), "adam")
-    sched = OneCycle(opt, 0.001, 0.011, cycle_first_step_size=4, cycle_min_mom=[0.8, 0.7],
-                     cycle_max_mom=[0.9, 0.95])
+    sched = OneCycle(opt, 0.001, 0.011, cycle_first_step_size=4, cycle_min_mom=[0.8, 0.7], cycle_max_mom=[0.9, 0.95])
     assert [g["betas"][0] for g in opt.param_groups] == [0.8, 0.7]
     sched.step(3)  # peak
     assert [g["betas"][0] for g in opt.param_groups] == pytest.approx([0.8, 0.7])
@@ -319,6 +359,7 @@ def test_wrapped_optimizer_is_unwrapped():
 def test_accepted_params_match_constructors():
     # The validation table must cover exactly what each class takes as JSON params.
     from zerotron.config.scheduler_section import _RULES
+
     for name, cls in SCHEDULERS.items():
         args = list(inspect.signature(cls).parameters)
         assert args[0] == "optimizer"
@@ -326,6 +367,7 @@ def test_accepted_params_match_constructors():
 
 
 # ---------------------------------------------------------------- validation
+
 
 def config_error(type_name, params):
     with pytest.raises(ConfigError) as err:
@@ -345,32 +387,41 @@ def test_unknown_param_lists_valid_names():
     assert "warmup_num_steps" in err.fix and "warmup_min_lr" in err.fix
     # Parameters of one scheduler are not valid for another.
     assert config_error("WarmupLR", {"total_num_steps": 10}).key == "scheduler.params.total_num_steps"
-    assert config_error("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1, "warmup_type": "log"}).key \
+    assert (
+        config_error("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1, "warmup_type": "log"}).key
         == "scheduler.params.warmup_type"
+    )
 
 
-@pytest.mark.parametrize("type_name,params,bad", [
-    ("WarmupLR", {"warmup_num_steps": -5}, "warmup_num_steps"),
-    ("WarmupLR", {"warmup_num_steps": -1}, "warmup_num_steps"),
-    ("WarmupLR", {"warmup_num_steps": 10.5}, "warmup_num_steps"),
-    ("WarmupLR", {"warmup_num_steps": True}, "warmup_num_steps"),
-    ("WarmupLR", {"warmup_type": "cosine"}, "warmup_type"),
-    ("WarmupLR", {"warmup_min_lr": -0.1}, "warmup_min_lr"),
-    ("WarmupLR", {"warmup_max_lr": "1e-3"}, "warmup_max_lr"),
-    ("WarmupLR", {"warmup_max_lr": [0.1, "x"]}, "warmup_max_lr"),
-    ("WarmupLR", {"last_batch_iteration": -2}, "last_batch_iteration"),
-    ("WarmupDecayLR", {"total_num_steps": -1, "warmup_num_steps": 1}, "total_num_steps"),
-    ("WarmupCosineLR", {"total_num_steps": 100, "cos_min_ratio": 1.5}, "cos_min_ratio"),
-    ("WarmupCosineLR", {"total_num_steps": 100, "warmup_min_ratio": -0.1}, "warmup_min_ratio"),
-    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1, "cycle_first_step_size": 0}, "cycle_first_step_size"),
-    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1, "cycle_second_step_size": -1}, "cycle_second_step_size"),
-    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1, "cycle_first_stair_count": 1.5}, "cycle_first_stair_count"),
-    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1, "decay_step_size": -2}, "decay_step_size"),
-    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1, "decay_lr_rate": -0.5}, "decay_lr_rate"),
-    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1, "cycle_momentum": "yes"}, "cycle_momentum"),
-    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1, "cycle_max_mom": 1.2}, "cycle_max_mom"),
-    ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": float("nan")}, "cycle_max_lr"),
-])
+@pytest.mark.parametrize(
+    "type_name,params,bad",
+    [
+        ("WarmupLR", {"warmup_num_steps": -5}, "warmup_num_steps"),
+        ("WarmupLR", {"warmup_num_steps": -1}, "warmup_num_steps"),
+        ("WarmupLR", {"warmup_num_steps": 10.5}, "warmup_num_steps"),
+        ("WarmupLR", {"warmup_num_steps": True}, "warmup_num_steps"),
+        ("WarmupLR", {"warmup_type": "cosine"}, "warmup_type"),
+        ("WarmupLR", {"warmup_min_lr": -0.1}, "warmup_min_lr"),
+        ("WarmupLR", {"warmup_max_lr": "1e-3"}, "warmup_max_lr"),
+        ("WarmupLR", {"warmup_max_lr": [0.1, "x"]}, "warmup_max_lr"),
+        ("WarmupLR", {"last_batch_iteration": -2}, "last_batch_iteration"),
+        ("WarmupDecayLR", {"total_num_steps": -1, "warmup_num_steps": 1}, "total_num_steps"),
+        ("WarmupCosineLR", {"total_num_steps": 100, "cos_min_ratio": 1.5}, "cos_min_ratio"),
+        ("WarmupCosineLR", {"total_num_steps": 100, "warmup_min_ratio": -0.1}, "warmup_min_ratio"),
+        ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1, "cycle_first_step_size": 0}, "cycle_first_step_size"),
+        ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1, "cycle_second_step_size": -1}, "cycle_second_step_size"),
+        (
+            "OneCycle",
+            {"cycle_min_lr": 0.1, "cycle_max_lr": 1, "cycle_first_stair_count": 1.5},
+            "cycle_first_stair_count",
+        ),
+        ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1, "decay_step_size": -2}, "decay_step_size"),
+        ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1, "decay_lr_rate": -0.5}, "decay_lr_rate"),
+        ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1, "cycle_momentum": "yes"}, "cycle_momentum"),
+        ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": 1, "cycle_max_mom": 1.2}, "cycle_max_mom"),
+        ("OneCycle", {"cycle_min_lr": 0.1, "cycle_max_lr": float("nan")}, "cycle_max_lr"),
+    ],
+)
 def test_bad_values(type_name, params, bad):
     err = config_error(type_name, params)
     assert err.key == f"scheduler.params.{bad}"
@@ -401,14 +452,20 @@ def test_valid_configs_pass():
         validate_scheduler(name, params)
     validate_scheduler("WarmupLR", {})
     validate_scheduler("WarmupLR", None)
-    validate_scheduler("OneCycle", {"cycle_min_lr": [0.1, 0.2], "cycle_max_lr": [1, 2],
-                                    "cycle_second_step_size": None, "cycle_second_stair_count": None,
-                                    "decay_mom_rate": -0.1})
+    validate_scheduler(
+        "OneCycle",
+        {
+            "cycle_min_lr": [0.1, 0.2],
+            "cycle_max_lr": [1, 2],
+            "cycle_second_step_size": None,
+            "cycle_second_stair_count": None,
+            "decay_mom_rate": -0.1,
+        },
+    )
 
 
 def test_auto_is_accepted_by_validate_but_not_build():
-    params = {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
-              "total_num_steps": "auto"}
+    params = {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}
     validate_scheduler("WarmupDecayLR", params)
     validate_scheduler("WarmupCosineLR", {"total_num_steps": "auto", "warmup_num_steps": 2000})
     with pytest.raises(ConfigError) as err:

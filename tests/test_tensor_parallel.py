@@ -1,21 +1,34 @@
 """Tensor parallelism (and sequence parallelism) trains the same model as one process."""
+
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import RankError, run_ranks
+from parity import (
+    SEQ,
+    assert_losses_close,
+    ds_config,
+    global_batches,
+    make_model,
+    max_weight_diff,
+    micro_batches,
+    reference_training,
+)
 
 import zerotron
-from distributed import RankError, run_ranks
-from parity import (SEQ, assert_losses_close, ds_config, global_batches, make_model, max_weight_diff,
-                    micro_batches, reference_training)
 
 STEPS = 4
 
 
 def _train_tp(tp, micro, gas, steps, sequence_parallel=False, stage=0, model_overrides=None):
     world = dist.get_world_size()
-    config = ds_config(micro, gas, tensor_parallel={"autotp_size": tp},
-                       zerotron={"sequence_parallel": sequence_parallel},
-                       zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0})
+    config = ds_config(
+        micro,
+        gas,
+        tensor_parallel={"autotp_size": tp},
+        zerotron={"sequence_parallel": sequence_parallel},
+        zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0},
+    )
     engine, *_ = zerotron.initialize(model=make_model(**(model_overrides or {})), config=config)
     dp, dp_rank = world // tp, engine.coords.dp
     losses = []
@@ -26,8 +39,10 @@ def _train_tp(tp, micro, gas, steps, sequence_parallel=False, stage=0, model_ove
     return losses, zerotron.zero.consolidated_state_dict(engine.module), stats
 
 
-@pytest.mark.parametrize("world,tp,gas,sp", [
-    (2, 2, 1, False), (2, 2, 2, True), (4, 4, 1, False), (4, 4, 1, True), (4, 2, 2, False), (4, 2, 1, True)])
+@pytest.mark.parametrize(
+    "world,tp,gas,sp",
+    [(2, 2, 1, False), (2, 2, 2, True), (4, 4, 1, False), (4, 4, 1, True), (4, 2, 2, False), (4, 2, 1, True)],
+)
 def test_parity_with_single_process(world, tp, gas, sp):
     overrides = {"n_kv_head": 4}  # 4 key/value heads split over up to 4 ranks
     ref_losses, ref_state = reference_training(global_batches(STEPS, 2 * gas * (world // tp)), **overrides)
@@ -82,16 +97,21 @@ def _shapes_moved_to_the_device():
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if func is torch.Tensor.to and (kwargs.get("device") is not None or any(
-                    isinstance(a, (torch.device, str)) for a in args[1:])):
+            if func is torch.Tensor.to and (
+                kwargs.get("device") is not None or any(isinstance(a, (torch.device, str)) for a in args[1:])
+            ):
                 self.shapes.append(tuple(args[0].shape))
             return func(*args, **kwargs)
+
     model = make_model(n_kv_head=4)
     whole = {name: tuple(p.shape) for name, p in model.named_parameters()}
     with Moves() as moves:
         engine, *_ = zerotron.initialize(model=model, config=ds_config(4, 1, tensor_parallel={"autotp_size": 2}))
-    split = {name: (whole[name], tuple(p.shape)) for name, p in engine.module.named_parameters()
-             if tuple(p.shape) != whole[name]}
+    split = {
+        name: (whole[name], tuple(p.shape))
+        for name, p in engine.module.named_parameters()
+        if tuple(p.shape) != whole[name]
+    }
     return moves.shapes, split
 
 

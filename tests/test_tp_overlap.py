@@ -2,15 +2,24 @@
 one half's collective in flight while the other half computes, in forward and backward. Same
 training as plain tensor parallelism and as one process; half of the blocks' collectives overlap a
 matmul (the other half, one per block and direction, is the exposed tail); the same bytes."""
+
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import RankError, run_ranks
+from parity import (
+    SEQ,
+    assert_losses_close,
+    ds_config,
+    global_batches,
+    make_model,
+    max_weight_diff,
+    micro_batches,
+    reference_training,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zerotron
-from distributed import RankError, run_ranks
-from parity import (SEQ, assert_losses_close, ds_config, global_batches, make_model, max_weight_diff, micro_batches,
-                    reference_training)
 from zerotron.config import Config
 from zerotron.errors import ConfigError
 
@@ -47,16 +56,22 @@ def _watch(comm, matmuls, log):
                 log.append((_kind, matmuls.count > start))
                 work.wait = wait
                 return wait(*a)
+
             work.wait = waited
             return work
+
         setattr(comm, kind, watched)
 
 
 def _train(tp, overlap, sp=False, gas=1, stage=0, policy="none", micro=2):
     world = dist.get_world_size()
-    config = ds_config(micro, gas, tensor_parallel={"autotp_size": tp, "tp_overlap_comm": overlap},
-                       zerotron={"sequence_parallel": sp, "checkpoint_policy": policy},
-                       zero_optimization={"stage": stage})
+    config = ds_config(
+        micro,
+        gas,
+        tensor_parallel={"autotp_size": tp, "tp_overlap_comm": overlap},
+        zerotron={"sequence_parallel": sp, "checkpoint_policy": policy},
+        zero_optimization={"stage": stage},
+    )
     engine, *_ = zerotron.initialize(model=make_model(n_kv_head=4, n_layer=LAYERS), config=config)
     dp, dp_rank = world // tp, engine.coords.dp
     matmuls, log = Matmuls(), []
@@ -72,17 +87,30 @@ def _train(tp, overlap, sp=False, gas=1, stage=0, policy="none", micro=2):
     x = global_batches(1, 1)[0][0]
     with torch.no_grad():  # one sequence: nothing to split, the block runs whole
         logits = engine(x)
-    return {"losses": losses, "weights": zerotron.zero.consolidated_state_dict(engine.module), "stats": stats,
-            "log": log, "logits": logits}
+    return {
+        "losses": losses,
+        "weights": zerotron.zero.consolidated_state_dict(engine.module),
+        "stats": stats,
+        "log": log,
+        "logits": logits,
+    }
 
 
 def _both(tp, sp=False, gas=1, stage=0, policy="none"):
     return _train(tp, False, sp, gas, stage, policy), _train(tp, True, sp, gas, stage, policy)
 
 
-@pytest.mark.parametrize("world,tp,sp,gas,stage,policy", [
-    (2, 2, False, 1, 0, "none"), (2, 2, True, 2, 0, "none"), (4, 2, False, 1, 1, "none"),
-    (4, 2, True, 1, 2, "every_block"), (4, 2, False, 2, 3, "none"), (4, 4, False, 1, 0, "none")])
+@pytest.mark.parametrize(
+    "world,tp,sp,gas,stage,policy",
+    [
+        (2, 2, False, 1, 0, "none"),
+        (2, 2, True, 2, 0, "none"),
+        (4, 2, False, 1, 1, "none"),
+        (4, 2, True, 1, 2, "every_block"),
+        (4, 2, False, 2, 3, "none"),
+        (4, 4, False, 1, 0, "none"),
+    ],
+)
 def test_overlap_trains_as_plain_tensor_parallelism_and_one_process(world, tp, sp, gas, stage, policy):
     dp = world // tp
     ref_losses, ref_state = reference_training(global_batches(STEPS, 2 * gas * dp), n_kv_head=4, n_layer=LAYERS)
@@ -104,9 +132,13 @@ def _spans_alive_after_steps(steps=3):
     join a block's two halves to the autograd graph: one kept past its step would keep the step's
     activations and graph with it)."""
     import gc
+
     from zerotron.tensor_parallel.overlap import Span
-    engine, *_ = zerotron.initialize(model=make_model(n_kv_head=4, n_layer=LAYERS),
-                                     config=ds_config(2, 1, tensor_parallel={"autotp_size": 2, "tp_overlap_comm": True}))
+
+    engine, *_ = zerotron.initialize(
+        model=make_model(n_kv_head=4, n_layer=LAYERS),
+        config=ds_config(2, 1, tensor_parallel={"autotp_size": 2, "tp_overlap_comm": True}),
+    )
     alive = []
     for b in global_batches(steps, 2):
         engine.train_batch(iter(micro_batches(b, 0, 1, 1)))
@@ -124,6 +156,7 @@ def test_nothing_of_a_step_outlives_it():
 
 def _pipeline(overlap):
     from zerotron.parallelize import to_pipeline
+
     module = to_pipeline(make_model(n_kv_head=4, n_layer=LAYERS), 2, partition_method="type:_PipeBlock")
     config = ds_config(2, 2, tensor_parallel={"autotp_size": 2, "tp_overlap_comm": overlap})
     engine, *_ = zerotron.initialize(model=module, config=config)
@@ -188,12 +221,15 @@ class _NoRegion(_Biased):
 
 
 def _initialize(model_class):
-    zerotron.initialize(model=model_class(), config=ds_config(2, 1, tensor_parallel={"autotp_size": 2,
-                                                                                     "tp_overlap_comm": True}))
+    zerotron.initialize(
+        model=model_class(), config=ds_config(2, 1, tensor_parallel={"autotp_size": 2, "tp_overlap_comm": True})
+    )
 
 
-@pytest.mark.parametrize("model_class,message", [
-    (_NoRegion, "marks no \"region\""), (_Biased, "exactly one row-parallel layer without a bias")])
+@pytest.mark.parametrize(
+    "model_class,message",
+    [(_NoRegion, 'marks no "region"'), (_Biased, "exactly one row-parallel layer without a bias")],
+)
 def test_a_plan_without_fitting_regions_is_refused(model_class, message):
     with pytest.raises(RankError, match=f"tensor_parallel.tp_overlap_comm.*{message}"):
         run_ranks(_initialize, 2, model_class)

@@ -2,15 +2,27 @@
 parameters and optimizers handed in every way DeepSpeed accepts (under tensor parallelism too),
 `loss.backward()` instead of `engine.backward`, a resume under another accumulation, and a
 pipeline stage whose first layer works in place."""
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from distributed import RankError, run_ranks
+from parity import (
+    EPS,
+    LR,
+    Dense,
+    assert_losses_close,
+    ds_config,
+    global_batches,
+    make_model,
+    max_weight_diff,
+    micro_batches,
+    param_groups,
+    reference_training,
+)
 
 import zerotron
-from distributed import RankError, run_ranks
-from parity import (EPS, LR, Dense, assert_losses_close, ds_config, global_batches, make_model, max_weight_diff,
-                    micro_batches, param_groups, reference_training)
 
 STEPS = 3
 MODEL = {"n_kv_head": 4}  # 4 key/value heads: splits over 2 tensor-parallel ranks
@@ -22,21 +34,23 @@ def _adamw(params):
 
 # (how the parameters / optimizer reach initialize, whether they form two groups)
 HANDED_IN = {
-    "nothing": False,               # initialize(model=m, config=cfg)
-    "generator": False,             # model_parameters=m.parameters()  (every DeepSpeed example)
-    "list": False,                  # model_parameters=list(m.parameters())
-    "groups": True,                 # model_parameters=[{"params": ..., "weight_decay": ...}, ...]
-    "client": False,                # optimizer=torch.optim.AdamW(m.parameters()) built before initialize
-    "client_groups": True,          # the same with two groups
-    "callable": True,               # optimizer=lambda params: AdamW(params), params from model_parameters
+    "nothing": False,  # initialize(model=m, config=cfg)
+    "generator": False,  # model_parameters=m.parameters()  (every DeepSpeed example)
+    "list": False,  # model_parameters=list(m.parameters())
+    "groups": True,  # model_parameters=[{"params": ..., "weight_decay": ...}, ...]
+    "client": False,  # optimizer=torch.optim.AdamW(m.parameters()) built before initialize
+    "client_groups": True,  # the same with two groups
+    "callable": True,  # optimizer=lambda params: AdamW(params), params from model_parameters
 }
 
 
 def _train_handed_in(how, tp, stage, gas, overlap=False):
     world = dist.get_world_size()
     model = make_model(**MODEL)
-    extra = {"tensor_parallel": {"autotp_size": tp, "tp_overlap_comm": overlap}, "zero_optimization": {"stage": stage,
-                                                                          "stage3_param_persistence_threshold": 0}}
+    extra = {
+        "tensor_parallel": {"autotp_size": tp, "tp_overlap_comm": overlap},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
     config = ds_config(2, gas, **extra)
     kwargs = {}
     if how == "generator":
@@ -53,8 +67,10 @@ def _train_handed_in(how, tp, stage, gas, overlap=False):
             kwargs["optimizer"] = _adamw(param_groups(model) if how == "client_groups" else model.parameters())
     engine, optimizer, *_ = zerotron.initialize(model=model, config=config, **kwargs)
     dp = world // tp
-    losses = [engine.train_batch(iter(micro_batches(b, engine.coords.dp, dp, gas))).item()
-              for b in global_batches(STEPS, 2 * gas * dp)]
+    losses = [
+        engine.train_batch(iter(micro_batches(b, engine.coords.dp, dp, gas))).item()
+        for b in global_batches(STEPS, 2 * gas * dp)
+    ]
     trained = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
     return losses, zerotron.zero.consolidated_state_dict(engine.module), trained
 
@@ -62,8 +78,9 @@ def _train_handed_in(how, tp, stage, gas, overlap=False):
 @pytest.mark.parametrize("how", list(HANDED_IN))
 @pytest.mark.parametrize("world,tp,stage,gas,overlap", [(2, 2, 0, 1, False), (4, 2, 3, 2, False), (2, 2, 1, 2, True)])
 def test_every_way_of_handing_in_parameters_trains_the_whole_model(how, world, tp, stage, gas, overlap):
-    ref_losses, ref_state = reference_training(global_batches(STEPS, 2 * gas * (world // tp)),
-                                               groups=param_groups if HANDED_IN[how] else None, **MODEL)
+    ref_losses, ref_state = reference_training(
+        global_batches(STEPS, 2 * gas * (world // tp)), groups=param_groups if HANDED_IN[how] else None, **MODEL
+    )
     for losses, state, _ in run_ranks(_train_handed_in, world, how, tp, stage, gas, overlap):
         assert_losses_close(losses, ref_losses, rtol=1e-5)
         assert max_weight_diff(state, ref_state) < 1e-5
@@ -76,8 +93,9 @@ def _subset_without_freezing():
 
 def _foreign_parameter():
     model = make_model()
-    zerotron.initialize(model=model, config=ds_config(2, 1),
-                        model_parameters=list(model.parameters()) + [nn.Parameter(torch.zeros(3))])
+    zerotron.initialize(
+        model=model, config=ds_config(2, 1), model_parameters=list(model.parameters()) + [nn.Parameter(torch.zeros(3))]
+    )
 
 
 def test_a_parameter_in_no_optimizer_group_is_named():
@@ -91,8 +109,9 @@ def _frozen_subset():
     """Freezing what is not handed in is the way to train part of a model."""
     model = make_model()
     model.tok_emb.weight.requires_grad_(False)
-    engine, optimizer, *_ = zerotron.initialize(model=model, config=ds_config(2, 1),
-                                                model_parameters=[p for p in model.parameters() if p.requires_grad])
+    engine, optimizer, *_ = zerotron.initialize(
+        model=model, config=ds_config(2, 1), model_parameters=[p for p in model.parameters() if p.requires_grad]
+    )
     before = model.tok_emb.weight.detach().clone()
     x, y = global_batches(1, 2)[0]
     engine.train_batch(iter([(x, y)]))
@@ -144,7 +163,7 @@ def _train_then_save(directory, steps, save: bool, load: bool):
     engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(2, gas))
     if load:
         engine.load_checkpoint(directory)
-    for b in global_batches(6, 8)[engine.global_steps:engine.global_steps + steps]:
+    for b in global_batches(6, 8)[engine.global_steps : engine.global_steps + steps]:
         for x, y in micro_batches(b, engine.coords.dp, world, gas):  # engine.backward/step, as scripts do
             engine.backward(engine(x, y))
             engine.step()
@@ -165,14 +184,16 @@ def test_resume_under_another_accumulation_stands_at_a_boundary(tmp_path):
 # ---- pipelines -----------------------------------------------------------------------------------
 def _pipeline_with_inplace_first_layer(stages):
     from zerotron.pipe import LayerSpec, PipelineModule
+
     # the second stage starts with ReLU(inplace=True), as DeepSpeed's AlexNet pipeline example can
     specs = [LayerSpec(Dense, 8), LayerSpec(nn.Linear, 8, 8), LayerSpec(nn.ReLU, inplace=True), LayerSpec(Dense, 8)]
-    module = PipelineModule(specs, num_stages=stages, loss_fn=nn.functional.mse_loss, seed_layers=True,
-                            partition_method="uniform")
+    module = PipelineModule(
+        specs, num_stages=stages, loss_fn=nn.functional.mse_loss, seed_layers=True, partition_method="uniform"
+    )
     engine, *_ = zerotron.initialize(model=module, config=ds_config(2, 2))
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)) for _ in range(2 * STEPS)]
-    return [engine.train_batch(iter(batches[2 * i:2 * i + 2])).item() for i in range(STEPS)]
+    return [engine.train_batch(iter(batches[2 * i : 2 * i + 2])).item() for i in range(STEPS)]
 
 
 def test_a_stage_may_modify_its_received_activation_in_place():

@@ -1,15 +1,23 @@
 """ZeRO stages 1-3: same training as one process, model states at the paper's bytes, minimal traffic."""
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from distributed import RankError, run_ranks
+from parity import (
+    assert_losses_close,
+    ds_config,
+    global_batches,
+    make_model,
+    max_weight_diff,
+    micro_batches,
+    reference_training,
+)
 
 import zerotron
 from zerotron.zero.residency import holder_of
-from distributed import RankError, run_ranks
-from parity import (assert_losses_close, ds_config, global_batches, make_model, max_weight_diff,
-                    micro_batches, reference_training)
 
 STEPS = 4
 
@@ -21,8 +29,10 @@ def _train(stage, micro, gas, steps, precision="fp32", zero_extra=None, model_ov
     if precision == "bf16":
         extra["bf16"] = {"enabled": True}
     engine, *_ = zerotron.initialize(model=make_model(**(model_overrides or {})), config=ds_config(micro, gas, **extra))
-    losses = [engine.train_batch(iter(micro_batches(b, rank, dp, gas))).item()
-              for b in global_batches(steps, micro * gas * dp)]
+    losses = [
+        engine.train_batch(iter(micro_batches(b, rank, dp, gas))).item()
+        for b in global_batches(steps, micro * gas * dp)
+    ]
     return losses, zerotron.zero.consolidated_state_dict(engine.module)
 
 
@@ -37,10 +47,10 @@ def test_fp32_parity_with_single_process(stage, world, gas):
 
 # ZeRO-3's memory/communication knobs: released after every forward with prefetching capped (the
 # other extreme from the defaults the test above runs), and the fp32 step in sub-groups.
-@pytest.mark.parametrize("precision,zero_extra", [
-    ("fp32", {"stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 1}),
-    ("bf16", {"sub_group_size": 20_000}),
-])
+@pytest.mark.parametrize(
+    "precision,zero_extra",
+    [("fp32", {"stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 1}), ("bf16", {"sub_group_size": 20_000})],
+)
 def test_zero3_knobs_keep_single_process_parity(precision, zero_extra):
     gas = 2
     if precision == "fp32":
@@ -111,8 +121,10 @@ class Awkward(nn.Module):
 
 def _awkward_batches(steps, batch):
     g = torch.Generator().manual_seed(3)
-    return [(torch.randint(0, 64, (batch, 8), generator=g), torch.randint(0, 64, (batch, 8), generator=g))
-            for _ in range(steps)]
+    return [
+        (torch.randint(0, 64, (batch, 8), generator=g), torch.randint(0, 64, (batch, 8), generator=g))
+        for _ in range(steps)
+    ]
 
 
 def _awkward_reference(steps, batch):
@@ -132,13 +144,16 @@ def _awkward_reference(steps, batch):
 def _awkward_train(stage, steps):
     dp, rank = dist.get_world_size(), dist.get_rank()
     model = Awkward()
-    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10 ** 6,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-6}},
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
-    engine, *_ = zerotron.initialize(model=model, config=config,
-                                     model_parameters=[p for p in model.parameters() if p.requires_grad])
-    losses = [engine.train_batch(iter(micro_batches(b, rank, dp, 1))).item()
-              for b in _awkward_batches(steps, 2 * dp)]
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": 10**6,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": 1e-6}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = zerotron.initialize(
+        model=model, config=config, model_parameters=[p for p in model.parameters() if p.requires_grad]
+    )
+    losses = [engine.train_batch(iter(micro_batches(b, rank, dp, 1))).item() for b in _awkward_batches(steps, 2 * dp)]
     partitioned = stage == 3 and engine.module.blocks[0].lin.weight.untyped_storage().size() == 0
     return losses, zerotron.zero.consolidated_state_dict(engine.module), partitioned
 
@@ -159,8 +174,9 @@ def _init_and_gather():
     with zerotron.zero.Init():
         model = make_model()
     built_on_meta = all(p.numel() == 0 and p.ds_tensor.numel() > 0 for p in model.parameters())  # pieces only
-    engine, *_ = zerotron.initialize(model=model, config=ds_config(2, 1, zero_optimization={
-        "stage": 3, "stage3_param_persistence_threshold": 0}))
+    engine, *_ = zerotron.initialize(
+        model=model, config=ds_config(2, 1, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0})
+    )
     held = engine.memory_report()["params"]
     initial = zerotron.zero.consolidated_state_dict(engine.module)
     losses = [engine.train_batch(iter(micro_batches(b, rank, dp, 1))).item() for b in global_batches(STEPS, 2 * dp)]
@@ -174,7 +190,7 @@ def _init_and_gather():
         zeroed = bool((w == 0).all())
     bucket = holder_of(w).bucket
     index = next(i for i, p in enumerate(bucket.params) if p is w)
-    master_pieces = [bucket.master[s:s + n] for i, _, s, n in bucket.param_slices_in_shard() if i == index]
+    master_pieces = [bucket.master[s : s + n] for i, _, s, n in bucket.param_slices_in_shard() if i == index]
     masters_zero = all(bool((m == 0).all()) for m in master_pieces)
     return built_on_meta, held, initial, losses, final, zeroed and masters_zero, w.untyped_storage().size()
 
@@ -211,8 +227,11 @@ def test_init_without_stage3_is_a_clear_error():
 
 def _lbfgs_with_stage(stage):
     model = make_model()
-    zerotron.initialize(model=model, optimizer=torch.optim.LBFGS(model.parameters()),
-                        config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}})
+    zerotron.initialize(
+        model=model,
+        optimizer=torch.optim.LBFGS(model.parameters()),
+        config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}},
+    )
 
 
 def test_non_elementwise_optimizer_is_refused():
@@ -226,9 +245,14 @@ def _state_bytes(stage):
     held until the step), an independent count of every tensor this rank holds, and the gradient
     bytes held between a step and the next backward."""
     import gc
+
     dp, rank = dist.get_world_size(), dist.get_rank()
-    engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(
-        2, 1, bf16={"enabled": True}, zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0}))
+    engine, *_ = zerotron.initialize(
+        model=make_model(),
+        config=ds_config(
+            2, 1, bf16={"enabled": True}, zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0}
+        ),
+    )
     first, second = global_batches(2, 2 * dp)
     engine.train_batch(iter(micro_batches(first, rank, dp, 1)))
     between_steps = engine.memory_report()["grads"]
@@ -254,9 +278,7 @@ def test_model_state_memory_matches_the_zero_formula(stage, world):
     # backward has reduce-scattered them it keeps only its shard, as stage 2 does. Stage 3 in
     # bf16 keeps no bf16 parameter shard beside the fp32 master (each gather casts the master):
     # the paper's 16 x psi / N less 2.
-    expected = {1: 2 * psi + (2 + k) * psi / world,
-                2: 2 * psi + (2 + k) * psi / world,
-                3: (2 + k) * psi / world}[stage]
+    expected = {1: 2 * psi + (2 + k) * psi / world, 2: 2 * psi + (2 + k) * psi / world, 3: (2 + k) * psi / world}[stage]
     for report, counted, padding, between_steps in run_ranks(_state_bytes, world, stage):
         # Padding: each bucket is rounded up to a multiple of the world size (< world elements
         # per bucket), and those elements carry all 16 bytes of state in the sharded parts.
@@ -302,8 +324,10 @@ def test_bytes_per_step_match_theory(stage, factor, reuse):
 
 def _clipped(stage, clip):
     dp, rank = dist.get_world_size(), dist.get_rank()
-    engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(
-        2, 1, clip=clip, zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0}))
+    engine, *_ = zerotron.initialize(
+        model=make_model(),
+        config=ds_config(2, 1, clip=clip, zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0}),
+    )
     losses, norms = [], []
     for b in global_batches(STEPS, 2 * dp):
         losses.append(engine.train_batch(iter(micro_batches(b, rank, dp, 1))).item())
@@ -324,8 +348,10 @@ def test_global_norm_clipping_across_shards(stage):
 def _fp16_overflow(stage):
     dp, rank = dist.get_world_size(), dist.get_rank()
     fp16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}
-    engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(
-        2, 1, fp16=fp16, zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0}))
+    engine, *_ = zerotron.initialize(
+        model=make_model(),
+        config=ds_config(2, 1, fp16=fp16, zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0}),
+    )
     scales = []
     for step, b in enumerate(global_batches(5, 2 * dp)):
         x, y = micro_batches(b, rank, dp, 1)[0]
@@ -352,8 +378,10 @@ def _persistent(threshold):
 
 
 def _whole_params(threshold):
-    engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(2, 1, zero_optimization={
-        "stage": 3, "stage3_param_persistence_threshold": threshold}))
+    engine, *_ = zerotron.initialize(
+        model=make_model(),
+        config=ds_config(2, 1, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": threshold}),
+    )
     return {n: p.untyped_storage().size() for n, p in engine.module.named_parameters()}
 
 
@@ -370,8 +398,10 @@ def test_small_parameters_persist_whole_in_stage3():
 
 # ---- regressions found in review ---------------------------------------------------------------
 def _freed_during_forward():
-    engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(2, 1, zero_optimization={
-        "stage": 3, "stage3_param_persistence_threshold": 0}))
+    engine, *_ = zerotron.initialize(
+        model=make_model(),
+        config=ds_config(2, 1, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0}),
+    )
     x, y = global_batches(1, 2)[0]
     loss = engine(x, y)  # training forward: autograd saves views of the weights
     held = [u.bucket.full.untyped_storage().size() for u in engine.states.units[:-1]]
@@ -414,9 +444,14 @@ class Branchy(nn.Module):
 def _branchy(stage):
     dp, rank = dist.get_world_size(), dist.get_rank()
     model = Branchy()
-    engine, *_ = zerotron.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
+    engine, *_ = zerotron.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        },
+    )
     for b in _awkward_batches(4, 2 * dp):
         engine.train_batch(iter(micro_batches(b, rank, dp, 1)))
     return zerotron.zero.consolidated_state_dict(engine.module)
@@ -429,8 +464,10 @@ def test_parameters_unused_on_some_ranks_only():
 
 
 def _modify_persistent():
-    engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(2, 1, zero_optimization={
-        "stage": 3, "stage3_param_persistence_threshold": 100}))
+    engine, *_ = zerotron.initialize(
+        model=make_model(),
+        config=ds_config(2, 1, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 100}),
+    )
     w = engine.module.norm.weight  # 64 elements: kept whole on every rank
     with zerotron.zero.GatheredParameters([w], modifier_rank=0):
         if dist.get_rank() == 0:
@@ -442,7 +479,7 @@ def _modify_persistent():
     master_full[start:end] = b.master
     dist.all_reduce(master_full)
     off = b.offsets[[id(p) for p in b.params].index(id(w))]
-    return seen, master_full[off:off + 64]
+    return seen, master_full[off : off + 64]
 
 
 def test_gathered_parameters_modifier_reaches_persistent_parameters():

@@ -2,14 +2,23 @@
 weights written through GatheredParameters(modifier_rank=0) before zerotron.initialize,
 from_pretrained under ZeRO-3, and generation of different lengths per rank inside
 GatheredParameters. Tiny models from configs, generated tokens, no downloads."""
+
 from pathlib import Path
 
 import torch
+from distributed import run_ranks
+from parity import (
+    assert_losses_close,
+    ds_config,
+    global_batches,
+    hf_loss,
+    make_model,
+    max_weight_diff,
+    micro_batches,
+    reference_training,
+)
 
 import zerotron
-from distributed import run_ranks
-from parity import assert_losses_close, ds_config, global_batches, hf_loss, make_model, max_weight_diff, \
-    micro_batches, reference_training
 
 STEPS = 3
 
@@ -38,7 +47,9 @@ def _weights(seed):
 # ---- Init + GatheredParameters(modifier_rank=0) before initialize -------------------------------
 def _init_write_train(target):
     import torch.distributed as dist
+
     from zerotron.zero import partitioned_init, stage3
+
     rank, dp = dist.get_rank(), dist.get_world_size()
     peaks = {"init": 0, "write": 0, "units": 0}
 
@@ -48,6 +59,7 @@ def _init_write_train(target):
         built.append(module)
         params = [p for m in built for p in m.parameters(recurse=False)]
         peaks["init"] = max(peaks["init"], _whole_bytes(params))
+
     partitioned_init.observer = observe
     try:
         with zerotron.zero.Init():
@@ -73,17 +85,27 @@ def _init_write_train(target):
     def release(unit):
         peaks["units"] = max(peaks["units"], _whole_bytes(model.parameters()))
         original_release(unit)
+
     stage3.Unit.release = release
     try:
-        engine, *_ = zerotron.initialize(model=model, config=ds_config(2, 1, zero_optimization={
-            "stage": 3, "stage3_param_persistence_threshold": 0}))
+        engine, *_ = zerotron.initialize(
+            model=model, config=ds_config(2, 1, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0})
+        )
     finally:
         stage3.Unit.release = original_release
     initial = zerotron.zero.consolidated_state_dict(engine.module)
     losses = [engine.train_batch(iter(micro_batches(b, rank, dp, 1))).item() for b in global_batches(STEPS, 2 * dp)]
     final = zerotron.zero.consolidated_state_dict(engine.module)
-    return dict(peaks=peaks, pieces=pieces, statuses=statuses, numels=numels, initial=initial, losses=losses,
-                final=final, held=engine.memory_report()["params"])
+    return dict(
+        peaks=peaks,
+        pieces=pieces,
+        statuses=statuses,
+        numels=numels,
+        initial=initial,
+        losses=losses,
+        final=final,
+        held=engine.memory_report()["params"],
+    )
 
 
 def test_init_then_gathered_writes_then_training_matches_one_process():
@@ -112,6 +134,7 @@ def test_init_then_gathered_writes_then_training_matches_one_process():
 
 def _init_default_values():
     import torch.distributed as dist
+
     with zerotron.zero.Init():
         model = make_model(seed=dist.get_rank())  # rank 0's generator wins
     with zerotron.zero.GatheredParameters(list(model.parameters())):
@@ -129,9 +152,17 @@ def test_init_values_equal_the_unpartitioned_model_from_the_same_seed():
 # ---- from_pretrained under ZeRO-3 (HfDeepSpeedConfig) ------------------------------------------
 def _tiny_llama(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(cfg)
 
@@ -142,6 +173,7 @@ def _hf_zero3(ds):
     zerotron.as_deepspeed()
     from accelerate.utils.deepspeed import HfDeepSpeedConfig
     from transformers.integrations import deepspeed as hf_ds
+
     keep = HfDeepSpeedConfig(ds)
     hf_ds.set_hf_deepspeed_config(keep)
     return keep
@@ -151,6 +183,7 @@ def _from_pretrained(path, train):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
     from transformers.integrations import is_deepspeed_zero3_enabled
+
     ds = ds_config(2, 1, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0})
     keep = _hf_zero3(ds)
     assert is_deepspeed_zero3_enabled()
@@ -184,6 +217,7 @@ def test_from_pretrained_under_zero3_gives_the_saved_weights(tmp_path):
     results = run_ranks(_from_pretrained, 2, str(tmp_path), True, timeout=120)
     ref_losses, _ = reference_training(global_batches(STEPS, 4), model=saved, forward=hf_loss)
     from transformers import AutoModelForCausalLM
+
     torch.manual_seed(11)
     fresh = AutoModelForCausalLM.from_config(saved.config).state_dict()
     for statuses, numels, loaded, losses, initialized in results:
@@ -206,6 +240,7 @@ def test_from_pretrained_under_zero3_gives_the_saved_weights(tmp_path):
 def _generate_gathered(path):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
+
     ds = ds_config(1, 1, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0})
     keep = _hf_zero3(ds)
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -218,8 +253,9 @@ def _generate_gathered(path):
             pass
         # synced_gpus=False: no rank waits for the others (Transformers turns it on under ZeRO-3),
         # so only pinned units keep the ranks' collectives in step
-        out = engine.module.generate(prompt, max_new_tokens=new, do_sample=False, eos_token_id=None,
-                                     pad_token_id=0, synced_gpus=False)[0].tolist()
+        out = engine.module.generate(
+            prompt, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0, synced_gpus=False
+        )[0].tolist()
     released = {p.numel() for p in engine.module.parameters()}
     # training still works after the block (units released and gathered in step again)
     x = global_batches(1, 2)[0][0].chunk(2)[dist.get_rank()]
@@ -232,8 +268,11 @@ def test_generation_of_different_lengths_inside_gathered_parameters(tmp_path):
     saved = _tiny_llama(seed=4)
     saved.save_pretrained(tmp_path)
     short, long = run_ranks(_generate_gathered, 2, str(tmp_path), timeout=120)
-    want = saved.eval().generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=9, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)[0].tolist()
+    want = (
+        saved.eval()
+        .generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=9, do_sample=False, eos_token_id=None, pad_token_id=0)[0]
+        .tolist()
+    )
     assert long[0] == want and short[0] == want[:7]
     assert short[1] == {0} and long[1] == {0}
     assert short[2] > 0 and long[2] > 0
@@ -247,19 +286,35 @@ def _torchrun(script, *args, timeout=300):
     import os
     import subprocess
     import sys
+
     from distributed import free_port
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "ZEROTRON_AS_DEEPSPEED"))}
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "ZEROTRON_AS_DEEPSPEED"))
+    }
     env.update(OMP_NUM_THREADS="1")  # the script turns the alias on itself (ds) or not at all (ddp)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(script), *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(script),
+        *map(str, args),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
 
 def test_trl_sft_trainer_under_zero3_matches_ddp(tmp_path):
     import json
+
     import pytest
+
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
     _tiny_llama(seed=5).save_pretrained(tmp_path / "model")

@@ -3,13 +3,14 @@ reduced their gradients, gathered again by the step) and overlap_param_gather (t
 gathers waited on at each bucket's first use in the next forward): neither changes the math,
 reshard frees the parameters' memory where it is measured, and everything that reads the
 parameters gets the stepped weights."""
+
 import pytest
 import torch
 import torch.distributed as dist
-
-import zerotron
 from distributed import RankError, run_ranks
 from parity import ds_config, global_batches, make_model, max_weight_diff, micro_batches, reference_training
+
+import zerotron
 
 STEPS, GAS = 3, 2
 
@@ -19,8 +20,11 @@ def _train(stage, extra, precision="fp32"):
     model); what the engine holds before and after each step."""
     dp, rank = dist.get_world_size(), dist.get_rank()
     zero = {"stage": stage, "reduce_bucket_size": 20_000, "allgather_bucket_size": 20_000, **extra}
-    dtype = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
-             "fp16": {"fp16": {"enabled": True, "initial_scale_power": 40}}}[precision]
+    dtype = {
+        "fp32": {},
+        "bf16": {"bf16": {"enabled": True}},
+        "fp16": {"fp16": {"enabled": True, "initial_scale_power": 40}},
+    }[precision]
     engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(2, GAS, zero_optimization=zero, **dtype))
     losses, before_step, pending_after_step, pending_after_forward = [], [], [], []
     for batch in global_batches(STEPS, 2 * GAS * dp):
@@ -35,15 +39,28 @@ def _train(stage, extra, precision="fp32"):
         pending_after_step.append(len(engine.states.params.pending))
     weights = {k: v.float().clone() for k, v in engine.module.state_dict().items()}
     after = engine.memory_report()["params"]
-    return {"losses": losses, "weights": weights, "params_before_step": before_step, "params_after": after,
-            "pending_after_step": pending_after_step, "pending_after_forward": pending_after_forward,
-            "buckets": len(engine.states.buckets), "skipped": engine.skipped_steps}
+    return {
+        "losses": losses,
+        "weights": weights,
+        "params_before_step": before_step,
+        "params_after": after,
+        "pending_after_step": pending_after_step,
+        "pending_after_forward": pending_after_forward,
+        "buckets": len(engine.states.buckets),
+        "skipped": engine.skipped_steps,
+    }
 
 
 def _sweep(stage, precision):
-    return {name: _train(stage, extra, precision) for name, extra in {
-        "default": {}, "reshard": {"reshard_after_backward": True}, "overlap": {"overlap_param_gather": True},
-        "both": {"reshard_after_backward": True, "overlap_param_gather": True}}.items()}
+    return {
+        name: _train(stage, extra, precision)
+        for name, extra in {
+            "default": {},
+            "reshard": {"reshard_after_backward": True},
+            "overlap": {"overlap_param_gather": True},
+            "both": {"reshard_after_backward": True, "overlap_param_gather": True},
+        }.items()
+    }
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -100,8 +117,9 @@ def _state_dict_after_step(overlap):
 
 
 def test_state_dict_right_after_an_overlapped_step_holds_the_stepped_weights():
-    for (in_flight, got), (_, want) in zip(run_ranks(_state_dict_after_step, 2, True),
-                                           run_ranks(_state_dict_after_step, 2, False)):
+    for (in_flight, got), (_, want) in zip(
+        run_ranks(_state_dict_after_step, 2, True), run_ranks(_state_dict_after_step, 2, False)
+    ):
         assert in_flight > 0
         for k, v in want.items():
             assert torch.equal(got[k], v), k

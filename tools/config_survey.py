@@ -26,6 +26,7 @@ accepts the same resolved dict at the same data-parallel size: a zerotron refusa
 DeepSpeed's parser also refuses is not zerotron's fault. (Some of DeepSpeed's refusals only come at
 `initialize`: 1-bit optimizers under ZeRO, `max_grad_norm` in optimizer params.)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,13 +39,36 @@ import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # zerotron from this checkout
 
-DS_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
-           "fp16", "bf16", "bfloat16", "optimizer", "scheduler", "gradient_clipping", "activation_checkpointing")
+DS_KEYS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "zero_optimization",
+    "fp16",
+    "bf16",
+    "bfloat16",
+    "optimizer",
+    "scheduler",
+    "gradient_clipping",
+    "activation_checkpointing",
+)
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu")
 # What the Hugging Face Trainer fills "auto" with, from default TrainingArguments.
-HF_AUTO = dict(micro_batch_size=8, gradient_accumulation_steps=1, lr=5e-5, betas=[0.9, 0.999], eps=1e-8,
-               weight_decay=0.0, max_grad_norm=1.0, fp16=False, bf16=False, warmup_steps=0, total_steps=1000,
-               warmup_min_lr=0.0, hidden_size=768)
+HF_AUTO = dict(
+    micro_batch_size=8,
+    gradient_accumulation_steps=1,
+    lr=5e-5,
+    betas=[0.9, 0.999],
+    eps=1e-8,
+    weight_decay=0.0,
+    max_grad_norm=1.0,
+    fp16=False,
+    bf16=False,
+    warmup_steps=0,
+    total_steps=1000,
+    warmup_min_lr=0.0,
+    hidden_size=768,
+)
 
 
 def find_configs(dirs):
@@ -69,18 +93,23 @@ def find_configs(dirs):
 
 
 def _int(value):
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer() \
-        else None
+    return (
+        value if isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer() else None
+    )
 
 
 def world_size_for(raw: dict) -> int:
-    tbs, mbs, gas = (_int(raw.get(k)) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
-                                                 "gradient_accumulation_steps"))
+    tbs, mbs, gas = (
+        _int(raw.get(k)) for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    )
     dp = 1
     if tbs and mbs and gas and tbs % (mbs * gas) == 0:
         dp = int(tbs // (mbs * gas))
-    tp = _int((raw.get("tensor_parallel") or {}).get("autotp_size", 1)) if isinstance(raw.get("tensor_parallel"),
-                                                                                     dict) else 1
+    tp = (
+        _int((raw.get("tensor_parallel") or {}).get("autotp_size", 1))
+        if isinstance(raw.get("tensor_parallel"), dict)
+        else 1
+    )
     pp = _int((raw.get("pipeline") or {}).get("stages", 1)) if isinstance(raw.get("pipeline"), dict) else 1
     return dp * int(tp or 1) * int(pp or 1), dp
 
@@ -97,6 +126,7 @@ def prepare(raw: dict) -> tuple[dict, bool]:
 def load_zerotron(raw: dict, world_size: int):
     """('load' | 'warn' | 'refused' | 'crash', [warning texts], reason)."""
     import zerotron
+
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         try:
@@ -120,11 +150,12 @@ def _shown(path: str, dirs) -> str:
 
 def _short(text: str, n: int = 110) -> str:
     text = " ".join(str(text).split())
-    return text if len(text) <= n else text[:n - 3] + "..."
+    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 def resolve_like_hf(raw: dict) -> dict:
     import zerotron
+
     try:
         return zerotron.resolve_auto(raw, **HF_AUTO)
     except Exception:
@@ -153,7 +184,9 @@ def deepspeed_verdict(raw: dict, dp: int):
 def warned_keys(texts):
     out = []
     for t in texts:
-        m = re.match(r"zerotron ignores these top-level config sections, which are neither DeepSpeed.s nor zerotron.s: (.*)", t)
+        m = re.match(
+            r"zerotron ignores these top-level config sections, which are neither DeepSpeed.s nor zerotron.s: (.*)", t
+        )
         n = re.match(r"zerotron does not implement these DeepSpeed features and ignores their keys: (.*)", t)
         if m:
             out += [f"unknown key {k.strip()}" for k in m.group(1).split(",")]
@@ -172,6 +205,7 @@ def main(argv=None):
     ap.add_argument("--json", help="write the per-file outcomes here")
     args = ap.parse_args(argv)
     import logging
+
     logging.disable(logging.WARNING)  # DeepSpeed's own logging, when asked
 
     rows, templates = [], []
@@ -183,17 +217,22 @@ def main(argv=None):
         prepared, fragment = prepare(raw)
         world, dp = world_size_for(prepared)
         outcome, texts, reason = load_zerotron(prepared, world)
-        row = dict(file=rel, world_size=world, fragment=fragment, outcome=outcome, warnings=warned_keys(texts),
-                   reason=reason)
+        row = dict(
+            file=rel, world_size=world, fragment=fragment, outcome=outcome, warnings=warned_keys(texts), reason=reason
+        )
         if args.deepspeed:
             row["deepspeed"] = deepspeed_verdict(prepared, dp) or "accepts"
         rows.append(row)
 
     counts = collections.Counter(r["outcome"] for r in rows)
-    print(f"DeepSpeed configs: {len(rows)} ({sum(r['fragment'] for r in rows)} fragments without a batch size, "
-          f"completed with train_micro_batch_size_per_gpu=1); not JSON (templates): {len(templates)}")
-    print(f"  load: {counts['load']}   load with warnings: {counts['warn']}   refused: {counts['refused']}"
-          f"   crashed (zerotron bug): {counts['crash']}")
+    print(
+        f"DeepSpeed configs: {len(rows)} ({sum(r['fragment'] for r in rows)} fragments without a batch size, "
+        f"completed with train_micro_batch_size_per_gpu=1); not JSON (templates): {len(templates)}"
+    )
+    print(
+        f"  load: {counts['load']}   load with warnings: {counts['warn']}   refused: {counts['refused']}"
+        f"   crashed (zerotron bug): {counts['crash']}"
+    )
     if args.deepspeed:
         ds_ok = sum(r["deepspeed"] == "accepts" for r in rows)
         both = sum(r["deepspeed"] == "accepts" and r["outcome"] in ("refused", "crash") for r in rows)
@@ -224,8 +263,10 @@ def main(argv=None):
         for r in rows:
             extra = r["reason"] or "; ".join(r["warnings"])
             ds = f"  [DeepSpeed: {r['deepspeed']}]" if args.deepspeed else ""
-            print(f"  {r['outcome']:8s} w={r['world_size']:<4d}{' frag' if r['fragment'] else '     '} {r['file']}"
-                  f"  {extra}{ds}")
+            print(
+                f"  {r['outcome']:8s} w={r['world_size']:<4d}{' frag' if r['fragment'] else '     '} {r['file']}"
+                f"  {extra}{ds}"
+            )
         for t in templates:
             print(f"  template          {t}")
     if args.json:

@@ -4,6 +4,7 @@ Shared by the benchmarks (bench/), the GPU runbook (tools/gpu/) and the fault ha
 spawn / wait_limited / run_limited (past the limit the child's whole process group is killed), child_env
 (this environment without torchrun's variables) and torchrun_cmd.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,17 @@ import sys
 
 # What torchrun (and torch.distributed.elastic) set for its workers: a child that starts a world of its own
 # must not inherit them.
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-               "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def child_env(**extra) -> dict:
@@ -23,8 +33,15 @@ def child_env(**extra) -> dict:
 
 
 def torchrun_cmd(nproc: int, script, *args) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
-            *map(str, args)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(script),
+        *map(str, args),
+    ]
 
 
 def spawn(cmd, env=None, capture: bool = True, **popen) -> subprocess.Popen:

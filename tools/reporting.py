@@ -3,6 +3,7 @@ commit, load), text tables, JSON files.
 
 Shared by the benchmarks (bench/), the GPU runbook (tools/gpu/) and the fault harnesses (tests/faults/).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -36,26 +37,41 @@ def environment(**extra) -> dict:
     """Versions, machine, threads, the process group (when there is one), the zerotron commit and the load
     average at the start (this module's import) and now."""
     import zerotron
+
     versions = {"zerotron": getattr(zerotron, "__version__", "?")}
     if "deepspeed" in sys.modules:
         versions["deepspeed"] = getattr(sys.modules["deepspeed"], "__version__", "?")
     group = {"world_size": dist.get_world_size(), "backend": dist.get_backend()} if dist.is_initialized() else {}
-    return {"torch": torch.__version__, **versions, "python": platform.python_version(), "cpu_cores": os.cpu_count(),
-            "omp_threads": torch.get_num_threads(), **group,
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "machine": platform.machine(), "platform": platform.platform(), **zerotron_source(),
-            "loadavg_start": LOADAVG_START, "loadavg_end": os.getloadavg()[0], **extra}
+    return {
+        "torch": torch.__version__,
+        **versions,
+        "python": platform.python_version(),
+        "cpu_cores": os.cpu_count(),
+        "omp_threads": torch.get_num_threads(),
+        **group,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        **zerotron_source(),
+        "loadavg_start": LOADAVG_START,
+        "loadavg_end": os.getloadavg()[0],
+        **extra,
+    }
 
 
-def table_lines(rows: list[dict], columns: list[tuple[str, str, str]], missing: str = "", rule: bool = True,
-                indent: str = "") -> list[str]:
+def table_lines(
+    rows: list[dict], columns: list[tuple[str, str, str]], missing: str = "", rule: bool = True, indent: str = ""
+) -> list[str]:
     """rows: dicts; columns: (key, header, format) e.g. ("median_ms", "median ms", "{:.1f}"); a value that is
     None or absent shows as `missing`. The first column is left-aligned, the others right-aligned."""
     cells = [[h for _, h, _ in columns]] + [
-        [missing if r.get(k) is None else f.format(r[k]) for k, _, f in columns] for r in rows]
+        [missing if r.get(k) is None else f.format(r[k]) for k, _, f in columns] for r in rows
+    ]
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
-    lines = [indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
-             for line in cells]
+    lines = [
+        indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+        for line in cells
+    ]
     return lines[:1] + [indent + "  ".join("-" * w for w in widths)] * rule + lines[1:]
 
 

@@ -3,6 +3,7 @@
 Tests (tests/test_gpu_semantics.py, tests/test_offload.py) and the GPU runbook's `correct` part
 (tools/gpu/checks.py) count with it.
 """
+
 from __future__ import annotations
 
 import traceback
@@ -11,12 +12,30 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
-_SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
-          torch.Tensor.__int__, torch.Tensor.__float__}
+_SYNCS = {
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.cpu,
+    torch.Tensor.numpy,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+}
 
 
-_FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.zeros_like, torch.ones_like,
-              torch.empty_like, torch.full_like, torch.stack, torch.cat}
+_FACTORIES = {
+    torch.zeros,
+    torch.ones,
+    torch.empty,
+    torch.full,
+    torch.arange,
+    torch.zeros_like,
+    torch.ones_like,
+    torch.empty_like,
+    torch.full_like,
+    torch.stack,
+    torch.cat,
+}
 _FROM_DATA = {torch.tensor, torch.as_tensor}
 _MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.copy_}
 
@@ -34,14 +53,19 @@ class SyncCounter(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.where = []
-        self._host_born: set[int] = set()  # ids of live tensors made on the host (not a WeakSet: tensors compare elementwise)
+        self._host_born: set[int] = (
+            set()
+        )  # ids of live tensors made on the host (not a WeakSet: tensors compare elementwise)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _SYNCS or self._pageable_upload(func, args, kwargs):
             frame = next((f for f in reversed(traceback.extract_stack()[:-1]) if "/zerotron/" in f.filename), None)
-            self.where.append(f"{func.__name__} at {frame.filename.rsplit('/zerotron/', 1)[-1]}:{frame.lineno}"
-                              if frame else func.__name__)
+            self.where.append(
+                f"{func.__name__} at {frame.filename.rsplit('/zerotron/', 1)[-1]}:{frame.lineno}"
+                if frame
+                else func.__name__
+            )
         out = func(*args, **kwargs)
         if torch.is_tensor(out) and id(out) not in self._host_born and self._made_on_host(func, args, kwargs):
             self._host_born.add(id(out))
@@ -53,8 +77,9 @@ class SyncCounter(TorchFunctionMode):
 
     def _made_on_host(self, func, args, kwargs) -> bool:
         if func in _FACTORIES or func in _FROM_DATA:
-            return kwargs.get("device") is None and not (func in _FACTORIES and any(
-                not self._on_host(a) for a in _tensors(args)))
+            return kwargs.get("device") is None and not (
+                func in _FACTORIES and any(not self._on_host(a) for a in _tensors(args))
+            )
         return func not in _MOVES and any(self._on_host(a) for a in _tensors(args))
 
     def _pageable_upload(self, func, args, kwargs) -> bool:
@@ -63,14 +88,22 @@ class SyncCounter(TorchFunctionMode):
         if func not in _MOVES or not args:
             return False
         from zerotron.comm import HostTensor
+
         source = args[1] if func is torch.Tensor.copy_ else args[0]
-        if not torch.is_tensor(source) or not self._on_host(source) or isinstance(source, HostTensor) \
-                or source.is_pinned():
+        if (
+            not torch.is_tensor(source)
+            or not self._on_host(source)
+            or isinstance(source, HostTensor)
+            or source.is_pinned()
+        ):
             return False
         if func is torch.Tensor.copy_:
             return not self._on_host(args[0])
-        return func is torch.Tensor.cuda or kwargs.get("device") is not None or any(
-            isinstance(a, (torch.device, str)) for a in args[1:])
+        return (
+            func is torch.Tensor.cuda
+            or kwargs.get("device") is not None
+            or any(isinstance(a, (torch.device, str)) for a in args[1:])
+        )
 
 
 def _tensors(args):

@@ -6,6 +6,7 @@ zerotron_step, engine_step, torch_step (each step function is `step(tokens, targ
 its own state). Data: make_batches. FLOPs: gpt_shape, flops_per_token (the planner's 6N + 12·L·d·s),
 peak_flops (the planner's hardware table).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,13 +17,19 @@ import torch
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}  # every system, every benchmark
 
 
-def zerotron_config(per_rank: int, clip: float = 0.0, stage: int = 0, adamw: dict | None = ADAMW, gas: int = 1,
-                    **sections) -> dict:
+def zerotron_config(
+    per_rank: int, clip: float = 0.0, stage: int = 0, adamw: dict | None = ADAMW, gas: int = 1, **sections
+) -> dict:
     """A DeepSpeed config: `per_rank` sequences per micro-step, `gas` micro-steps, ZeRO `stage`, gradient
     clipping `clip` (set explicitly: DeepSpeed's default is 1.0), AdamW `adamw` (None: a client optimizer);
     `sections` add or replace top-level sections."""
-    config = {"train_micro_batch_size_per_gpu": per_rank, "gradient_accumulation_steps": gas,
-              "steps_per_print": 10**9, "zero_optimization": {"stage": stage}, "gradient_clipping": clip}
+    config = {
+        "train_micro_batch_size_per_gpu": per_rank,
+        "gradient_accumulation_steps": gas,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": clip,
+    }
     if adamw is not None:
         config["optimizer"] = {"type": "AdamW", "params": {**adamw, "betas": list(adamw["betas"])}}
     return {**config, **sections}
@@ -35,6 +42,7 @@ def phase(name: str, on: bool = True):
 
 def engine_step(engine, phases: bool = False) -> Callable:
     """The one-step function of a DeepSpeed-style engine (zerotron's or DeepSpeed's)."""
+
     def step(tokens, targets):
         with phase("forward", phases):
             loss = engine(tokens, targets)
@@ -43,6 +51,7 @@ def engine_step(engine, phases: bool = False) -> Callable:
         with phase("step", phases):
             engine.step()
         return loss.item()
+
     return step
 
 
@@ -50,6 +59,7 @@ def zerotron_step(model, per_rank: int, clip: float, adamw: dict = ADAMW, phases
     """A zerotron engine on `model` (AdamW as every system) and its one-step function; `config` adds or
     overrides sections of the DeepSpeed config (zerotron_config's keywords)."""
     import zerotron
+
     engine, *_ = zerotron.initialize(model=model, config=zerotron_config(per_rank, clip, adamw=adamw, **config))
     return engine, engine_step(engine, phases)
 
@@ -70,12 +80,14 @@ def torch_step(model, opt, clip: float = 0.0, phases: bool = False, autocast=Non
             opt.step()
             opt.zero_grad()
         return loss.item()
+
     return step
 
 
 def gpt_shape(cfg):
     """The planner's view of a GPT config: its parameter count and FLOPs without building it."""
     from zerotron.planner.model import ModelShape
+
     return ModelShape.of_gpt(cfg)
 
 
@@ -87,12 +99,14 @@ def flops_per_token(cfg, seq: int) -> float:
 def peak_flops(device_name: str) -> float | None:
     """Dense bf16 peak FLOP/s of a GPU, by its name, from the planner's hardware table (None: not in it)."""
     from zerotron.planner.hardware import PRESETS
+
     name = device_name.lower()
     return next((hw.peak_flops for key, hw in PRESETS.items() if key != "cpu" and key.split("-")[0] in name), None)
 
 
-def make_batches(n: int, batch: int, seq: int, vocab: int, rank: int = 0, world: int = 1, seed: int = 1234,
-                 device=None):
+def make_batches(
+    n: int, batch: int, seq: int, vocab: int, rank: int = 0, world: int = 1, seed: int = 1234, device=None
+):
     """`n` steps of (tokens, targets) of random bytes: this rank's contiguous slice of each global batch of
     `batch` sequences (a world of one: all of it), made on `device`."""
     if batch % world:
@@ -100,4 +114,4 @@ def make_batches(n: int, batch: int, seq: int, vocab: int, rank: int = 0, world:
     g = torch.Generator(device=device or "cpu").manual_seed(seed)
     data = torch.randint(0, vocab, (n, batch, seq + 1), generator=g, device=device)
     per = batch // world
-    return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data[:, rank * per:(rank + 1) * per]]
+    return [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data[:, rank * per : (rank + 1) * per]]

@@ -1,8 +1,9 @@
 """zerotron: a distributed training engine for PyTorch, in pure Python, with DeepSpeed's API.
 
-    import zerotron as deepspeed
-    engine, optimizer, dataloader, lr_scheduler = deepspeed.initialize(model=model, config="ds.json")
+import zerotron as deepspeed
+engine, optimizer, dataloader, lr_scheduler = deepspeed.initialize(model=model, config="ds.json")
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,13 +13,13 @@ import sys
 import torch
 import torch.distributed as dist
 
+from . import activation_checkpointing, error_report, hf, watchdog  # noqa: F401 (zerotron.hf as DeepSpeed users expect)
 from .comm import init_distributed, launched_by_torchrun, local_device
 from .config import Config, resolve_auto
 from .engine import Engine
 from .errors import BadBatchError, CollectiveMismatch, ConfigError, NonFiniteError, ZerotronError
 from .hf.takeover import hand_back, hold
 from .topology import Topology
-from . import activation_checkpointing, error_report, hf, watchdog  # noqa: F401 (zerotron.hf as DeepSpeed users expect)
 
 # `zerotron.checkpointing` is activation checkpointing under DeepSpeed's name (deepspeed.checkpointing);
 # the module's own name keeps it apart from checkpoint/ (saved training state).
@@ -26,18 +27,41 @@ checkpointing = activation_checkpointing
 sys.modules[__name__ + ".checkpointing"] = activation_checkpointing
 
 __version__ = "0.1.0"
-__all__ = ["initialize", "init_distributed", "add_config_arguments", "Config", "ConfigError", "Engine",
-           "Topology", "resolve_auto", "BadBatchError", "CollectiveMismatch", "NonFiniteError", "ZerotronError",
-           "__version__"]
+__all__ = [
+    "initialize",
+    "init_distributed",
+    "add_config_arguments",
+    "Config",
+    "ConfigError",
+    "Engine",
+    "Topology",
+    "resolve_auto",
+    "BadBatchError",
+    "CollectiveMismatch",
+    "NonFiniteError",
+    "ZerotronError",
+    "__version__",
+]
 
 if launched_by_torchrun():  # a worker of a launched job: zerotron's errors print as one message, not N tracebacks
     error_report.install()
 
 
-def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
-               training_data=None, lr_scheduler=None, distributed_port: int = 29500, mpu=None,
-               dist_init_required: bool | None = None, collate_fn=None, config=None, mesh_param=None,
-               config_params=None):
+def initialize(
+    args=None,
+    model: torch.nn.Module | None = None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port: int = 29500,
+    mpu=None,
+    dist_init_required: bool | None = None,
+    collate_fn=None,
+    config=None,
+    mesh_param=None,
+    config_params=None,
+):
     """Build the engine; DeepSpeed's signature. Returns (engine, optimizer, dataloader, lr_scheduler).
 
     The config (path, dict or Config; or `args.deepspeed_config`) is validated completely before any
@@ -46,15 +70,21 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if model is None:
         raise ValueError("zerotron.initialize needs model=")
     if mesh_param is not None:
-        raise ValueError("mesh_param= is a DeepSpeed hook zerotron does not take; set tensor/pipeline sizes in the "
-                         "config instead")
+        raise ValueError(
+            "mesh_param= is a DeepSpeed hook zerotron does not take; set tensor/pipeline sizes in the config instead"
+        )
     _check_mpu(mpu)
     config = _config_source(args, config, config_params)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     from .pipe import PipelineModule
+
     pipelined = isinstance(model, PipelineModule)
-    cfg = Config.load(config, world_size=world_size, pipeline_stages=model.num_stages if pipelined else None,
-                      **_auto_values(model, optimizer))
+    cfg = Config.load(
+        config,
+        world_size=world_size,
+        pipeline_stages=model.num_stages if pipelined else None,
+        **_auto_values(model, optimizer),
+    )
     topology = Topology(world_size, tp=cfg.tensor_parallel.autotp_size, pp=cfg.pipeline.stages)
 
     init_distributed()
@@ -63,8 +93,16 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if pipelined:
         from .engine import PipelineEngine as engine_class
     hand_back(model)  # a model another engine wraps (the Trainer's evaluate() before train()) comes back whole
-    engine = engine_class(model, cfg, topology, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                          model_parameters=model_parameters, training_data=training_data, collate_fn=collate_fn)
+    engine = engine_class(
+        model,
+        cfg,
+        topology,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        model_parameters=model_parameters,
+        training_data=training_data,
+        collate_fn=collate_fn,
+    )
     hold(engine)
     # An engine built without an optimizer (evaluation, a reference model) returns None in its
     # place, as DeepSpeed does; the engine keeps a placeholder that refuses to step.
@@ -79,14 +117,18 @@ def _check_mpu(mpu) -> None:
     if mpu is None:
         return
     sizes = {}
-    for what, names in (("tensor", ("get_tensor_model_parallel_world_size", "get_model_parallel_world_size")),
-                        ("pipeline", ("get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size"))):
+    for what, names in (
+        ("tensor", ("get_tensor_model_parallel_world_size", "get_model_parallel_world_size")),
+        ("pipeline", ("get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size")),
+    ):
         getter = next((getattr(mpu, n) for n in names if hasattr(mpu, n)), None)
         sizes[what] = int(getter()) if getter is not None else 1
     if sizes["tensor"] > 1 or sizes["pipeline"] > 1:
-        raise ValueError(f"initialize(mpu=...) describes a model already split over {sizes['tensor']} tensor- and "
-                         f"{sizes['pipeline']} pipeline-parallel ranks; zerotron splits models itself: pass the "
-                         "unsplit model and set tensor_parallel.autotp_size / a PipelineModule's num_stages instead")
+        raise ValueError(
+            f"initialize(mpu=...) describes a model already split over {sizes['tensor']} tensor- and "
+            f"{sizes['pipeline']} pipeline-parallel ranks; zerotron splits models itself: pass the "
+            "unsplit model and set tensor_parallel.autotp_size / a PipelineModule's num_stages instead"
+        )
 
 
 def _config_source(args, config, config_params):
@@ -95,8 +137,11 @@ def _config_source(args, config, config_params):
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     if config is None:
-        raise ConfigError("config", None, "pass config= (a JSON path, dict or zerotron.Config) or "
-                          "--deepspeed_config on the command line")
+        raise ConfigError(
+            "config",
+            None,
+            "pass config= (a JSON path, dict or zerotron.Config) or --deepspeed_config on the command line",
+        )
     return config
 
 
@@ -112,8 +157,9 @@ def _auto_values(model, optimizer) -> dict:
         group = optimizer.param_groups[0]
         values.update({k: group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in group})
         values["betas"] = list(values["betas"]) if "betas" in values else None
-    hidden = getattr(getattr(model, "config", None), "hidden_size", None) or \
-        getattr(getattr(model, "config", None), "d_model", None)
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None) or getattr(
+        getattr(model, "config", None), "d_model", None
+    )
     if isinstance(hidden, int):
         values["hidden_size"] = hidden
     return values
@@ -122,7 +168,9 @@ def _auto_values(model, optimizer) -> dict:
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """DeepSpeed's command-line flags: --deepspeed and --deepspeed_config (and the old deepscale names)."""
     group = parser.add_argument_group("zerotron", "zerotron / DeepSpeed configuration")
-    group.add_argument("--deepspeed", default=False, action="store_true", help="enable the engine (accepted for DeepSpeed scripts)")
+    group.add_argument(
+        "--deepspeed", default=False, action="store_true", help="enable the engine (accepted for DeepSpeed scripts)"
+    )
     group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON config file")
     group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
     group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)

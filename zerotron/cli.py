@@ -1,6 +1,7 @@
 """`zerotron train` (the reference job), `zerotron run` (launch any script through torchrun),
 `zerotron convert` (a checkpoint to consolidated safetensors weights), and the planner's
 `zerotron estimate` / `zerotron plan`."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,20 +18,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zerotron", description="zerotron: distributed training for PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
     from .train import add_train_arguments
+
     add_train_arguments(sub.add_parser("train", help="train the reference GPT on the embedded corpus"))
     _add_run_arguments(sub.add_parser("run", help="launch a script on N processes through torchrun"))
     convert = sub.add_parser("convert", help="write a checkpoint's weights as one consolidated safetensors file")
     convert.add_argument("checkpoint", help="a checkpoint directory (save_dir/tag), or a save_dir with 'latest'")
     convert.add_argument("out", help="output directory (gets model.safetensors)")
     convert.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
-    convert.add_argument("--max-shard-size", type=float, default=5 * 2**30,
-                         help="bytes per safetensors file; larger models get shards and an index (default 5 GiB)")
+    convert.add_argument(
+        "--max-shard-size",
+        type=float,
+        default=5 * 2**30,
+        help="bytes per safetensors file; larger models get shards and an index (default 5 GiB)",
+    )
     from .planner.commands import add_estimate_arguments, add_plan_arguments
+
     add_estimate_arguments(sub.add_parser("estimate", help="memory per GPU for each ZeRO stage"))
-    add_plan_arguments(sub.add_parser("plan", help="search the parallel layouts that fit; rank them by predicted speed"))
+    add_plan_arguments(
+        sub.add_parser("plan", help="search the parallel layouts that fit; rank them by predicted speed")
+    )
     args = parser.parse_args(argv)
     if args.command in ("estimate", "plan"):
         from .planner.commands import estimate, plan_command
+
         try:
             return estimate(args) if args.command == "estimate" else plan_command(args)
         except (ValueError, FileNotFoundError, RuntimeError) as e:
@@ -41,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args, argv if argv is not None else sys.argv[1:])
         if args.command == "convert":
             from .checkpoint.export import convert as convert_checkpoint
+
             print(f"wrote {convert_checkpoint(args.checkpoint, args.out, args.dtype, int(args.max_shard_size))}")
             return 0
         return _run(args)
@@ -59,24 +70,38 @@ def default_nproc() -> int:
 
 def _train(args, argv: list[str]) -> int:
     from .comm import launched_by_torchrun
+
     if launched_by_torchrun():
         from .train import train
+
         train(args)
         return 0
     from .config import Config
     from .train import adopt_config_layout, build_config, check_model_layout, world_size_of
+
     adopt_config_layout(args)
     check_model_layout(args)
     nproc = world_size_of(args, default_nproc())
-    Config.load(build_config(args, torch.cuda.is_available()), world_size=nproc,  # fail fast, before launching
-                pipeline_stages=args.pp)
+    Config.load(
+        build_config(args, torch.cuda.is_available()),
+        world_size=nproc,  # fail fast, before launching
+        pipeline_stages=args.pp,
+    )
     # Relaunch ourselves under torchrun: one process per GPU (or `nproc` CPU processes). --nproc and
     # --max-restarts are torchrun's, dropped from the workers' arguments (torchrun would read
     # --nproc as its own --nproc-per-node).
     ours = ("--nproc", "--max-restarts")
     worker_argv = [a for i, a in enumerate(argv) if not (a.startswith(ours) or (i and argv[i - 1] in ours))]
-    return _torchrun(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={args.max_restarts}",
-                      "-m", "zerotron.cli", *worker_argv])
+    return _torchrun(
+        [
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            f"--max-restarts={args.max_restarts}",
+            "-m",
+            "zerotron.cli",
+            *worker_argv,
+        ]
+    )
 
 
 # ---- zerotron run -----------------------------------------------------------------------------
@@ -90,8 +115,11 @@ def _add_run_arguments(p: argparse.ArgumentParser):
     p.add_argument("--rdzv-endpoint", default=None)
     p.add_argument("--rdzv-id", default=None)
     p.add_argument("--max-restarts", type=int, default=None)
-    p.add_argument("--as-deepspeed", action="store_true",
-                   help="`import deepspeed` in the workers gives zerotron (sets ZEROTRON_AS_DEEPSPEED=1 for them)")
+    p.add_argument(
+        "--as-deepspeed",
+        action="store_true",
+        help="`import deepspeed` in the workers gives zerotron (sets ZEROTRON_AS_DEEPSPEED=1 for them)",
+    )
     p.add_argument("script", help="the training script (or -m module)")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
 
@@ -112,11 +140,14 @@ def _run(args) -> int:
         # The workers are fresh interpreters: zerotron's start-up hook (zerotron-startup.pth in
         # site-packages) reads the variable there, before the script's `import deepspeed`.
         from .compat.alias import ENV, startup_hook_installed
+
         if not startup_hook_installed():
-            print("zerotron run --as-deepspeed: zerotron's start-up hook (zerotron-startup.pth) is not in this "
-                  "Python's site-packages; install zerotron with pip (`pip install zerotron`, or "
-                  "`pip install -e .` in a checkout), or call zerotron.as_deepspeed() in the script",
-                  file=sys.stderr)
+            print(
+                "zerotron run --as-deepspeed: zerotron's start-up hook (zerotron-startup.pth) is not in this "
+                "Python's site-packages; install zerotron with pip (`pip install zerotron`, or "
+                "`pip install -e .` in a checkout), or call zerotron.as_deepspeed() in the script",
+                file=sys.stderr,
+            )
             return 2
         os.environ[ENV] = "1"
     return _torchrun([*argv, args.script, *args.script_args])
@@ -135,6 +166,7 @@ def _torchrun(argv: list[str]) -> int:
 
     from .error_report import LAUNCHER_ENV, debugging, reported_message
     from .errors import EXIT_FAULT, EXIT_PREEMPTED
+
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, _nproc_of(argv)))))
     os.environ[LAUNCHER_ENV] = "1"  # the workers leave reporting zerotron's errors to this process
     if not debugging():  # "sending SIGTERM to ..." per worker, error files copied: the failure below says what matters
@@ -151,8 +183,10 @@ def _torchrun(argv: list[str]) -> int:
         print(f"zerotron: a worker process failed (exit status {failure.exitcode}): {e}", file=sys.stderr)
         return failure.exitcode if failure.exitcode in (EXIT_FAULT, EXIT_PREEMPTED) else 1
     except SignalException as e:  # SIGTERM/SIGINT to the launcher: torchrun passed it on to the workers
-        print(f"zerotron: stopped by signal {e.sigval}; the workers checkpointed if they had a --save-dir",
-              file=sys.stderr)
+        print(
+            f"zerotron: stopped by signal {e.sigval}; the workers checkpointed if they had a --save-dir",
+            file=sys.stderr,
+        )
         return EXIT_PREEMPTED
     return 0
 

@@ -172,8 +172,16 @@ class ResumableDistributedSampler(Sampler[int]):
     time: iterators share the sampler's position.
     """
 
-    def __init__(self, dataset_len, num_replicas: int, rank: int, shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = True, infinite: bool = True):
+    def __init__(
+        self,
+        dataset_len,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        infinite: bool = True,
+    ):
         n = dataset_len if isinstance(dataset_len, int) else len(dataset_len)
         if n < 1:
             raise ValueError(f"dataset is empty (length {n})")
@@ -217,7 +225,7 @@ class ResumableDistributedSampler(Sampler[int]):
         end = start + self._per_rank(start) * self.num_replicas
         if end > len(order):  # wrap around (repeating the whole order if the pad is larger)
             order = order * math.ceil(end / len(order))
-        mine = order[start + self.rank:end:self.num_replicas]
+        mine = order[start + self.rank : end : self.num_replicas]
         self._cache = ((epoch, start), mine)
         return mine
 
@@ -269,9 +277,15 @@ class ResumableDistributedSampler(Sampler[int]):
 
     def state_dict(self) -> dict:
         """JSON-serialisable position plus the settings that fix the order."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "dataset_len": self.dataset_len, "num_replicas": self.num_replicas,
-                "shuffle": self.shuffle, "drop_last": self.drop_last}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "dataset_len": self.dataset_len,
+            "num_replicas": self.num_replicas,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
 
     def load_state_dict(self, sd: dict) -> None:
         """Resume where `sd` was taken, with this sampler's number of replicas (which may differ)."""
@@ -294,8 +308,15 @@ class ResumableDistributedSampler(Sampler[int]):
         self.epoch, self.start, self.offset = int(sd["epoch"]), int(position), 0
 
 
-def corpus_loaders(seq_len: int, micro_batch: int, num_replicas: int, rank: int, seed: int = 0,
-                   max_bytes: int | None = None, global_batch: int | None = None) -> tuple[DataLoader, TokenWindows]:
+def corpus_loaders(
+    seq_len: int,
+    micro_batch: int,
+    num_replicas: int,
+    rank: int,
+    seed: int = 0,
+    max_bytes: int | None = None,
+    global_batch: int | None = None,
+) -> tuple[DataLoader, TokenWindows]:
     """(train_loader, val_dataset) over the stdlib corpus for this rank.
 
     The train loader never ends (infinite sampler) and yields (x, y) int64
@@ -309,8 +330,10 @@ def corpus_loaders(seq_len: int, micro_batch: int, num_replicas: int, rank: int,
     train_ds = TokenWindows(train, seq_len)
     need = global_batch or micro_batch * num_replicas
     if len(train_ds) < need:
-        raise ValueError(f"the training data holds {len(train_ds)} sequences of {seq_len} tokens, fewer than one global "
-                         f"batch ({need}): use more data (--corpus-bytes), a shorter --seq-len or a smaller batch")
+        raise ValueError(
+            f"the training data holds {len(train_ds)} sequences of {seq_len} tokens, fewer than one global "
+            f"batch ({need}): use more data (--corpus-bytes), a shorter --seq-len or a smaller batch"
+        )
     sampler = ResumableDistributedSampler(len(train_ds), num_replicas, rank, shuffle=True, seed=seed)
     loader = DataLoader(train_ds, batch_size=micro_batch, sampler=sampler, num_workers=0)
     return loader, TokenWindows(val, seq_len)

@@ -7,6 +7,7 @@ otherwise, and the message goes to torchrun's error file too, so its failure tab
 Under zerotron's own launcher (`zerotron run`, `zerotron train`) the workers print nothing: the
 launcher prints the first failure's message once. ZEROTRON_DEBUG=1 brings the tracebacks back.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,6 +39,7 @@ def install() -> None:
             report(value)
         else:
             previous(kind, value, traceback)
+
     hook.zerotron = True
     sys.excepthook = hook
 
@@ -48,14 +50,24 @@ def report(error: ZerotronError) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:  # torchrun's format (its ErrorHandler.record_exception), the message in place of the traceback
         with open(path, "w") as f:
-            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
-                                                                     "timestamp": str(int(time.time()))}}}, f)
+            json.dump(
+                {
+                    "message": {
+                        "message": message,
+                        "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))},
+                    }
+                },
+                f,
+            )
     if os.environ.get(LAUNCHER_ENV) == "1" and path:
         return
     rank = int(os.environ.get("RANK", "0"))
     if not error.same_on_every_rank:
-        print(message if int(os.environ.get("WORLD_SIZE", "1")) == 1 else f"[rank {rank}] {message}",
-              file=sys.stderr, flush=True)
+        print(
+            message if int(os.environ.get("WORLD_SIZE", "1")) == 1 else f"[rank {rank}] {message}",
+            file=sys.stderr,
+            flush=True,
+        )
     elif rank == 0:
         print(message, file=sys.stderr, flush=True)
     else:

@@ -5,11 +5,13 @@ class ZerotronError(Exception):
     """An error whose message says all a user needs: in a launched job it is reported as that
     message alone, without a traceback (error_report.py). `same_on_every_rank`: raised alike by every
     rank (from the config and the model alone), so rank 0 speaks for all."""
+
     same_on_every_rank = False
 
 
 class ConfigError(ZerotronError, ValueError):
     """A config value is wrong. The message names the key, the value and the fix."""
+
     same_on_every_rank = True
 
     def __init__(self, key: str, value, fix: str):
@@ -18,8 +20,8 @@ class ConfigError(ZerotronError, ValueError):
 
 
 # Exit codes (sysexits.h): a job that stops on purpose says why through its status.
-EXIT_FAULT = 70       # EX_SOFTWARE: a collective timed out, or another rank stopped the job
-EXIT_PREEMPTED = 75   # EX_TEMPFAIL: SIGTERM/SIGINT; a checkpoint was saved; run again with --resume
+EXIT_FAULT = 70  # EX_SOFTWARE: a collective timed out, or another rank stopped the job
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM/SIGINT; a checkpoint was saved; run again with --resume
 
 
 class CollectiveMismatch(ZerotronError, RuntimeError):

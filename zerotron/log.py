@@ -1,4 +1,5 @@
 """The `zerotron` logger: INFO to stderr on rank 0 unless the application configured logging."""
+
 import logging
 import os
 
@@ -26,6 +27,7 @@ def warn(message, category=UserWarning):
     in the config, the model or the optimizer), however deep inside zerotron the check runs."""
     import sys
     import warnings
+
     frame, level = sys._getframe(1), 2  # stacklevel 2 is our caller
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
         frame, level = frame.f_back, level + 1

@@ -1,4 +1,5 @@
 """Training metrics to TensorBoard and/or CSV files, as DeepSpeed's `tensorboard` / `csv_monitor`."""
+
 from __future__ import annotations
 
 import csv

@@ -1,4 +1,5 @@
 """Walking the nested values models take and return: tensors, tuples, lists, dicts, ModelOutputs."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Mixed precision: dtype policy, fp32 master weights, the fp16 loss scaler, global-norm clipping."""
+
 from __future__ import annotations
 
 import functools
@@ -32,7 +33,7 @@ class LossScaler:
         cfg = cfg or FP16Config()
         self.enabled = cfg.enabled
         self.dynamic = cfg.enabled and cfg.loss_scale == 0
-        self.scale = float(2 ** cfg.initial_scale_power) if self.dynamic else (cfg.loss_scale if cfg.enabled else 1.0)
+        self.scale = float(2**cfg.initial_scale_power) if self.dynamic else (cfg.loss_scale if cfg.enabled else 1.0)
         self.window = cfg.loss_scale_window
         self.min_scale = cfg.min_loss_scale
         self.hysteresis = cfg.hysteresis
@@ -53,7 +54,8 @@ class LossScaler:
                     raise LossScaleAtMinimum(
                         f"fp16 gradients overflowed at the minimum loss scale {self.scale:g} (step {self.iteration}); "
                         "the model diverges in fp16: lower the learning rate, set fp16.min_loss_scale lower, "
-                        "or train in bf16")
+                        "or train in bf16"
+                    )
                 self.scale = max(self.scale / 2, self.min_scale)
             else:
                 self.hysteresis_left -= 1
@@ -136,8 +138,9 @@ def norm_share(param, tp: int) -> float:
     return share / tp if tp > 1 and getattr(param, "tp_replicated", False) else share
 
 
-def clip_by_global_norm(grads: list[torch.Tensor], max_norm: float, groups=None,
-                        weights: list[float] | None = None) -> torch.Tensor:
+def clip_by_global_norm(
+    grads: list[torch.Tensor], max_norm: float, groups=None, weights: list[float] | None = None
+) -> torch.Tensor:
     """Scale `grads` so their joint L2 norm is at most `max_norm`; returns the norm before clipping.
 
     `grads` may be shards: the squared norms are summed over each process group in `groups` (a
@@ -160,6 +163,7 @@ def global_norm(norms: list[torch.Tensor], groups=None, weights: list[float] | N
     if weights is not None:
         squares = squares * _constant(tuple(weights), squares.device)
     from .comm import comm_for, to_device
+
     total_sq = to_device(squares.sum())  # offloaded gradients are in host memory; collectives run on the device
     for group in groups if isinstance(groups, (list, tuple)) else [groups]:
         if group is not None and dist.get_world_size(group) > 1:
@@ -177,4 +181,3 @@ def _constant(values: tuple, device: torch.device) -> torch.Tensor:
 def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
     """What the gradients are multiplied by so their norm `total` is at most `max_norm` (torch's rule)."""
     return (max_norm / (total + 1e-6)).clamp(max=1.0)
-

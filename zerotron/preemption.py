@@ -5,6 +5,7 @@ reach ranks at different moments) so all of them stop after the same step. Insta
 `zerotron train --save-dir` and by the config key `zerotron.save_on_preemption`; a second SIGINT
 interrupts at once, as Ctrl-C normally does.
 """
+
 from __future__ import annotations
 
 import signal

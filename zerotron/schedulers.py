@@ -7,13 +7,20 @@ Every scheduler counts optimizer steps in ``last_batch_iteration``: -1 means "no
 and ``step()`` advances it and writes that step's lr into every param group. The engine
 calls ``step()`` once per optimizer step, after ``optimizer.step()``.
 """
+
 import logging
 import math
 
 import torch
 
-from .config.scheduler_section import (DEFAULT_WARMUP_STEPS, LINEAR, LOG, SCHEDULER_TYPES,  # noqa: F401 (public here)
-                                       WARMUP_TYPES, is_auto, validate_scheduler)
+from .config.scheduler_section import (
+    DEFAULT_WARMUP_STEPS,
+    LOG,
+    SCHEDULER_TYPES,  # noqa: F401 (public here)
+    WARMUP_TYPES,
+    is_auto,
+    validate_scheduler,
+)
 from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -40,8 +47,9 @@ def per_group(optimizer, value, name):
     n = len(optimizer.param_groups)
     if isinstance(value, (list, tuple)):
         if len(value) != n:
-            raise ConfigError(f"scheduler.params.{name}", value,
-                              f"give a single number or a list of {n} (one per param group)")
+            raise ConfigError(
+                f"scheduler.params.{name}", value, f"give a single number or a list of {n} (one per param group)"
+            )
         return list(value)
     return [value] * n
 
@@ -127,8 +135,15 @@ class WarmupLR(_WarmupScheduler):
     warmup_max_lr=None (the default) takes each param group's lr at construction.
     """
 
-    def __init__(self, optimizer, warmup_min_lr=0.0, warmup_max_lr=None,
-                 warmup_num_steps=DEFAULT_WARMUP_STEPS, warmup_type=LOG, last_batch_iteration=-1):
+    def __init__(
+        self,
+        optimizer,
+        warmup_min_lr=0.0,
+        warmup_max_lr=None,
+        warmup_num_steps=DEFAULT_WARMUP_STEPS,
+        warmup_type=LOG,
+        last_batch_iteration=-1,
+    ):
         super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
         if warmup_max_lr is None:
             warmup_max_lr = [float(group["lr"]) for group in self.optimizer.param_groups]
@@ -151,11 +166,18 @@ class WarmupDecayLR(WarmupLR):
     """WarmupLR, then linear decay from warmup_max_lr back to warmup_min_lr at step
     total_num_steps, held there afterwards. Unlike WarmupLR, warmup_max_lr defaults to 0.001."""
 
-    def __init__(self, optimizer, total_num_steps, warmup_min_lr=0.0, warmup_max_lr=0.001,
-                 warmup_num_steps=DEFAULT_WARMUP_STEPS, warmup_type=LOG, last_batch_iteration=-1):
+    def __init__(
+        self,
+        optimizer,
+        total_num_steps,
+        warmup_min_lr=0.0,
+        warmup_max_lr=0.001,
+        warmup_num_steps=DEFAULT_WARMUP_STEPS,
+        warmup_type=LOG,
+        last_batch_iteration=-1,
+    ):
         self.total_num_steps = total_num_steps  # set first: the base class applies the step -1 lr
-        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
-                         last_batch_iteration)
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
 
     def _gamma(self):
         if self._in_warmup():
@@ -172,9 +194,16 @@ class WarmupCosineLR(_WarmupScheduler):
     optimizer checkpoint (whose lrs are already scaled).
     """
 
-    def __init__(self, optimizer, total_num_steps, warmup_min_ratio=0.0,
-                 warmup_num_steps=DEFAULT_WARMUP_STEPS, cos_min_ratio=0.0001, warmup_type=LOG,
-                 last_batch_iteration=-1):
+    def __init__(
+        self,
+        optimizer,
+        total_num_steps,
+        warmup_min_ratio=0.0,
+        warmup_num_steps=DEFAULT_WARMUP_STEPS,
+        cos_min_ratio=0.0001,
+        warmup_type=LOG,
+        last_batch_iteration=-1,
+    ):
         super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
         self.total_num_steps = total_num_steps
         self.warmup_min_ratio = warmup_min_ratio
@@ -207,10 +236,23 @@ class OneCycle(Scheduler):
     cycle becomes cycle_max_mom * (1 + decay_mom_rate * t).
     """
 
-    def __init__(self, optimizer, cycle_min_lr, cycle_max_lr, decay_lr_rate=0.0,
-                 cycle_first_step_size=2000, cycle_second_step_size=None, cycle_first_stair_count=0,
-                 cycle_second_stair_count=None, decay_step_size=0, cycle_momentum=True,
-                 cycle_min_mom=0.8, cycle_max_mom=0.9, decay_mom_rate=0.0, last_batch_iteration=-1):
+    def __init__(
+        self,
+        optimizer,
+        cycle_min_lr,
+        cycle_max_lr,
+        decay_lr_rate=0.0,
+        cycle_first_step_size=2000,
+        cycle_second_step_size=None,
+        cycle_first_stair_count=0,
+        cycle_second_stair_count=None,
+        decay_step_size=0,
+        cycle_momentum=True,
+        cycle_min_mom=0.8,
+        cycle_max_mom=0.9,
+        decay_mom_rate=0.0,
+        last_batch_iteration=-1,
+    ):
         super().__init__(optimizer, last_batch_iteration)
         first = float(cycle_first_step_size)
         second = first if cycle_second_step_size is None else float(cycle_second_step_size)
@@ -221,8 +263,9 @@ class OneCycle(Scheduler):
         self.first_step_size, self.second_step_size = first, second
         self.total_size = first + second
         self.first_stair_count = cycle_first_stair_count
-        self.second_stair_count = (cycle_first_stair_count if cycle_second_stair_count is None
-                                   else cycle_second_stair_count)
+        self.second_stair_count = (
+            cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
+        )
 
         self.min_lrs = per_group(self.optimizer, cycle_min_lr, "cycle_min_lr")
         self.max_lrs = per_group(self.optimizer, cycle_max_lr, "cycle_max_lr")
@@ -237,8 +280,7 @@ class OneCycle(Scheduler):
         # Only Adam-style betas are cycled; SGD's `momentum` is left alone, as in DeepSpeed.
         self.cycle_momentum = cycle_momentum and "betas" in getattr(self.optimizer, "defaults", {})
         if cycle_momentum and not self.cycle_momentum:
-            logger.warning("OneCycle: %s has no betas, so momentum is not cycled",
-                           type(self.optimizer).__name__)
+            logger.warning("OneCycle: %s has no betas, so momentum is not cycled", type(self.optimizer).__name__)
         if self.cycle_momentum:
             self.min_moms = per_group(self.optimizer, cycle_min_mom, "cycle_min_mom")
             self.max_moms = per_group(self.optimizer, cycle_max_mom, "cycle_max_mom")
@@ -248,8 +290,9 @@ class OneCycle(Scheduler):
             # still needs a step(), as in DeepSpeed.
             write_groups(self.optimizer.param_groups, "lr", self.min_lrs)
             if self.cycle_momentum:
-                write_groups(self.optimizer.param_groups, "betas",
-                       [(beta1, ONE_CYCLE_BETA2) for beta1 in self.min_moms])
+                write_groups(
+                    self.optimizer.param_groups, "betas", [(beta1, ONE_CYCLE_BETA2) for beta1 in self.min_moms]
+                )
 
     def _cycle_position(self):
         """0 at cycle_min_lr, 1 at cycle_max_lr. Step i is placed at batch i + 1 of the cycle."""
@@ -309,6 +352,7 @@ def build_scheduler(type_name: str, params: dict, optimizer):
     validate_scheduler(type_name, params)
     for name, value in params.items():
         if is_auto(value):
-            raise ConfigError(f"scheduler.params.{name}", value,
-                              "resolve 'auto' to a value before building the scheduler")
+            raise ConfigError(
+                f"scheduler.params.{name}", value, "resolve 'auto' to a value before building the scheduler"
+            )
     return SCHEDULERS[type_name](optimizer, **params)

@@ -1,6 +1,7 @@
 """How long a collective may take: the timeout a script gave `init_distributed` (DeepSpeed's
 argument), read by the process groups zerotron makes (topology), the watchdog and comm. It sits
 below all three so each can ask without importing the others."""
+
 from __future__ import annotations
 
 import datetime

@@ -3,6 +3,7 @@
 Ranks are laid out pipeline-outermost and tensor-innermost (rank = (pp * dp + dp_idx) * tp + tp_idx),
 so the chattiest group, tensor parallel, is made of neighbouring ranks on one node.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,9 +33,12 @@ class Topology:
             if size < 1:
                 raise ConfigError(name, size, "must be a positive integer")
         if world_size % (tp * pp):
-            raise ConfigError("tensor_parallel.autotp_size", tp,
-                              f"tensor ({tp}) x pipeline ({pp}) parallel size must divide the world size "
-                              f"({world_size}); change the sizes or the number of processes")
+            raise ConfigError(
+                "tensor_parallel.autotp_size",
+                tp,
+                f"tensor ({tp}) x pipeline ({pp}) parallel size must divide the world size "
+                f"({world_size}); change the sizes or the number of processes",
+            )
         self.world_size, self.tp, self.pp = world_size, tp, pp
         self.dp = world_size // (tp * pp)
         self._groups: dict[str, Optional[dist.ProcessGroup]] = {}
@@ -63,8 +67,9 @@ class Topology:
         engine of the same layout (a reference model beside the trained one, the next model of a
         sweep) reuses them: each process group costs connections and threads."""
         if dist.get_world_size() != self.world_size:
-            raise RuntimeError(f"topology was made for {self.world_size} ranks but the process group has "
-                               f"{dist.get_world_size()}")
+            raise RuntimeError(
+                f"topology was made for {self.world_size} ranks but the process group has {dist.get_world_size()}"
+            )
         self._groups = cached_groups(("groups", self.shape), self._make_groups)
         return self
 

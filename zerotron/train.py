@@ -1,4 +1,5 @@
 """The reference job behind `zerotron train`: the reference GPT on the embedded corpus."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,6 @@ from .parallelize import to_pipeline
 from .planner.hardware import peak_flops_of
 
 
-
 def add_train_arguments(p: argparse.ArgumentParser):
     p.add_argument("--model", default="small", help="reference GPT size: tiny, small, medium, large, 125m, ... 13b")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps")
@@ -27,26 +27,50 @@ def add_train_arguments(p: argparse.ArgumentParser):
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per process per micro-step (default 8)")
     p.add_argument("--grad-accum", type=int, default=None, help="micro-steps per optimizer step (default 1)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3)")
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None, help="default: bf16 on GPUs, fp32 on CPUs")
+    p.add_argument(
+        "--precision", choices=["fp32", "bf16", "fp16"], default=None, help="default: bf16 on GPUs, fp32 on CPUs"
+    )
     p.add_argument("--zero", type=int, default=None, help="ZeRO stage")
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: processes / (tp x pp))")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=None, help="pipeline-parallel stages")
-    p.add_argument("--schedule", choices=list(SCHEDULES), default=None,
-                   help="pipeline schedule (default 1f1b; interleaved with --virtual-stages; zb-h1: zero bubble)")
+    p.add_argument(
+        "--schedule",
+        choices=list(SCHEDULES),
+        default=None,
+        help="pipeline schedule (default 1f1b; interleaved with --virtual-stages; zb-h1: zero bubble)",
+    )
     p.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline stage (interleaved 1F1B)")
-    p.add_argument("--sequence-parallel", action="store_true", default=None, help="split norms/residuals along the sequence (with --tp)")
-    p.add_argument("--tp-overlap", action="store_true", default=None,
-                   help="run each block in two halves of the micro-batch, one half's tensor-parallel collective "
-                        "under the other's compute (tensor_parallel.tp_overlap_comm; with --tp)")
-    p.add_argument("--checkpoint", choices=CHECKPOINT_POLICIES, default=None,
-                   help="activation checkpointing policy")
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        default=None,
+        help="split norms/residuals along the sequence (with --tp)",
+    )
+    p.add_argument(
+        "--tp-overlap",
+        action="store_true",
+        default=None,
+        help="run each block in two halves of the micro-batch, one half's tensor-parallel collective "
+        "under the other's compute (tensor_parallel.tp_overlap_comm; with --tp)",
+    )
+    p.add_argument("--checkpoint", choices=CHECKPOINT_POLICIES, default=None, help="activation checkpointing policy")
     p.add_argument("--save-dir", default=None, help="write checkpoints here (every --save-every steps and at the end)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint period in steps (0: only at the end)")
-    p.add_argument("--resume", nargs="?", const="auto", choices=["auto"], default=None,
-                   help="continue from the newest complete checkpoint in --save-dir, if there is one ('auto')")
-    p.add_argument("--max-restarts", type=int, default=0,
-                   help="restart every process this many times when one fails (with --resume: from the newest checkpoint)")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="auto",
+        choices=["auto"],
+        default=None,
+        help="continue from the newest complete checkpoint in --save-dir, if there is one ('auto')",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart every process this many times when one fails (with --resume: from the newest checkpoint)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-batches", type=int, default=8, help="validation micro-batches per process")
     p.add_argument("--sample-bytes", type=int, default=200, help="length of the generated sample (0: none)")
@@ -56,15 +80,26 @@ def add_train_arguments(p: argparse.ArgumentParser):
 def build_config(args, gpu: bool) -> dict:
     """The DeepSpeed config of the job: --config if given, else defaults; explicit flags override."""
     from .config import read_raw
-    cfg = read_raw(args.config) if args.config else {
-        "train_micro_batch_size_per_gpu": 8,
-        "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": args.steps, "warmup_num_steps": max(1, args.steps // 20), "warmup_type": "linear",
-            "cos_min_ratio": 0.1}},
-        "steps_per_print": 10 ** 9,  # the progress bar reports instead
-    }
+
+    cfg = (
+        read_raw(args.config)
+        if args.config
+        else {
+            "train_micro_batch_size_per_gpu": 8,
+            "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+            "scheduler": {
+                "type": "WarmupCosineLR",
+                "params": {
+                    "total_num_steps": args.steps,
+                    "warmup_num_steps": max(1, args.steps // 20),
+                    "warmup_type": "linear",
+                    "cos_min_ratio": 0.1,
+                },
+            },
+            "steps_per_print": 10**9,  # the progress bar reports instead
+        }
+    )
     if args.micro_batch is not None:
         cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
         cfg.pop("train_batch_size", None)
@@ -100,6 +135,7 @@ def adopt_config_layout(args) -> None:
     if not args.config:
         return
     from .config import read_raw
+
     raw = read_raw(args.config)
     tp, stages = raw.get("tensor_parallel", {}).get("autotp_size"), raw.get("pipeline", {}).get("stages")
     if args.tp is None and isinstance(tp, int):
@@ -127,13 +163,18 @@ def check_model_layout(args) -> None:
     """The reference GPT's own limit on the layout, named before any process starts: every pipeline
     stage (and model chunk) needs at least one of its layers."""
     from .models.gpt import SIZES
+
     if args.model not in SIZES:
         raise SystemExit(f"--model {args.model}: not a reference GPT size; choose one of {', '.join(SIZES)}")
     layers, chunks = SIZES[args.model].n_layer, (args.pp or 1) * args.virtual_stages
     if chunks > layers:
-        asked = f"--pp {args.pp or 1}" + (f" x --virtual-stages {args.virtual_stages}" if args.virtual_stages > 1 else "")
-        raise SystemExit(f"{asked}: the {args.model} GPT has {layers} layers and each pipeline stage needs at least "
-                         f"one; use at most {layers} stages in all, or a larger --model")
+        asked = f"--pp {args.pp or 1}" + (
+            f" x --virtual-stages {args.virtual_stages}" if args.virtual_stages > 1 else ""
+        )
+        raise SystemExit(
+            f"{asked}: the {args.model} GPT has {layers} layers and each pipeline stage needs at least "
+            f"one; use at most {layers} stages in all, or a larger --model"
+        )
 
 
 def _peak_flops() -> float | None:
@@ -151,7 +192,7 @@ def _validation_loss(engine, val, batches: int, micro_batch: int) -> float:
     idx = list(range(rank, batches * micro_batch * dp, dp))
     micro = []
     for i in range(0, len(idx), micro_batch):
-        xs, ys = zip(*(val[j] for j in idx[i:i + micro_batch]))
+        xs, ys = zip(*(val[j] for j in idx[i : i + micro_batch]))
         micro.append((torch.stack(xs), torch.stack(ys)))
     return engine.eval_batch(iter(micro), num_micro_batches=len(micro)).item()
 
@@ -160,6 +201,7 @@ def train(args) -> None:
     from tqdm import tqdm
 
     import zerotron
+
     from .data import corpus_loaders
     from .models.gpt import GPT, config_for
 
@@ -171,13 +213,23 @@ def train(args) -> None:
     # Counted whole, before tensor parallelism splits the model (a rank's shard is 1/tp of it).
     n_params, flops_per_token = model.num_params(), model.flops_per_token(args.seq_len)
     pipelined = (args.pp or 1) > 1
-    module = to_pipeline(model, args.pp, partition_method="type:_PipeBlock", num_virtual_stages=args.virtual_stages) \
-        if pipelined else model
+    module = (
+        to_pipeline(model, args.pp, partition_method="type:_PipeBlock", num_virtual_stages=args.virtual_stages)
+        if pipelined
+        else model
+    )
     engine, *_ = zerotron.initialize(model=module, config=build_config(args, gpu))
     rank0 = engine.global_rank == 0
     mb, seq = engine.train_micro_batch_size_per_gpu(), args.seq_len
-    loader, val = corpus_loaders(seq, mb, engine.topology.dp, engine.coords.dp, seed=args.seed,
-                                 max_bytes=args.corpus_bytes, global_batch=engine.train_batch_size())
+    loader, val = corpus_loaders(
+        seq,
+        mb,
+        engine.topology.dp,
+        engine.coords.dp,
+        seed=args.seed,
+        max_bytes=args.corpus_bytes,
+        global_batch=engine.train_batch_size(),
+    )
     say = print if rank0 else (lambda *a, **k: None)
     if args.resume and not args.save_dir:
         raise SystemExit("--resume needs --save-dir (where the checkpoints are)")
@@ -198,10 +250,13 @@ def train(args) -> None:
     rng = torch.get_rng_state()
     data = iter(loader)
     torch.set_rng_state(rng)
-    say(f"zerotron train: {args.model} GPT, {n_params / 1e6:.2f}M parameters, "
+    say(
+        f"zerotron train: {args.model} GPT, {n_params / 1e6:.2f}M parameters, "
         f"{engine.world_size} x {engine.device.type} ({dist.get_backend()}), "
-        f"dp {engine.topology.dp} x tp {engine.topology.tp} x pp {engine.topology.pp}, {engine.config.model_dtype_name}, "
-        f"batch {engine.train_batch_size()} x {seq} tokens, {args.steps} steps")
+        f"dp {engine.topology.dp} x tp {engine.topology.tp} x pp {engine.topology.pp}, "
+        f"{engine.config.model_dtype_name}, "
+        f"batch {engine.train_batch_size()} x {seq} tokens, {args.steps} steps"
+    )
     val_before = _validation_loss(engine, val, args.eval_batches, mb)
 
     tokens_per_step = engine.train_batch_size() * seq
@@ -218,21 +273,26 @@ def train(args) -> None:
         bar.set_postfix(stats, refresh=False)
         bar.update(1)
         last = step + 1 == args.steps
-        if args.save_dir and (last or engine.preemption_requested or
-                              (args.save_every and (step + 1) % args.save_every == 0)):
+        if args.save_dir and (
+            last or engine.preemption_requested or (args.save_every and (step + 1) % args.save_every == 0)
+        ):
             engine.save_checkpoint(args.save_dir, client_state={"sampler": loader.sampler.state_dict()})
         if engine.preemption_requested:
             bar.close()
-            say(f"preempted: checkpoint saved at step {step + 1} in {args.save_dir}; exiting {EXIT_PREEMPTED} "
-                "(run again with --resume to continue)")
+            say(
+                f"preempted: checkpoint saved at step {step + 1} in {args.save_dir}; exiting {EXIT_PREEMPTED} "
+                "(run again with --resume to continue)"
+            )
             raise SystemExit(EXIT_PREEMPTED)
     bar.close()
     elapsed = time.perf_counter() - start
 
     val_after = _validation_loss(engine, val, args.eval_batches, mb)
     done = args.steps - first_step
-    say(f"trained {done} steps in {elapsed:.1f}s ({done * tokens_per_step / max(elapsed, 1e-9):,.0f} tokens/s); "
-        f"validation loss {val_before:.3f} -> {val_after:.3f} (uniform guess: ln 256 = {math.log(256):.3f})")
+    say(
+        f"trained {done} steps in {elapsed:.1f}s ({done * tokens_per_step / max(elapsed, 1e-9):,.0f} tokens/s); "
+        f"validation loss {val_before:.3f} -> {val_after:.3f} (uniform guess: ln 256 = {math.log(256):.3f})"
+    )
     if args.sample_bytes > 0 and pipelined:
         say("sample: skipped (generation through pipeline stages is not implemented)")
     elif args.sample_bytes > 0:

@@ -14,6 +14,7 @@ Works alike on gloo and NCCL: it needs only the store every torch.distributed jo
 `collective_checks` on (a debug mode), each collective first compares its operation, shapes and
 dtypes across the group through the store and names the first rank that diverges.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from .errors import EXIT_FAULT, CollectiveMismatch
 from .timeouts import requested_timeout
+
 
 def default_timeout_s() -> float:
     """$ZEROTRON_COLLECTIVE_TIMEOUT, else the timeout init_distributed was given, else 600 s (the
@@ -114,14 +116,18 @@ class Watchdog:
             self.store.wait(others, datetime.timedelta(seconds=self.timeout_s))
         except Exception:  # noqa: BLE001 (a store timeout: someone never called it)
             missing = [r for r in call.ranks if r != self.rank and not self.store.check([key + str(r)])]
-            self.fail(f"collective check: rank(s) {missing} never called collective #{call.seq} on group "
-                      f"{call.group} (rank {self.rank} calls {mine}) within {self.timeout_s:g} s{self._where(missing)}")
+            self.fail(
+                f"collective check: rank(s) {missing} never called collective #{call.seq} on group "
+                f"{call.group} (rank {self.rank} calls {mine}) within {self.timeout_s:g} s{self._where(missing)}"
+            )
         for r in call.ranks:
             theirs = self.store.get(key + str(r)).decode()
             if theirs != mine:
-                message = (f"collective mismatch: collective #{call.seq} on group {call.group}: "
-                           f"rank {self.rank} calls {mine}, rank {r} calls {theirs}. The ranks took different "
-                           "paths (a branch on rank-local data, a skipped or extra collective).")
+                message = (
+                    f"collective mismatch: collective #{call.seq} on group {call.group}: "
+                    f"rank {self.rank} calls {mine}, rank {r} calls {theirs}. The ranks took different "
+                    "paths (a branch on rank-local data, a skipped or extra collective)."
+                )
                 self._abort(message)
                 raise CollectiveMismatch(message)
         if call.seq > 2:  # the keys of two calls ago are read by everyone by now
@@ -151,9 +157,14 @@ class Watchdog:
     def _state(self) -> dict:
         with self._lock:
             now = time.monotonic()
-            return {"step": self.step, "finished": dict(self._finished),
-                    "pending": [{"call": c.describe(), "group": c.group, "seq": c.seq, "waiting_s": round(now - c.since, 1)}
-                                for c in self._pending.values()]}
+            return {
+                "step": self.step,
+                "finished": dict(self._finished),
+                "pending": [
+                    {"call": c.describe(), "group": c.group, "seq": c.seq, "waiting_s": round(now - c.since, 1)}
+                    for c in self._pending.values()
+                ],
+            }
 
     def _publish(self) -> None:
         state = self._state()
@@ -179,20 +190,26 @@ class Watchdog:
                 lines.append(f"\n  rank {r}: no state published (it never reached the engine, or died)")
                 continue
             doing = "; ".join(f"in {p['call']} for {p['waiting_s']:g} s" for p in s["pending"]) or "not in a collective"
-            lines.append(f"\n  rank {r}: at step {s['step']}, {doing}; last finished per group: "
-                         + (", ".join(f"{g} {c}" for g, c in sorted(s["finished"].items())) or "none"))
+            lines.append(
+                f"\n  rank {r}: at step {s['step']}, {doing}; last finished per group: "
+                + (", ".join(f"{g} {c}" for g, c in sorted(s["finished"].items())) or "none")
+            )
         return "".join(lines)
 
     def _timeout_message(self, call: _Call) -> str:
         self._publish()
         time.sleep(2 * self.poll_s)
         states = self._states(call.ranks)
-        arrived = [r for r in call.ranks if any(p["call"] == call.describe() for p in states.get(r, {}).get("pending", []))]
+        arrived = [
+            r for r in call.ranks if any(p["call"] == call.describe() for p in states.get(r, {}).get("pending", []))
+        ]
         elsewhere = [r for r in call.ranks if r not in arrived]
-        return (f"collective timeout at step {self.step}: {call.describe()} (ranks {call.ranks}) waited "
-                f"{time.monotonic() - call.since:.0f} s (timeout {self.timeout_s:g} s). Arrived: ranks {arrived}; "
-                f"not arrived: ranks {elsewhere}:{self._where(elsewhere)}\nA rank that skips, adds or reorders a "
-                "collective hangs the others; ZEROTRON_COLLECTIVE_CHECKS=1 names the first divergence.")
+        return (
+            f"collective timeout at step {self.step}: {call.describe()} (ranks {call.ranks}) waited "
+            f"{time.monotonic() - call.since:.0f} s (timeout {self.timeout_s:g} s). Arrived: ranks {arrived}; "
+            f"not arrived: ranks {elsewhere}:{self._where(elsewhere)}\nA rank that skips, adds or reorders a "
+            "collective hangs the others; ZEROTRON_COLLECTIVE_CHECKS=1 names the first divergence."
+        )
 
     # ---- stopping -------------------------------------------------------------------------------
     def _abort(self, message: str) -> None:

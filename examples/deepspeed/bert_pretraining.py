@@ -6,6 +6,7 @@ Written for DeepSpeed; runs on zerotron unchanged:
         --deepspeed_config examples/deepspeed/bert_pretraining.json --output_dir /tmp/bert --steps 4
     # ... later, the same command with --resume continues from the newest checkpoint
 """
+
 import argparse
 
 import deepspeed
@@ -54,7 +55,8 @@ def main():
     set_random_seed(42)
     model = BertForMaskedLM()
     engine, optimizer, loader, scheduler = deepspeed.initialize(
-        args=args, model=model, model_parameters=model.parameters(), training_data=masked_corpus())
+        args=args, model=model, model_parameters=model.parameters(), training_data=masked_corpus()
+    )
     step = 0
     if args.resume:
         path, client_state = engine.load_checkpoint(args.output_dir)

@@ -1,8 +1,10 @@
 """An image classifier trained the way DeepSpeed's CIFAR-10 tutorial does it, on random images
 (nothing is downloaded). Written for DeepSpeed; runs on zerotron unchanged:
 
-    zerotron run --as-deepspeed -n 2 examples/deepspeed/image_classifier.py --deepspeed_config examples/deepspeed/image_classifier.json
+    zerotron run --as-deepspeed -n 2 examples/deepspeed/image_classifier.py \
+        --deepspeed_config examples/deepspeed/image_classifier.json
 """
+
 import argparse
 
 import deepspeed
@@ -51,15 +53,18 @@ def main():
     deepspeed.init_distributed()
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
-    trainset = torch.utils.data.TensorDataset(torch.randn(256, 3, 32, 32, generator=generator),
-                                              torch.randint(0, 10, (256,), generator=generator))
+    trainset = torch.utils.data.TensorDataset(
+        torch.randn(256, 3, 32, 32, generator=generator), torch.randint(0, 10, (256,), generator=generator)
+    )
     net = Net()
     model_engine, optimizer, trainloader, _ = deepspeed.initialize(
-        args=args, model=net, model_parameters=create_moe_param_groups(net), training_data=trainset)
+        args=args, model=net, model_parameters=create_moe_param_groups(net), training_data=trainset
+    )
 
     local_device = get_accelerator().device_name(model_engine.local_rank)
-    target_dtype = torch.bfloat16 if model_engine.bfloat16_enabled() else \
-        torch.half if model_engine.fp16_enabled() else None
+    target_dtype = (
+        torch.bfloat16 if model_engine.bfloat16_enabled() else torch.half if model_engine.fp16_enabled() else None
+    )
     criterion = nn.CrossEntropyLoss()
     gas, losses, step = model_engine.gradient_accumulation_steps(), [], 0
     while step < args.steps:

@@ -5,6 +5,7 @@ example (random images; nothing is downloaded). Written for DeepSpeed; runs on z
     zerotron run --as-deepspeed -n 2 examples/deepspeed/pipeline_layers.py \
         --deepspeed_config examples/deepspeed/pipeline_layers.json --pipeline-parallel-size 2
 """
+
 import argparse
 
 import deepspeed
@@ -18,8 +19,13 @@ class AlexNetStyle(nn.Module):
     def __init__(self, num_classes=10):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 16, kernel_size=3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, kernel_size=3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2))
+            nn.Conv2d(3, 16, kernel_size=3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, kernel_size=3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+        )
         self.avgpool = nn.AdaptiveAvgPool2d((2, 2))
         self.classifier = nn.Sequential(nn.Linear(32 * 2 * 2, 64), nn.ReLU(inplace=True), nn.Linear(64, num_classes))
 
@@ -40,13 +46,19 @@ def main():
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(7)
-    trainset = torch.utils.data.TensorDataset(torch.randn(128, 3, 16, 16, generator=generator),
-                                              torch.randint(0, 10, (128,), generator=generator))
-    net = PipelineModule(layers=join_layers(AlexNetStyle()), loss_fn=nn.CrossEntropyLoss(),
-                         num_stages=args.pipeline_parallel_size, partition_method="parameters",
-                         activation_checkpoint_interval=0)
+    trainset = torch.utils.data.TensorDataset(
+        torch.randn(128, 3, 16, 16, generator=generator), torch.randint(0, 10, (128,), generator=generator)
+    )
+    net = PipelineModule(
+        layers=join_layers(AlexNetStyle()),
+        loss_fn=nn.CrossEntropyLoss(),
+        num_stages=args.pipeline_parallel_size,
+        partition_method="parameters",
+        activation_checkpoint_interval=0,
+    )
     engine, _, loader, _ = deepspeed.initialize(
-        args=args, model=net, model_parameters=[p for p in net.parameters() if p.requires_grad], training_data=trainset)
+        args=args, model=net, model_parameters=[p for p in net.parameters() if p.requires_grad], training_data=trainset
+    )
     data_iter = iter(RepeatingLoader(loader))
     for step in range(args.steps):
         loss = engine.train_batch(data_iter=data_iter)

@@ -4,8 +4,10 @@ initialized inside GatheredParameters(enabled=...), prompt tokens masked out of 
 averaged over ranks with deepspeed.comm. The model is built from a tiny Llama config with random
 weights (nothing is downloaded). Written for DeepSpeed; runs on zerotron unchanged:
 
-    zerotron run --as-deepspeed -n 2 examples/deepspeed/sft_zero3.py --deepspeed_config examples/deepspeed/sft_zero3.json
+    zerotron run --as-deepspeed -n 2 examples/deepspeed/sft_zero3.py \
+        --deepspeed_config examples/deepspeed/sft_zero3.json
 """
+
 import argparse
 
 import deepspeed
@@ -20,10 +22,16 @@ PROMPT, ANSWER, NEW_TOKENS = 6, 10, 2
 
 def get_optimizer_grouped_parameters(model, weight_decay, no_decay=("bias", "norm.weight")):
     return [
-        {"params": [p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay) and p.requires_grad],
-         "weight_decay": weight_decay},
-        {"params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay) and p.requires_grad],
-         "weight_decay": 0.0},
+        {
+            "params": [
+                p for n, p in model.named_parameters() if not any(nd in n for nd in no_decay) and p.requires_grad
+            ],
+            "weight_decay": weight_decay,
+        },
+        {
+            "params": [p for n, p in model.named_parameters() if any(nd in n for nd in no_decay) and p.requires_grad],
+            "weight_decay": 0.0,
+        },
     ]
 
 
@@ -32,7 +40,7 @@ def chat_samples(n, vocab):
     ids = torch.randint(0, vocab - NEW_TOKENS, (n, PROMPT + ANSWER), generator=g)
     ids[:, PROMPT - 1] = vocab - 1  # the new "<assistant>" token ends every prompt
     labels = ids.clone()
-    labels[:, :PROMPT] = -100       # only the answer is learned
+    labels[:, :PROMPT] = -100  # only the answer is learned
     return torch.utils.data.TensorDataset(ids, labels)
 
 
@@ -46,18 +54,31 @@ def main():
 
     deepspeed.init_distributed()
     torch.manual_seed(1234)
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = AutoModelForCausalLM.from_config(config)
     optimizer = FusedAdam(get_optimizer_grouped_parameters(model, args.weight_decay), lr=2e-3, betas=(0.9, 0.95))
-    engine, optimizer, loader, _ = deepspeed.initialize(args=args, model=model, optimizer=optimizer,
-                                                       training_data=chat_samples(64, config.vocab_size))
+    engine, optimizer, loader, _ = deepspeed.initialize(
+        args=args, model=model, optimizer=optimizer, training_data=chat_samples(64, config.vocab_size)
+    )
     zero3 = engine.zero_optimization_stage() == 3
 
     embeddings = engine.module.get_input_embeddings().weight
     if zero3 and dist.get_rank() == 0:
-        print("embedding released between steps:", embeddings.ds_status == ZeroParamStatus.NOT_AVAILABLE,
-              "shape", tuple(embeddings.ds_shape), flush=True)
+        print(
+            "embedding released between steps:",
+            embeddings.ds_status == ZeroParamStatus.NOT_AVAILABLE,
+            "shape",
+            tuple(embeddings.ds_shape),
+            flush=True,
+        )
     with deepspeed.zero.GatheredParameters(embeddings, modifier_rank=0, enabled=zero3):
         if dist.get_rank() == 0:  # the new tokens start at the mean of the others
             with torch.no_grad():

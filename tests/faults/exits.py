@@ -7,6 +7,7 @@ The 8-rank run is `--dp 2 --tp 2 --pp 2 --steps 3` and the 2-rank one ZeRO-2 in 
 layouts that used to end with "terminate called without an active exception" (SIGABRT at
 teardown) now and then. Any non-zero status is printed with the last lines of the job's stderr.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,20 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tools import processes, reporting  # noqa: E402
 
-ARGS = ("--model", "tiny", "--seq-len", "32", "--eval-batches", "1", "--sample-bytes", "0",
-        "--corpus-bytes", "300000", "--micro-batch", "2")
+ARGS = (
+    "--model",
+    "tiny",
+    "--seq-len",
+    "32",
+    "--eval-batches",
+    "1",
+    "--sample-bytes",
+    "0",
+    "--corpus-bytes",
+    "300000",
+    "--micro-batch",
+    "2",
+)
 LAYOUTS = {
     "3d-8-ranks": ("--nproc", "8", "--dp", "2", "--tp", "2", "--pp", "2", "--grad-accum", "2", "--steps", "3"),
     "zero2-bf16-2-ranks": ("--nproc", "2", "--zero", "2", "--precision", "bf16", "--steps", "6"),
@@ -29,8 +42,12 @@ LAYOUTS = {
 
 
 def run_once(layout: str, timeout: float = 300) -> tuple[int, str]:
-    rc, _, err = processes.run_limited([sys.executable, "-m", "zerotron.cli", "train", *ARGS, *LAYOUTS[layout]], timeout,
-                                    processes.child_env(OMP_NUM_THREADS=1, PYTHONUNBUFFERED=1), cwd=ROOT)
+    rc, _, err = processes.run_limited(
+        [sys.executable, "-m", "zerotron.cli", "train", *ARGS, *LAYOUTS[layout]],
+        timeout,
+        processes.child_env(OMP_NUM_THREADS=1, PYTHONUNBUFFERED=1),
+        cwd=ROOT,
+    )
     return (-999, f"timed out after {timeout:.0f} s\n{err}") if rc is None else (rc, err)
 
 
@@ -44,8 +61,14 @@ def soak(runs: dict[str, int], log=print) -> dict:
             if status != 0:
                 tail = "\n      ".join(stderr.strip().splitlines()[-6:])
                 log(f"  {layout} run {i + 1}: exit {status} after {time.monotonic() - start:.0f} s\n      {tail}")
-        log(f"{layout}: {counts[layout][0]} of {n} exited 0" +
-            (f" (others: {dict((k, v) for k, v in counts[layout].items() if k != 0)})" if counts[layout][0] != n else ""))
+        log(
+            f"{layout}: {counts[layout][0]} of {n} exited 0"
+            + (
+                f" (others: {dict((k, v) for k, v in counts[layout].items() if k != 0)})"
+                if counts[layout][0] != n
+                else ""
+            )
+        )
     return {layout: dict(c) for layout, c in counts.items()}
 
 

@@ -17,6 +17,7 @@ no older than the last one written before the fault. Counted: jobs, outcomes as 
 
     python tests/faults/soak.py --minutes 10
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,6 +64,7 @@ def latest_step(save: Path) -> int:
 def checkpoint_intact(save: Path) -> bool:
     """The newest checkpoint is complete: meta.json lists every rank file, each with its checksum."""
     from zerotron.checkpoint.files import read_meta, verify
+
     if latest_step(save) < 0:
         return True  # nothing written yet is not a loss
     tag = save / (save / "latest").read_text().strip()
@@ -89,12 +91,29 @@ def children(pid: int) -> list[int]:
 
 
 def launch(save: Path, steps: int, extra: list[str], restarts: int = 2) -> subprocess.Popen:
-    return processes.spawn([sys.executable, "-m", "zerotron.cli", "run", "-n", "2", "--max-restarts", str(restarts),
-                         str(JOB), "--save-dir", str(save), "--steps", str(steps), *extra], env())
+    return processes.spawn(
+        [
+            sys.executable,
+            "-m",
+            "zerotron.cli",
+            "run",
+            "-n",
+            "2",
+            "--max-restarts",
+            str(restarts),
+            str(JOB),
+            "--save-dir",
+            str(save),
+            "--steps",
+            str(steps),
+            *extra,
+        ],
+        env(),
+    )
 
 
 def one_job(fault: str, rng: random.Random, args, root: Path) -> dict:
-    save = root / f"job{rng.randrange(10 ** 9)}"
+    save = root / f"job{rng.randrange(10**9)}"
     extra = []
     if fault == "nan":
         extra = ["--nan-steps", str(rng.randrange(2, args.steps - 2))]
@@ -119,8 +138,13 @@ def one_job(fault: str, rng: random.Random, args, root: Path) -> dict:
             elif fault == "sigterm":
                 os.killpg(job.pid, signal.SIGTERM)
     code, out, err = processes.wait_limited(job, args.job_timeout - (time.monotonic() - start))
-    record = {"fault": fault, "args": extra, "exit": code, "seconds": round(time.monotonic() - start, 1),
-              "hang": code is None}
+    record = {
+        "fault": fault,
+        "args": extra,
+        "exit": code,
+        "seconds": round(time.monotonic() - start, 1),
+        "hang": code is None,
+    }
     if fault == "sigterm" and code == 75:  # preempted: the rerun must finish from the checkpoint
         record["preempted_at"] = latest_step(save)
         code2, out, err = processes.wait_limited(launch(save, args.steps, []), args.job_timeout)
@@ -128,9 +152,14 @@ def one_job(fault: str, rng: random.Random, args, root: Path) -> dict:
         record["hang"] |= code2 is None
         code = code2
     finished = "FINISHED at step" in out
-    expected = {"none": finished, "kill": finished, "sigterm": finished, "nan": finished and "skipped 1" in out,
-                "nan3": code not in (0, None) and "NonFiniteError" in err,
-                "diverge": code == 70 and "collective timeout" in err}[fault]
+    expected = {
+        "none": finished,
+        "kill": finished,
+        "sigterm": finished,
+        "nan": finished and "skipped 1" in out,
+        "nan3": code not in (0, None) and "NonFiniteError" in err,
+        "diverge": code == 70 and "collective timeout" in err,
+    }[fault]
     record["as_expected"] = bool(expected)
     record["checkpoint_lost"] = not checkpoint_intact(save) or latest_step(save) < saved_before_fault
     if not expected:
@@ -148,12 +177,19 @@ def main():
             fault = FAULTS[len(records) % len(FAULTS)] if len(records) < len(FAULTS) else rng.choice(FAULTS)
             r = one_job(fault, rng, args, Path(tmp))
             records.append(r)
-            print(f"job {len(records):3d} {fault:8s} exit {r['exit']} in {r['seconds']:5.1f}s  "
-                  f"{'ok' if r['as_expected'] else 'UNEXPECTED'}{'  HANG' if r['hang'] else ''}"
-                  f"{'  CHECKPOINT LOST' if r['checkpoint_lost'] else ''}", flush=True)
-    summary = {"jobs": len(records), "as_expected": sum(r["as_expected"] for r in records),
-               "hangs": sum(r["hang"] for r in records), "checkpoints_lost": sum(r["checkpoint_lost"] for r in records),
-               "by_fault": {f: sum(r["fault"] == f for r in records) for f in FAULTS}}
+            print(
+                f"job {len(records):3d} {fault:8s} exit {r['exit']} in {r['seconds']:5.1f}s  "
+                f"{'ok' if r['as_expected'] else 'UNEXPECTED'}{'  HANG' if r['hang'] else ''}"
+                f"{'  CHECKPOINT LOST' if r['checkpoint_lost'] else ''}",
+                flush=True,
+            )
+    summary = {
+        "jobs": len(records),
+        "as_expected": sum(r["as_expected"] for r in records),
+        "hangs": sum(r["hang"] for r in records),
+        "checkpoints_lost": sum(r["checkpoint_lost"] for r in records),
+        "by_fault": {f: sum(r["fault"] == f for r in records) for f in FAULTS},
+    }
     print(json.dumps(summary, indent=1))
     reporting.write_json("soak", {"args": reporting.json_args(args), "summary": summary, "jobs": records}, args.out)
 

@@ -5,6 +5,7 @@ uninterrupted one would.
 
     zerotron run -n 2 [--max-restarts K] tests/faults/soak_job.py --save-dir D --steps N [fault flags]
 """
+
 import argparse
 import sys
 from pathlib import Path
@@ -38,10 +39,21 @@ def main():
     zerotron.init_distributed()
     rank = dist.get_rank()
     torch.manual_seed(0)
-    engine, *_ = zerotron.initialize(model=GPT(config_for("tiny", max_seq_len=32)), config={
-        "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": args.zero},
-        "zerotron": {"collective_timeout": args.timeout, "save_on_preemption": args.save_dir, "max_nonfinite_steps": 3}})
+    engine, *_ = zerotron.initialize(
+        model=GPT(config_for("tiny", max_seq_len=32)),
+        config={
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_clipping": 1.0,
+            "steps_per_print": 10**9,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": args.zero},
+            "zerotron": {
+                "collective_timeout": args.timeout,
+                "save_on_preemption": args.save_dir,
+                "max_nonfinite_steps": 3,
+            },
+        },
+    )
     if (Path(args.save_dir) / "latest").exists():
         engine.load_checkpoint(args.save_dir)
     nan_steps = {int(s) for s in args.nan_steps.split(",") if s}

@@ -1,4 +1,5 @@
 """`python -m tools.gpu ...` (or `python tools/gpu ...`): the runbook's command line, tools/gpu/run.py."""
+
 import sys
 from pathlib import Path
 

@@ -15,6 +15,7 @@ a world of one).
 
 Runs on torch 2.11 and later (the GPU machine's), on CUDA or, in the smoke run, on the CPU.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,7 +39,9 @@ ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-6, "weight_decay": 0.1}
 
 def _model(device, **overrides):
     import torch
+
     from zerotron.models.gpt import GPT, config_for
+
     torch.manual_seed(0)
     return GPT(config_for("tiny", max_seq_len=SEQ, **overrides)).to(device)
 
@@ -49,6 +52,7 @@ def _batches(device, n=STEPS, rows=2 * MICRO):
 
 def _reference(device):
     import torch
+
     model = _model(device)
     opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
     step = training.torch_step(model, opt, clip=1.0)
@@ -58,8 +62,14 @@ def _reference(device):
 
 def _engine(device, stage, gas, dtype="fp32", **zero):
     import zerotron
-    config = training.zerotron_config(2 * MICRO // gas, 1.0, adamw=ADAMW, gas=gas, zero_optimization={
-        "stage": stage, "stage3_param_persistence_threshold": 0, **zero})
+
+    config = training.zerotron_config(
+        2 * MICRO // gas,
+        1.0,
+        adamw=ADAMW,
+        gas=gas,
+        zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0, **zero},
+    )
     if dtype != "fp32":
         config[dtype] = {"enabled": True}
     engine, *_ = zerotron.initialize(model=_model(device), config=config)
@@ -79,6 +89,7 @@ def _compare(losses, weights, ref_losses, ref_weights) -> dict:
 
 def _weights(engine):
     import zerotron
+
     return {k: v.float().cpu() for k, v in zerotron.zero.consolidated_state_dict(engine.module).items()}
 
 
@@ -94,10 +105,20 @@ def zero_parity(device, names=None) -> dict:
     """ZeRO 0-3 x accumulation 1-2 and the offload variants (or those `names`) against the plain loop."""
     ref_losses, ref_weights = _reference(device)
     cases = {f"zero{stage}_gas{gas}": (stage, gas, {}) for stage in range(4) for gas in (1, 2)}
-    cases.update({"offload_optimizer_pinned_zero2": (2, 1, {"offload_optimizer": {"device": "cpu", "pin_memory": True}}),
-                  "offload_optimizer_zero2": (2, 1, {"offload_optimizer": {"device": "cpu", "pin_memory": False}}),
-                  "offload_param_zero3": (3, 1, {"offload_param": {"device": "cpu", "pin_memory": True},
-                                                 "offload_optimizer": {"device": "cpu", "pin_memory": True}})})
+    cases.update(
+        {
+            "offload_optimizer_pinned_zero2": (2, 1, {"offload_optimizer": {"device": "cpu", "pin_memory": True}}),
+            "offload_optimizer_zero2": (2, 1, {"offload_optimizer": {"device": "cpu", "pin_memory": False}}),
+            "offload_param_zero3": (
+                3,
+                1,
+                {
+                    "offload_param": {"device": "cpu", "pin_memory": True},
+                    "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                },
+            ),
+        }
+    )
     out = {}
     for name, (stage, gas, zero) in cases.items():
         if names is not None and name not in names:
@@ -108,13 +129,18 @@ def zero_parity(device, names=None) -> dict:
             weights = _weights(engine)
             out[name] = {**_compare(losses, weights, ref_losses, ref_weights), "digest": _digest(weights)}
         except Exception as e:  # noqa: BLE001 - one case failing is a finding, the others still run
-            out[name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}", "trace": traceback.format_exc()[-800:]}
+            out[name] = {
+                "ok": False,
+                "error": f"{type(e).__name__}: {str(e)[:300]}",
+                "trace": traceback.format_exc()[-800:],
+            }
     return out
 
 
 def overflow(device) -> dict:
     """One gradient set to inf (fp16) or NaN (bf16) in step 2: skipped, weights untouched."""
     import torch
+
     out = {}
     for dtype, bad in (("fp16", float("inf")), ("bf16", float("nan"))):
         if dtype == "fp16" and device.type == "cpu":
@@ -132,9 +158,13 @@ def overflow(device) -> dict:
         after = _weights(engine)
         unchanged = all(torch.equal(before[k], after[k]) for k in before)
         expected = scale_after_one_overflow(scale, engine.config.fp16.hysteresis)
-        out[dtype] = {"skipped_steps": engine.skipped_steps, "weights_unchanged": unchanged,
-                      "loss_scale": [scale, engine.loss_scale], "hysteresis": engine.config.fp16.hysteresis,
-                      "ok": unchanged and engine.skipped_steps == 1 and (dtype != "fp16" or engine.loss_scale == expected)}
+        out[dtype] = {
+            "skipped_steps": engine.skipped_steps,
+            "weights_unchanged": unchanged,
+            "loss_scale": [scale, engine.loss_scale],
+            "hysteresis": engine.config.fp16.hysteresis,
+            "ok": unchanged and engine.skipped_steps == 1 and (dtype != "fp16" or engine.loss_scale == expected),
+        }
         _train(engine, batches[2:])  # and training goes on
     return out
 
@@ -156,13 +186,17 @@ def checkpoint_round_trip(device) -> dict:
         resumed.load_checkpoint(tmp)
         got = _train(resumed, _batches(device)[2:])
         same_weights = _digest(_weights(resumed)) == _digest(_weights(straight))
-    return {"losses_bit_identical": got == want[2:], "weights_bit_identical": same_weights,
-            "ok": got == want[2:] and same_weights}
+    return {
+        "losses_bit_identical": got == want[2:],
+        "weights_bit_identical": same_weights,
+        "ok": got == want[2:] and same_weights,
+    }
 
 
 def host_syncs(device) -> dict:
     """The host syncs of one ZeRO-2 training step after warm-up."""
     import torch
+
     engine = _engine(device, 2, 2)
     batches = _batches(device, 2)
     _train(engine, batches[:1])
@@ -185,13 +219,18 @@ def host_syncs(device) -> dict:
 
 def job_correct(args, dev, result, save):
     import torch
+
     device = dev.device
     if device.type == "cuda":  # deterministic kernels: two runs of the same math give the same bits
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    for name, check in (("zero_parity", zero_parity), ("overflow", overflow),
-                        ("checkpoint_round_trip", checkpoint_round_trip), ("host_syncs", host_syncs)):
+    for name, check in (
+        ("zero_parity", zero_parity),
+        ("overflow", overflow),
+        ("checkpoint_round_trip", checkpoint_round_trip),
+        ("host_syncs", host_syncs),
+    ):
         try:
             result[name] = check(device)
         except Exception as e:  # noqa: BLE001
@@ -229,9 +268,11 @@ def _rerun_blocking(args, result) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rerun.json"
         env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1"}
-        code = ("import sys, json; sys.path.insert(0, %r); from tools.gpu import checks; import torch; "
-                "torch.use_deterministic_algorithms(True, warn_only=True); torch.backends.cuda.matmul.allow_tf32 = False; "
-                "json.dump(checks.zero_parity(torch.device('cuda', 0)), open(%r, 'w'))") % (str(ROOT), str(out))
+        code = (
+            "import sys, json; sys.path.insert(0, %r); from tools.gpu import checks; import torch; "
+            "torch.use_deterministic_algorithms(True, warn_only=True); torch.backends.cuda.matmul.allow_tf32 = False; "
+            "json.dump(checks.zero_parity(torch.device('cuda', 0)), open(%r, 'w'))"
+        ) % (str(ROOT), str(out))
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             return {"ok": False, "error": proc.stderr[-800:]}

@@ -1,6 +1,7 @@
 """The GPU runbook's parts, each run in a child process of its own by tools/gpu/run.py: the device, the
 models, `mfu`, `ckpt`, `offload` and `offload_off` (`correct` and `sanitized` are in checks.py), and the
 arithmetic that sizes the offload part (no torch: unit-tested in tests/test_gpu_runbook_smoke.py)."""
+
 from __future__ import annotations
 
 import datetime
@@ -87,9 +88,13 @@ class Device:
         d = {"type": self.device.type, **reporting.environment(torch_threads=t.get_num_threads())}
         if self.cuda:
             props = t.cuda.get_device_properties(0)
-            d.update(name=t.cuda.get_device_name(0), total_memory_gib=round(props.total_memory / GiB, 2),
-                     cuda=t.version.cuda, capability=f"{props.major}.{props.minor}",
-                     multiprocessors=props.multi_processor_count)
+            d.update(
+                name=t.cuda.get_device_name(0),
+                total_memory_gib=round(props.total_memory / GiB, 2),
+                cuda=t.version.cuda,
+                capability=f"{props.major}.{props.minor}",
+                multiprocessors=props.multi_processor_count,
+            )
         return d
 
     def sync(self):
@@ -146,6 +151,7 @@ def host_total_bytes(args, dev) -> int:
 def build_model(cfg, dev, seed: int = 0, dtype=None, meta_init: bool = False):
     """The reference GPT, built directly in `dtype` (bf16) on the device: no fp32 copy in host memory."""
     from zerotron.models.gpt import GPT
+
     dtype = dtype or torch.bfloat16
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
@@ -154,6 +160,7 @@ def build_model(cfg, dev, seed: int = 0, dtype=None, meta_init: bool = False):
         with torch.device(dev.device):
             if meta_init:  # parameters go to the meta device as they are made (on the GPU, fast)
                 import zerotron.zero
+
                 with zerotron.zero.Init():
                     return GPT(cfg)
             return GPT(cfg)
@@ -170,7 +177,9 @@ def param_counts(cfg) -> tuple[int, int, int]:
     return shape.parameters, block, shape.parameters - cfg.n_layer * block
 
 
-flops_per_token = training.flops_per_token  # GPT.flops_per_token from the config: 6N + 12*L*d*s, N without the embedding
+flops_per_token = (
+    training.flops_per_token
+)  # GPT.flops_per_token from the config: 6N + 12*L*d*s, N without the embedding
 
 
 def zerotron_engine(model, micro_batch: int, clip: float, **sections):
@@ -198,6 +207,7 @@ def plain_bf16(model, clip: float):
         for p in params:
             p.grad = None
         return loss.item()
+
     return opt, step
 
 
@@ -206,8 +216,9 @@ def plain_autocast(model, clip: float):
     model.float()
     opt = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
     device_type = next(model.parameters()).device.type
-    return opt, training.torch_step(model, opt, clip, autocast=lambda: torch.autocast(device_type, dtype=torch.bfloat16),
-                                  foreach=True)
+    return opt, training.torch_step(
+        model, opt, clip, autocast=lambda: torch.autocast(device_type, dtype=torch.bfloat16), foreach=True
+    )
 
 
 def timed(step, batches, warmup: int, steps: int, dev, deadline: float) -> dict:
@@ -231,8 +242,13 @@ def timed(step, batches, warmup: int, steps: int, dev, deadline: float) -> dict:
         losses.append(step(*batches[i]))
         dev.sync()
         times.append(time.perf_counter() - t)
-    out.update(step_s=times, median_s=statistics.median(times), mean_s=statistics.mean(times), losses=losses,
-               peak_gib=gib(dev.peak()))
+    out.update(
+        step_s=times,
+        median_s=statistics.median(times),
+        mean_s=statistics.mean(times),
+        losses=losses,
+        peak_gib=gib(dev.peak()),
+    )
     if out["peak_gib"] is not None and out["between_steps_gib"] is not None:
         out["activations_gib"] = out["peak_gib"] - out["between_steps_gib"]
     if not all(math.isfinite(v) for v in losses):
@@ -249,8 +265,16 @@ def add_rates(r: dict, tokens_per_step: int, fpt: float, peak_flops: float | Non
 def model_info(name: str, cfg, seq: int) -> dict:
     """Size, parameters and FLOPs per token, from the planner's count of the config."""
     shape = training.gpt_shape(cfg)
-    return {"size": name, "n_layer": cfg.n_layer, "d_model": cfg.d_model, "n_head": cfg.n_head, "ffn": cfg.ffn,
-            "params": shape.parameters, "flops_per_token": shape.flops_per_token(seq), "seq": seq}
+    return {
+        "size": name,
+        "n_layer": cfg.n_layer,
+        "d_model": cfg.d_model,
+        "n_head": cfg.n_head,
+        "ffn": cfg.ffn,
+        "params": shape.parameters,
+        "flops_per_token": shape.flops_per_token(seq),
+        "seq": seq,
+    }
 
 
 def measure(part: str, cases, cfg, b: int, args, dev, result, out: dict, save, make) -> None:
@@ -262,16 +286,25 @@ def measure(part: str, cases, cfg, b: int, args, dev, result, out: dict, save, m
             t = time.perf_counter()
             engine, step = make(case, build_model(cfg, dev))
             setup = time.perf_counter() - t
-            r = add_rates(timed(step, batches, args.warmup, args.steps, dev, args.deadline), b * args.seq,
-                          result["model"]["flops_per_token"], result["peak_flops"])
+            r = add_rates(
+                timed(step, batches, args.warmup, args.steps, dev, args.deadline),
+                b * args.seq,
+                result["model"]["flops_per_token"],
+                result["peak_flops"],
+            )
             r["setup_s"] = setup
             if hasattr(engine, "memory_report"):
                 r["memory_report_gib"] = {k: gib(v) for k, v in engine.memory_report().items()}
-            log(f"{part}: {case}: median {r['median_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s"
+            log(
+                f"{part}: {case}: median {r['median_s'] * 1e3:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s"
                 + (f", MFU {r['mfu']:.1%}" if r["mfu"] else "")
-                + (f", peak {r['peak_gib']:.2f} GiB (activations {r['activations_gib']:.2f})"
-                   if r["peak_gib"] is not None else "")
-                + f", losses {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")
+                + (
+                    f", peak {r['peak_gib']:.2f} GiB (activations {r['activations_gib']:.2f})"
+                    if r["peak_gib"] is not None
+                    else ""
+                )
+                + f", losses {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
+            )
         except Exception as e:  # noqa: BLE001 - one case failing must not lose the others
             traceback.print_exc()
             r = {"error": describe_error(e)}
@@ -284,15 +317,20 @@ def measure(part: str, cases, cfg, b: int, args, dev, result, out: dict, save, m
 
 def job_mfu(args, dev, result, save):
     from zerotron.models.gpt import config_for
+
     cfg = config_for(args.mfu_model, max_seq_len=args.seq)
     result["model"] = info = model_info(args.mfu_model, cfg, args.seq)
     b = args.micro_batch
-    result.update(micro_batch=b, tokens_per_step=b * args.seq, peak_flops=dev.peak_flops(), clip=args.clip,
-                  systems={})
-    log(f"mfu: {args.mfu_model} GPT, {info['params'] / 1e9:.3f}B params, {b} x {args.seq} tokens/step, "
-        f"{args.warmup} warm-up + {args.steps} timed steps per system")
-    makers = {"zerotron": lambda m: zerotron_engine(m, b, args.clip), "plain": lambda m: plain_bf16(m, args.clip),
-              "plain_autocast": lambda m: plain_autocast(m, args.clip)}
+    result.update(micro_batch=b, tokens_per_step=b * args.seq, peak_flops=dev.peak_flops(), clip=args.clip, systems={})
+    log(
+        f"mfu: {args.mfu_model} GPT, {info['params'] / 1e9:.3f}B params, {b} x {args.seq} tokens/step, "
+        f"{args.warmup} warm-up + {args.steps} timed steps per system"
+    )
+    makers = {
+        "zerotron": lambda m: zerotron_engine(m, b, args.clip),
+        "plain": lambda m: plain_bf16(m, args.clip),
+        "plain_autocast": lambda m: plain_autocast(m, args.clip),
+    }
     measure("mfu", args.systems, cfg, b, args, dev, result, result["systems"], save, lambda n, m: makers[n](m))
     zt, pl = result["systems"].get("zerotron", {}), result["systems"].get("plain", {})
     if "median_s" in zt and "median_s" in pl:
@@ -300,19 +338,33 @@ def job_mfu(args, dev, result, save):
         result["zerotron_vs_plain"] = {
             "step_time_ratio": zt["median_s"] / pl["median_s"],
             "peak_memory_ratio": zt["peak_gib"] / pl["peak_gib"] if zt["peak_gib"] and pl["peak_gib"] else None,
-            "max_abs_dloss": max(abs(a - c) for a, c in zip(zt["losses"][:n], pl["losses"][:n]))}
+            "max_abs_dloss": max(abs(a - c) for a, c in zip(zt["losses"][:n], pl["losses"][:n])),
+        }
 
 
 def job_ckpt(args, dev, result, save):
     from zerotron.models.gpt import config_for
+
     cfg = config_for(args.ckpt_model, max_seq_len=args.seq)
     result["model"] = info = model_info(args.ckpt_model, cfg, args.seq)
     b = args.ckpt_micro_batch
     result.update(micro_batch=b, tokens_per_step=b * args.seq, peak_flops=dev.peak_flops(), policies={})
-    log(f"ckpt: {args.ckpt_model} GPT, {info['params'] / 1e6:.0f}M params, {b} x {args.seq} tokens/step, "
-        f"policies {', '.join(args.ckpt_policies)}")
-    measure("ckpt", args.ckpt_policies, cfg, b, args, dev, result, result["policies"], save,
-            lambda policy, m: zerotron_engine(m, b, args.clip, zerotron={"checkpoint_policy": policy}))
+    log(
+        f"ckpt: {args.ckpt_model} GPT, {info['params'] / 1e6:.0f}M params, {b} x {args.seq} tokens/step, "
+        f"policies {', '.join(args.ckpt_policies)}"
+    )
+    measure(
+        "ckpt",
+        args.ckpt_policies,
+        cfg,
+        b,
+        args,
+        dev,
+        result,
+        result["policies"],
+        save,
+        lambda policy, m: zerotron_engine(m, b, args.clip, zerotron={"checkpoint_policy": policy}),
+    )
     base = result["policies"].get("none", {})
     for policy, r in result["policies"].items():
         if "median_s" in r and "median_s" in base:
@@ -334,6 +386,7 @@ def offload_sections(args, offload: bool) -> dict:
 def offload_model_cfg(args, dev, result):
     """The assessment of --offload-model and the config actually trained (maybe fewer layers)."""
     from zerotron.models.gpt import config_for
+
     full = config_for(args.offload_model, max_seq_len=args.seq)
     psi, per_layer, fixed = param_counts(full)
     gpu_total, host_total = dev.total(), host_total_bytes(args, dev)
@@ -341,28 +394,42 @@ def offload_model_cfg(args, dev, result):
     persistent, step_peak = states_bytes_without_offload(psi)
     host = offload_host_bytes(psi)
     result["assessment"] = a = {
-        "model": args.offload_model, "params": psi, "gpu_total_gib": gib(gpu_total), "host_gib": gib(host_total),
+        "model": args.offload_model,
+        "params": psi,
+        "gpu_total_gib": gib(gpu_total),
+        "host_gib": gib(host_total),
         "host_budget_gib": gib(host_budget),
-        "gpu_states_without_offload_gib": gib(persistent), "gpu_states_step_peak_without_offload_gib": gib(step_peak),
+        "gpu_states_without_offload_gib": gib(persistent),
+        "gpu_states_step_peak_without_offload_gib": gib(step_peak),
         "fits_gpu_without_offload": None if gpu_total is None else persistent < gpu_total,
         "gpu_states_with_offload_gib": gib(4 * psi),
-        "host_with_offload_gib": gib(host), "host_with_offload_unrounded_gib": gib(14 * psi),
-        "fits_host_with_offload": host <= host_budget}
+        "host_with_offload_gib": gib(host),
+        "host_with_offload_unrounded_gib": gib(14 * psi),
+        "fits_host_with_offload": host <= host_budget,
+    }
     if args.offload_layers == "auto":
-        layers = full.n_layer if a["fits_host_with_offload"] else pick_layers(fixed, per_layer, full.n_layer,
-                                                                               host_budget)
+        layers = (
+            full.n_layer if a["fits_host_with_offload"] else pick_layers(fixed, per_layer, full.n_layer, host_budget)
+        )
         if layers == 0:
-            raise RuntimeError(f"not even one layer of {args.offload_model} fits {gib(host_budget):.0f} GiB of host "
-                               "memory with offload")
+            raise RuntimeError(
+                f"not even one layer of {args.offload_model} fits {gib(host_budget):.0f} GiB of host "
+                "memory with offload"
+            )
     else:
         layers = int(args.offload_layers)
     cfg = replace(full, n_layer=layers)
-    log(f"offload: {args.offload_model}: {psi / 1e9:.2f}B params; without offload its model states need "
+    log(
+        f"offload: {args.offload_model}: {psi / 1e9:.2f}B params; without offload its model states need "
         f"{gib(persistent):.0f} GiB on the GPU (16 B/param; {gib(step_peak):.0f} at the step)"
-        + (f" of {gib(gpu_total):.1f}: {'fits' if a['fits_gpu_without_offload'] else 'does NOT fit'}" if gpu_total
-           else "")
+        + (
+            f" of {gib(gpu_total):.1f}: {'fits' if a['fits_gpu_without_offload'] else 'does NOT fit'}"
+            if gpu_total
+            else ""
+        )
         + f"; with offload {gib(host):.0f} GiB of host memory (pinned blocks rounded to powers of two) of a "
-        f"{gib(host_budget):.0f} GiB budget: {'fits' if a['fits_host_with_offload'] else 'does NOT fit'}")
+        f"{gib(host_budget):.0f} GiB budget: {'fits' if a['fits_host_with_offload'] else 'does NOT fit'}"
+    )
     if layers != full.n_layer:
         log(f"offload: training its shape with {layers} of {full.n_layer} layers instead")
     return cfg, layers
@@ -376,8 +443,9 @@ def job_offload(args, dev, result, save):
     result["layers"] = layers
     result["model"] = info = model_info(args.offload_model, cfg, args.seq)
     psi = info["params"]
-    result.update(stage=args.offload_stage, host_bytes_formula_gib=gib(offload_host_bytes(psi)),
-                  peak_flops=dev.peak_flops())
+    result.update(
+        stage=args.offload_stage, host_bytes_formula_gib=gib(offload_host_bytes(psi)), peak_flops=dev.peak_flops()
+    )
     save()
 
     def build():
@@ -386,12 +454,16 @@ def job_offload(args, dev, result, save):
         engine, step = zerotron_engine(model, 1, args.clip, **offload_sections(args, offload=True))
         return engine, time.perf_counter() - t
 
-    log(f"offload: building {psi / 1e9:.2f}B params in bf16 on {dev.device.type}, stage {args.offload_stage} + "
-        "offload_optimizer (pinned host buffers)")
+    log(
+        f"offload: building {psi / 1e9:.2f}B params in bf16 on {dev.device.type}, stage {args.offload_stage} + "
+        "offload_optimizer (pinned host buffers)"
+    )
     engine, setup = build()
     result["setup_s"] = setup
-    log(f"offload: engine ready in {setup:.1f}s; GPU allocated {gib(dev.allocated()) or 0:.2f} GiB, "
-        f"host RSS peak {gib(host_peak_rss()):.1f} GiB")
+    log(
+        f"offload: engine ready in {setup:.1f}s; GPU allocated {gib(dev.allocated()) or 0:.2f} GiB, "
+        f"host RSS peak {gib(host_peak_rss()):.1f} GiB"
+    )
 
     def one_step(b, seed):
         x, y = training.make_batches(1, b, args.seq, cfg.vocab_size, seed=seed, device=dev.device)[0]
@@ -414,16 +486,26 @@ def job_offload(args, dev, result, save):
             dev.reset_peak()
             s = one_step(b, seed=b)
             probe[b] = dev.peak()
-            log(f"offload: probe micro-batch {b}: peak {gib(probe[b]):.2f} GiB, step {s['total_s']:.1f}s "
-                f"(fwd+bwd {s['fwd_bwd_s']:.2f}s, optimizer {s['step_s']:.2f}s)")
+            log(
+                f"offload: probe micro-batch {b}: peak {gib(probe[b]):.2f} GiB, step {s['total_s']:.1f}s "
+                f"(fwd+bwd {s['fwd_bwd_s']:.2f}s, optimizer {s['step_s']:.2f}s)"
+            )
         per_sample = (probe[4] - probe[2]) / 2
         base = probe[2] - 2 * per_sample
-        mb = choose_micro_batch(base, per_sample, dev.total(), args.offload_mem_fraction,
-                                args.offload_max_micro_batch) or 4
-        result["probe"] = {"peak_gib": {str(k): gib(v) for k, v in probe.items()}, "per_sample_gib": gib(per_sample),
-                           "base_gib": gib(base), "chosen": mb}
-        log(f"offload: {gib(per_sample):.2f} GiB of activations per sequence, {gib(base):.2f} GiB besides; "
-            f"micro-batch {mb} (peak <= {args.offload_mem_fraction:.0%} of GPU memory)")
+        mb = (
+            choose_micro_batch(base, per_sample, dev.total(), args.offload_mem_fraction, args.offload_max_micro_batch)
+            or 4
+        )
+        result["probe"] = {
+            "peak_gib": {str(k): gib(v) for k, v in probe.items()},
+            "per_sample_gib": gib(per_sample),
+            "base_gib": gib(base),
+            "chosen": mb,
+        }
+        log(
+            f"offload: {gib(per_sample):.2f} GiB of activations per sequence, {gib(base):.2f} GiB besides; "
+            f"micro-batch {mb} (peak <= {args.offload_mem_fraction:.0%} of GPU memory)"
+        )
     else:
         mb = 4 if mb == "auto" else int(mb)
     save()
@@ -440,8 +522,10 @@ def job_offload(args, dev, result, save):
                     break
                 steps.append(one_step(mb, seed=101 + i))
                 s = steps[-1]
-                log(f"offload: step {i + 1}: {s['total_s']:.2f}s (fwd+bwd {s['fwd_bwd_s']:.2f}s, optimizer step on "
-                    f"the host incl. copies {s['step_s']:.2f}s), loss {s['loss']:.4f}")
+                log(
+                    f"offload: step {i + 1}: {s['total_s']:.2f}s (fwd+bwd {s['fwd_bwd_s']:.2f}s, optimizer step on "
+                    f"the host incl. copies {s['step_s']:.2f}s), loss {s['loss']:.4f}"
+                )
             break
         except Exception as e:  # noqa: BLE001
             if not is_oom(e) or attempt == 2 or mb == 1:
@@ -456,33 +540,48 @@ def job_offload(args, dev, result, save):
     tokens = mb * args.seq
     med = statistics.median(s["total_s"] for s in steps)
     report = engine.memory_report()
-    result.update(micro_batch=mb, tokens_per_step=tokens, warmup=warm, steps=steps, median_s=med,
-                  tokens_per_s=tokens / med, peak_gib=gib(dev.peak()),
-                  mfu=info["flops_per_token"] * tokens / med / result["peak_flops"] if result["peak_flops"] else None,
-                  memory_report_gib={k: gib(v) for k, v in report.items()}, host_peak_rss_gib=gib(host_peak_rss()))
+    result.update(
+        micro_batch=mb,
+        tokens_per_step=tokens,
+        warmup=warm,
+        steps=steps,
+        median_s=med,
+        tokens_per_s=tokens / med,
+        peak_gib=gib(dev.peak()),
+        mfu=info["flops_per_token"] * tokens / med / result["peak_flops"] if result["peak_flops"] else None,
+        memory_report_gib={k: gib(v) for k, v in report.items()},
+        host_peak_rss_gib=gib(host_peak_rss()),
+    )
     if result.get("probe") and result["probe"]["per_sample_gib"] > 0:
         p = result["probe"]
         extra = 12 * psi  # fp32 masters + two fp32 moments move back to the GPU without offload
         base, per_sample = p["base_gib"] * GiB, p["per_sample_gib"] * GiB
         room = args.offload_mem_fraction * dev.total() - base - extra
-        result["predicted_without_offload"] = {"peak_gib": gib(base + mb * per_sample + extra),
-                                               "max_micro_batch": max(0, int(room // per_sample))}
-    log(f"offload: micro-batch {mb}: {result['tokens_per_s']:,.0f} tokens/s"
+        result["predicted_without_offload"] = {
+            "peak_gib": gib(base + mb * per_sample + extra),
+            "max_micro_batch": max(0, int(room // per_sample)),
+        }
+    log(
+        f"offload: micro-batch {mb}: {result['tokens_per_s']:,.0f} tokens/s"
         + (f", MFU {result['mfu']:.1%}" if result["mfu"] else "")
         + (f", GPU peak {result['peak_gib']:.2f} GiB" if result["peak_gib"] is not None else "")
         + f", host (memory_report) {result['memory_report_gib'].get('host', 0):.2f} GiB, host RSS peak "
-        f"{result['host_peak_rss_gib']:.1f} GiB")
+        f"{result['host_peak_rss_gib']:.1f} GiB"
+    )
 
 
 def job_offload_off(args, dev, result, save):
     """The same model and micro-batch as the offload part, without offload: expected to run out of memory."""
     from zerotron.models.gpt import config_for
+
     cfg = replace(config_for(args.offload_model, max_seq_len=args.seq), n_layer=int(args.offload_layers))
     mb = int(args.offload_micro_batch)
     result["model"] = info = model_info(args.offload_model, cfg, args.seq)
     result.update(micro_batch=mb, stage=args.offload_stage, layers=cfg.n_layer)
-    log(f"offload_off: {info['params'] / 1e9:.2f}B params, micro-batch {mb}, stage {args.offload_stage} "
-        "WITHOUT offload (2 steps: the second has the optimizer states resident)")
+    log(
+        f"offload_off: {info['params'] / 1e9:.2f}B params, micro-batch {mb}, stage {args.offload_stage} "
+        "WITHOUT offload (2 steps: the second has the optimizer states resident)"
+    )
     phase = "build"
     try:
         model = build_model(cfg, dev, meta_init=args.offload_stage == 3)
@@ -509,8 +608,14 @@ def job_offload_off(args, dev, result, save):
         log(f"offload_off: out of GPU memory at {phase} (peak before it {gib(dev.peak()) or 0:.2f} GiB): as expected")
 
 
-JOBS = {"correct": checks.job_correct, "mfu": job_mfu, "ckpt": job_ckpt, "offload": job_offload,
-        "offload_off": job_offload_off, "sanitized": checks.job_sanitized}
+JOBS = {
+    "correct": checks.job_correct,
+    "mfu": job_mfu,
+    "ckpt": job_ckpt,
+    "offload": job_offload,
+    "offload_off": job_offload_off,
+    "sanitized": checks.job_sanitized,
+}
 
 
 def child_main(args) -> int:
@@ -532,4 +637,3 @@ def child_main(args) -> int:
         result["error"] = describe_error(e)
     save()
     return 0
-

@@ -26,6 +26,7 @@ Models are built directly in bf16 on the device: no fp32 copy in host memory. Th
 parent; in the children parts.py runs `mfu`, `ckpt` and `offload`, checks.py `correct` and `sanitized`; summary.py
 writes the closing summary. Details: tools/README.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,35 +44,64 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # zerotron and tools/ from this checkout, installed or not
-from tools import reporting, processes  # noqa: E402
+from tools import processes, reporting  # noqa: E402
 from tools.gpu.parts import T0, child_main, log  # noqa: E402
 from tools.gpu.summary import summarize  # noqa: E402
 
 # Seconds each part may take on the GPU (capped by what is left of --time-budget).
 JOB_LIMITS = {"correct": 150, "mfu": 150, "ckpt": 120, "offload": 240, "offload_off": 100, "sanitized": 120}
 JOB_LIMITS_SMOKE = {"correct": 150, "mfu": 90, "ckpt": 90, "offload": 90, "offload_off": 90, "sanitized": 90}
-MIN_JOB_S = 20       # a part gets at least this much time, or is skipped
-GRACE_S = 20         # beyond a child's own deadline before it is killed
+MIN_JOB_S = 20  # a part gets at least this much time, or is skipped
+GRACE_S = 20  # beyond a child's own deadline before it is killed
 
 
 # ---- arguments ---------------------------------------------------------------------------------------
-SMOKE = {"seq": 64, "mfu_model": "tiny", "micro_batch": 2, "warmup": 1, "steps": 2,
-         "systems": "zerotron,plain,plain_autocast", "ckpt_model": "tiny", "ckpt_micro_batch": 2,
-         "offload_model": "tiny", "offload_micro_batch": "2", "offload_steps": 2, "time_budget": 360}
-GPU = {"seq": 2048, "mfu_model": "1.3b", "micro_batch": 8, "warmup": 3, "steps": 10, "systems": "zerotron,plain",
-       "ckpt_model": "350m", "ckpt_micro_batch": 8, "offload_model": "13b", "offload_micro_batch": "auto",
-       "offload_steps": 2, "time_budget": 480}
+SMOKE = {
+    "seq": 64,
+    "mfu_model": "tiny",
+    "micro_batch": 2,
+    "warmup": 1,
+    "steps": 2,
+    "systems": "zerotron,plain,plain_autocast",
+    "ckpt_model": "tiny",
+    "ckpt_micro_batch": 2,
+    "offload_model": "tiny",
+    "offload_micro_batch": "2",
+    "offload_steps": 2,
+    "time_budget": 360,
+}
+GPU = {
+    "seq": 2048,
+    "mfu_model": "1.3b",
+    "micro_batch": 8,
+    "warmup": 3,
+    "steps": 10,
+    "systems": "zerotron,plain",
+    "ckpt_model": "350m",
+    "ckpt_micro_batch": 8,
+    "offload_model": "13b",
+    "offload_micro_batch": "auto",
+    "offload_steps": 2,
+    "time_budget": 480,
+}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (gloo, world of one), a few steps")
-    p.add_argument("--parts", default="correct,mfu,ckpt,offload,sanitized",
-                   help="comma-separated, run in this order of importance: correct (tools/gpu/checks.py), mfu, ckpt, "
-                        "offload, sanitized (the ZeRO/offload parity again under TORCH_CUDA_SANITIZER=1: stream races)")
+    p.add_argument(
+        "--parts",
+        default="correct,mfu,ckpt,offload,sanitized",
+        help="comma-separated, run in this order of importance: correct (tools/gpu/checks.py), mfu, ckpt, "
+        "offload, sanitized (the ZeRO/offload parity again under TORCH_CUDA_SANITIZER=1: stream races)",
+    )
     p.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run (default 480; smoke 360)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="result JSON (default bench/results/gpu.json; smoke: bench/results/gpu_smoke.json)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="result JSON (default bench/results/gpu.json; smoke: bench/results/gpu_smoke.json)",
+    )
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 2048)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient clipping for every system (0: off)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per system (default 3)")
@@ -82,23 +112,46 @@ def parse_args(argv=None):
     g.add_argument("--systems", default=None, help="zerotron,plain[,plain_autocast] (default zerotron,plain)")
     g = p.add_argument_group("part 2: offload")
     g.add_argument("--offload-model", default=None, help="reference GPT size to assess and train (default 13b)")
-    g.add_argument("--offload-layers", default="auto",
-                   help="layers of that shape to train; auto: all, or as many as host memory holds")
-    g.add_argument("--offload-stage", type=int, choices=[2, 3], default=2,
-                   help="ZeRO stage (3 adds offload_param and builds the model under zerotron.zero.Init)")
-    g.add_argument("--offload-micro-batch", default=None,
-                   help="sequences per step, or auto: the largest that fits --offload-mem-fraction (default auto)")
+    g.add_argument(
+        "--offload-layers",
+        default="auto",
+        help="layers of that shape to train; auto: all, or as many as host memory holds",
+    )
+    g.add_argument(
+        "--offload-stage",
+        type=int,
+        choices=[2, 3],
+        default=2,
+        help="ZeRO stage (3 adds offload_param and builds the model under zerotron.zero.Init)",
+    )
+    g.add_argument(
+        "--offload-micro-batch",
+        default=None,
+        help="sequences per step, or auto: the largest that fits --offload-mem-fraction (default auto)",
+    )
     g.add_argument("--offload-max-micro-batch", type=int, default=32)
-    g.add_argument("--offload-mem-fraction", type=float, default=0.85,
-                   help="auto micro-batch: predicted peak at most this fraction of GPU memory")
+    g.add_argument(
+        "--offload-mem-fraction",
+        type=float,
+        default=0.85,
+        help="auto micro-batch: predicted peak at most this fraction of GPU memory",
+    )
     g.add_argument("--offload-steps", type=int, default=None, help="timed offload steps (default 2)")
-    g.add_argument("--host-mem-gib", type=float, default=None,
-                   help="host memory to plan with (default 128 on a GPU, the H200 machine's; MemTotal on a CPU). "
-                        "Not MemTotal on the GPU machine: its memory grows as it is used")
+    g.add_argument(
+        "--host-mem-gib",
+        type=float,
+        default=None,
+        help="host memory to plan with (default 128 on a GPU, the H200 machine's; MemTotal on a CPU). "
+        "Not MemTotal on the GPU machine: its memory grows as it is used",
+    )
     g.add_argument("--host-reserve-gib", type=float, default=16.0, help="host memory left for everything else")
     g.add_argument("--no-oom-demo", action="store_true", help="skip the run without offload")
-    g.add_argument("--cpu-threads", type=int, default=0,
-                   help="threads for the host-side AdamW on a GPU machine (default 0: every core)")
+    g.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=0,
+        help="threads for the host-side AdamW on a GPU machine (default 0: every core)",
+    )
     g = p.add_argument_group("part 3: activation checkpointing")
     g.add_argument("--ckpt-model", default=None, help="reference GPT size (default 350m)")
     g.add_argument("--ckpt-micro-batch", type=int, default=None, help="sequences per step (default 8)")
@@ -115,8 +168,11 @@ def parse_args(argv=None):
     args.parts = [s for s in args.parts.split(",") if s]
     args.systems = [s for s in args.systems.split(",") if s]
     args.ckpt_policies = [s for s in args.ckpt_policies.split(",") if s]
-    for name, allowed in (("parts", ("correct", "mfu", "ckpt", "offload", "sanitized")), ("systems", ("zerotron", "plain", "plain_autocast")),
-                          ("ckpt_policies", ("none", "every_block", "every_k", "selective"))):
+    for name, allowed in (
+        ("parts", ("correct", "mfu", "ckpt", "offload", "sanitized")),
+        ("systems", ("zerotron", "plain", "plain_autocast")),
+        ("ckpt_policies", ("none", "every_block", "every_k", "selective")),
+    ):
         bad = [v for v in getattr(args, name) if v not in allowed]
         if bad:
             p.error(f"--{name.replace('_', '-')}: unknown {bad}; choose from {', '.join(allowed)}")
@@ -135,20 +191,27 @@ def parent_main(args) -> int:
         if not available:
             print("tools/gpu needs a CUDA GPU; on a CPU use --smoke", file=sys.stderr)
             return 2
-    payload = {"benchmark": "gpu", "mode": "smoke (CPU)" if args.smoke else "gpu",
-               "started": datetime.datetime.now().isoformat(timespec="seconds"),
-               "command": " ".join([Path(sys.executable).name, *sys.argv]),
-               "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                        if k not in ("job", "result_file", "deadline", "argv")},
-               "jobs": {}}
+    payload = {
+        "benchmark": "gpu",
+        "mode": "smoke (CPU)" if args.smoke else "gpu",
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "args": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("job", "result_file", "deadline", "argv")
+        },
+        "jobs": {},
+    }
     jobs = [j for j in ("correct", "mfu", "ckpt") if j in args.parts]
     if "offload" in args.parts:
         jobs += ["offload"] + ([] if args.no_oom_demo else ["offload_off"])
     if "sanitized" in args.parts:
         jobs.append("sanitized")
     limits = JOB_LIMITS_SMOKE if args.smoke else JOB_LIMITS
-    log(f"tools/gpu ({payload['mode']}): parts {', '.join(jobs)}; time budget {args.time_budget:.0f}s; "
-        f"results -> {out}")
+    log(
+        f"tools/gpu ({payload['mode']}): parts {', '.join(jobs)}; time budget {args.time_budget:.0f}s; results -> {out}"
+    )
     for job in jobs:
         extra = []
         if job == "offload_off":
@@ -177,16 +240,28 @@ def parent_main(args) -> int:
 
 def run_child(job: str, limit: float, extra: list[str], smoke: bool, argv: list[str]) -> dict:
     """Run one part in a fresh process (a world of one: no launcher variables), at most `limit` seconds."""
-    env = processes.child_env(**({"CUDA_VISIBLE_DEVICES": ""} if smoke else {}),  # smoke: the CPU path, even on a GPU
-                           **({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if job == "correct" else {}),  # deterministic
-                           # torch's CUDA sanitizer: a kernel reading memory another stream writes unsynchronized
-                           # raises (offload's side streams, ZeRO-3's gathers); set before torch is imported
-                           **({"TORCH_CUDA_SANITIZER": "1"} if job == "sanitized" and not smoke else {}))
+    env = processes.child_env(
+        **({"CUDA_VISIBLE_DEVICES": ""} if smoke else {}),  # smoke: the CPU path, even on a GPU
+        **({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} if job == "correct" else {}),  # deterministic
+        # torch's CUDA sanitizer: a kernel reading memory another stream writes unsynchronized
+        # raises (offload's side streams, ZeRO-3's gathers); set before torch is imported
+        **({"TORCH_CUDA_SANITIZER": "1"} if job == "sanitized" and not smoke else {}),
+    )
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="zt_gpu_bench_") as tmp:
         result_file = Path(tmp) / "result.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--job", job,
-               "--result-file", str(result_file), "--deadline", str(start + limit), *extra]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            *argv,
+            "--job",
+            job,
+            "--result-file",
+            str(result_file),
+            "--deadline",
+            str(start + limit),
+            *extra,
+        ]
         log(f"{job}: starting (limit {limit:.0f}s)")
         rc, _, _ = processes.run_limited(cmd, limit + GRACE_S, env, capture=False)
         try:
@@ -218,4 +293,3 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

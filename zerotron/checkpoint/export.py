@@ -3,6 +3,7 @@
 convert reads a checkpoint written under any topology and writes one safetensors file of full
 tensors, assembling and writing one parameter at a time, so memory stays near the largest tensor.
 """
+
 from __future__ import annotations
 
 import json
@@ -10,10 +11,10 @@ from pathlib import Path
 
 import torch
 
+from ..comm import comm_for
 from ..log import logger
 from .files import META, StreamingSafetensors, read_meta
 from .load import SavedPieces, resolve_tag
-from ..comm import comm_for
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -31,14 +32,16 @@ def convert(checkpoint, out, dtype: str = "fp32", max_shard_size: int = 5 * 2**3
         if not directory.exists():
             raise FileNotFoundError(f"{directory} does not exist: pass a checkpoint directory or a save directory")
         if tag is None:
-            raise FileNotFoundError(f"{directory} is neither a checkpoint (no {META}) nor a save directory with "
-                                    "a 'latest' file")
+            raise FileNotFoundError(
+                f"{directory} is neither a checkpoint (no {META}) nor a save directory with a 'latest' file"
+            )
         directory = directory / tag
     meta = read_meta(directory)
     saved = SavedPieces(directory, meta)
     names = sorted(saved.by_name)
-    frozen = sorted({key for file in saved.rank_states for key in saved.keys(file)
-                     if key.startswith(("frozen/", "buffer/"))})
+    frozen = sorted(
+        {key for file in saved.rank_states for key in saved.keys(file) if key.startswith(("frozen/", "buffer/"))}
+    )
     target = DTYPES[dtype]
     entries = [(n, target, tuple(saved.by_name[n][0][2].shape)) for n in names]
     extra = []
@@ -57,11 +60,15 @@ def convert(checkpoint, out, dtype: str = "fp32", max_shard_size: int = 5 * 2**3
             size = 0
         shards[-1].append(entry)
         size += nbytes
-    files = ["model.safetensors"] if len(shards) == 1 else \
-        [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
     for file, shard in zip(files, shards):
-        writer = StreamingSafetensors(out / file, shard, metadata={
-            "format": "pt", "zerotron_tag": meta["tag"], "zerotron_dtype": dtype})
+        writer = StreamingSafetensors(
+            out / file, shard, metadata={"format": "pt", "zerotron_tag": meta["tag"], "zerotron_dtype": dtype}
+        )
         for name, dt, _ in shard:  # one full tensor in memory at a time
             if name in saved.by_name:
                 writer.write(name, saved.full(name, "master").to(target))
@@ -73,15 +80,22 @@ def convert(checkpoint, out, dtype: str = "fp32", max_shard_size: int = 5 * 2**3
         total = sum(torch.empty((), dtype=e[1]).element_size() * _numel(e[2]) for e in entries + extra)
         weight_map = {e[0]: file for file, shard in zip(files, shards) for e in shard}
         (out / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
     if meta.get("hf_config"):
         hf = dict(meta["hf_config"])
-        hf["torch_dtype" if "dtype" not in hf else "dtype"] = {"fp32": "float32", "bf16": "bfloat16",
-                                                               "fp16": "float16"}[dtype]
+        hf["torch_dtype" if "dtype" not in hf else "dtype"] = {
+            "fp32": "float32",
+            "bf16": "bfloat16",
+            "fp16": "float16",
+        }[dtype]
         (out / "config.json").write_text(json.dumps(hf, indent=2))
     path = out / files[0] if len(files) == 1 else out / "model.safetensors.index.json"
-    (out / "zerotron_source.json").write_text(json.dumps({"checkpoint": str(directory), "tag": meta["tag"],
-                                                          "topology": meta["topology"], "dtype": dtype}, indent=1))
+    (out / "zerotron_source.json").write_text(
+        json.dumps(
+            {"checkpoint": str(directory), "tag": meta["tag"], "topology": meta["topology"], "dtype": dtype}, indent=1
+        )
+    )
     return path
 
 
@@ -98,11 +112,15 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
     from safetensors.torch import save_file
 
     from ..zero import consolidated_state_dict
+
     zero = engine.config.zero_optimization
-    if zero.stage == 3 and not (zero.stage3_gather_16bit_weights_on_model_save or
-                                zero.stage3_gather_fp16_weights_on_model_save):
-        logger.warning("save_16bit_model under ZeRO-3 needs zero_optimization.stage3_gather_16bit_weights_on_model_save"
-                       " true (it gathers every parameter); nothing saved")
+    if zero.stage == 3 and not (
+        zero.stage3_gather_16bit_weights_on_model_save or zero.stage3_gather_fp16_weights_on_model_save
+    ):
+        logger.warning(
+            "save_16bit_model under ZeRO-3 needs zero_optimization.stage3_gather_16bit_weights_on_model_save"
+            " true (it gathers every parameter); nothing saved"
+        )
         return False
     state = consolidated_state_dict(engine.module)
     if engine.topology.pp > 1:  # each stage holds its own layers (in host memory): collect them on rank 0

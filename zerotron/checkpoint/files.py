@@ -1,4 +1,5 @@
 """Checkpoint files: names, checksums, the metadata file, and a streaming safetensors writer."""
+
 from __future__ import annotations
 
 import hashlib
@@ -54,8 +55,10 @@ def write_atomically(path: Path, text: str):
 def read_meta(directory: Path) -> dict:
     path = directory / META
     if not path.exists():
-        raise CheckpointError(f"{path} is missing: {directory} is not a complete zerotron checkpoint "
-                              "(a save that did not finish leaves no such directory; check the path or tag)")
+        raise CheckpointError(
+            f"{path} is missing: {directory} is not a complete zerotron checkpoint "
+            "(a save that did not finish leaves no such directory; check the path or tag)"
+        )
     try:
         meta = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -75,13 +78,23 @@ def verify(directory: Path, meta: dict, name: str) -> Path:
     if not path.exists():
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
     if sha256(path) != meta["files"][name]:
-        raise CheckpointError(f"{path} is corrupted or truncated (its SHA-256 does not match {META}); "
-                              "restore it or load another checkpoint")
+        raise CheckpointError(
+            f"{path} is corrupted or truncated (its SHA-256 does not match {META}); "
+            "restore it or load another checkpoint"
+        )
     return path
 
 
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-           torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 class StreamingSafetensors:
@@ -109,7 +122,9 @@ class StreamingSafetensors:
     def write(self, name: str, tensor: torch.Tensor):
         want = self.expected[self.written]
         if (name, tensor.dtype, tuple(tensor.shape)) != want:
-            raise ValueError(f"tensor {name} {tensor.dtype} {tuple(tensor.shape)} written out of order; expected {want}")
+            raise ValueError(
+                f"tensor {name} {tensor.dtype} {tuple(tensor.shape)} written out of order; expected {want}"
+            )
         self.file.write(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
         self.written += 1
 

@@ -6,6 +6,7 @@ tensors (the rank's is number `tp_rank`), and ZeRO then gives the rank the flat 
 that local tensor. The fp32 master and each optimizer state tensor of the piece are stored under
 the piece's description; any other topology finds what it needs by the same arithmetic.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -17,12 +18,12 @@ from ..tensor_parallel.split import join_parts, local_part
 
 @dataclass(frozen=True)
 class Piece:
-    name: str          # full parameter name in the module
-    shape: tuple       # full shape (all tensor-parallel pieces together)
-    tp_dim: int        # -1: not split by tensor parallelism
+    name: str  # full parameter name in the module
+    shape: tuple  # full shape (all tensor-parallel pieces together)
+    tp_dim: int  # -1: not split by tensor parallelism
     tp_rank: int
     tp_size: int
-    lo: int            # flat range of the tensor-parallel local tensor
+    lo: int  # flat range of the tensor-parallel local tensor
     hi: int
     tp_stride: int = 1  # a fused projection split block by block (parallel/split.py)
 
@@ -69,8 +70,12 @@ def rank_pieces(engine):
         names.setdefault(id(p), source.get(name, name))
     for param, start, length, master, offset in engine.states.pieces():
         dim, rank, size = tensor_parallel_of(param)
-        yield Piece(names[id(param)], full_shape(param), dim, rank, size, start, start + length,
-                    stride_of(param)), param, master, offset
+        yield (
+            Piece(names[id(param)], full_shape(param), dim, rank, size, start, start + length, stride_of(param)),
+            param,
+            master,
+            offset,
+        )
 
 
 def assemble(pieces: list[tuple[Piece, torch.Tensor]], name: str) -> torch.Tensor:
@@ -86,13 +91,15 @@ def assemble(pieces: list[tuple[Piece, torch.Tensor]], name: str) -> torch.Tenso
         if r not in locals_:
             locals_[r] = torch.empty(numel, dtype=values.dtype)
             covered[r] = torch.zeros(numel, dtype=torch.bool)
-        locals_[r][piece.lo:piece.hi] = values.reshape(-1)
-        covered[r][piece.lo:piece.hi] = True
+        locals_[r][piece.lo : piece.hi] = values.reshape(-1)
+        covered[r][piece.lo : piece.hi] = True
     ranks = range(first.tp_size) if first.tp_dim >= 0 else [0]
     for r in ranks:
         if r not in covered or not bool(covered[r].all()):
-            raise ValueError(f"the checkpoint does not hold all of parameter {name!r} (tensor-parallel piece {r}); "
-                             "a shard file is missing or the checkpoint is incomplete")
+            raise ValueError(
+                f"the checkpoint does not hold all of parameter {name!r} (tensor-parallel piece {r}); "
+                "a shard file is missing or the checkpoint is incomplete"
+            )
     if first.tp_dim < 0:
         return locals_[0].view(first.shape)
     return join_parts([locals_[r].view(first.local_shape) for r in ranks], first.tp_dim, first.tp_stride)
@@ -102,4 +109,4 @@ def my_slice(full: torch.Tensor, param, start: int, length: int) -> torch.Tensor
     """This rank's [start, start + length) of its tensor-parallel local part of `full`."""
     dim, rank, size = tensor_parallel_of(param)
     local = full if dim < 0 else local_part(full, dim, rank, size, stride_of(param))
-    return local.reshape(-1)[start:start + length]
+    return local.reshape(-1)[start : start + length]

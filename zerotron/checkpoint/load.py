@@ -5,6 +5,7 @@ finds the saved pieces of the same parameters in the files' metadata, assembles 
 parameter at a time from them (so memory stays near the largest parameter), and keeps its slice.
 Every file it opens is checked against the SHA-256 in meta.json first.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,10 +16,10 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from ..comm import comm_for
 from ..log import logger
 from .files import LATEST, CheckpointError, read_meta, verify
 from .layout import Piece, assemble, my_slice, rank_pieces, tensor_parallel_of
-from ..comm import comm_for
 
 
 class SavedPieces:
@@ -56,14 +57,18 @@ class SavedPieces:
         """The whole parameter `name` for `kind` ("master" or "state.<key>")."""
         found = self.by_name.get(name)
         if not found:
-            raise CheckpointError(f"{self.directory} has no parameter {name!r}: the checkpoint is from a different "
-                                  "model (or was saved with other parameter names)")
+            raise CheckpointError(
+                f"{self.directory} has no parameter {name!r}: the checkpoint is from a different "
+                "model (or was saved with other parameter names)"
+            )
         parts = []
         for file, key, piece in found:
             with self._open(file) as handle:
                 if f"{kind}/{key}" not in handle.keys():
-                    raise CheckpointError(f"{self.directory / file} has no {kind} for {name!r}; save with the "
-                                          "optimizer states, or load with load_optimizer_states=False")
+                    raise CheckpointError(
+                        f"{self.directory / file} has no {kind} for {name!r}; save with the "
+                        "optimizer states, or load with load_optimizer_states=False"
+                    )
                 parts.append((piece, handle.get_tensor(f"{kind}/{key}").clone()))
         return assemble(parts, name)
 
@@ -93,9 +98,16 @@ def resolve_tag(load_dir: Path, tag) -> str | None:
 
 
 @torch.no_grad()
-def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True, load_module_only: bool = False, *,
-                    load_module_strict: bool = True):
+def load_checkpoint(
+    engine,
+    load_dir,
+    tag=None,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+    *,
+    load_module_strict: bool = True,
+):
     root = Path(load_dir)
     tag = resolve_tag(root, tag)
     if tag is None:
@@ -113,21 +125,25 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
         found = saved.by_name.get(piece.name)
         if not found:
             if load_module_strict:
-                raise CheckpointError(f"parameter {piece.name!r} is not in {directory}: the checkpoint is from a "
-                                      "different model (load_module_strict=False keeps its current value)")
+                raise CheckpointError(
+                    f"parameter {piece.name!r} is not in {directory}: the checkpoint is from a "
+                    "different model (load_module_strict=False keeps its current value)"
+                )
             continue
         if tuple(found[0][2].shape) != tuple(piece.shape):
-            raise CheckpointError(f"parameter {piece.name!r} has shape {tuple(found[0][2].shape)} in {directory} but "
-                                  f"{tuple(piece.shape)} in this model: the checkpoint is from a different model")
+            raise CheckpointError(
+                f"parameter {piece.name!r} has shape {tuple(found[0][2].shape)} in {directory} but "
+                f"{tuple(piece.shape)} in this model: the checkpoint is from a different model"
+            )
         n = piece.hi - piece.lo
-        master.reshape(-1)[offset:offset + n].copy_(my_slice(saved.full(piece.name, "master"), param, piece.lo, n))
+        master.reshape(-1)[offset : offset + n].copy_(my_slice(saved.full(piece.name, "master"), param, piece.lo, n))
         if want_states:
             for key in _state_keys(saved, found):
                 value = my_slice(saved.full(piece.name, f"state.{key}"), param, piece.lo, n)
                 state = engine.optimizer.state[master]
                 if key not in state:
                     state[key] = torch.zeros_like(master)
-                state[key].reshape(-1)[offset:offset + n].copy_(value)
+                state[key].reshape(-1)[offset : offset + n].copy_(value)
     if want_states:
         _load_scalars(engine, saved.scalars)
         for group, saved_group in zip(engine.optimizer.param_groups, meta["optimizer_groups"]):
@@ -144,8 +160,11 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
 
 def _state_keys(saved: SavedPieces, found) -> list[str]:
     file, key, _ = found[0]
-    return sorted(k.split("/", 1)[0][len("state."):] for k in saved.keys(file)
-                  if k.startswith("state.") and k.endswith("/" + key))
+    return sorted(
+        k.split("/", 1)[0][len("state.") :]
+        for k in saved.keys(file)
+        if k.startswith("state.") and k.endswith("/" + key)
+    )
 
 
 def _load_scalars(engine, scalars: dict):
@@ -175,6 +194,7 @@ def _load_rng(saved: SavedPieces, meta: dict):
     if meta["world_size"] != dist.get_world_size():
         return
     from .files import rank_file
+
     name = rank_file(dist.get_rank())
     torch.set_rng_state(saved.tensor(name, "rng/torch"))
     cuda = saved.tensor(name, "rng/cuda")

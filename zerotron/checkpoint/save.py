@@ -15,6 +15,7 @@ Atomicity: everything goes to `save_dir/.tag.partial/`, which rank 0 renames to 
 only after every rank has written and checksummed its file; `latest` is replaced last. A crash at
 any point leaves the previous checkpoint and `latest` as they were.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,9 +28,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from ..comm import comm_for
 from .files import FORMAT, LATEST, META, VERSION, fsync_dir, rank_file, sha256, write_atomically
 from .layout import rank_pieces, tensor_parallel_of
-from ..comm import comm_for
 
 
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
@@ -59,9 +60,15 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     digests = comm_for(None, "world").all_gather_object((path.name, sha256(path)))
 
     if rank == 0:
-        meta = {"format": FORMAT, "version": VERSION, "tag": tag, "world_size": dist.get_world_size(),
-                **engine.training_state(),
-                "client_state": client_state, "files": dict(digests)}
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "tag": tag,
+            "world_size": dist.get_world_size(),
+            **engine.training_state(),
+            "client_state": client_state,
+            "files": dict(digests),
+        }
         (partial / META).write_text(json.dumps(meta, indent=1, default=_jsonable))
         fsync_dir(partial)
         old = root / f".{tag}.old"
@@ -91,10 +98,10 @@ def _rank_tensors(engine):
             key = f"{piece.name}@{piece.tp_rank}:{piece.lo}"
             n = piece.hi - piece.lo
             pieces[key] = piece.to_json()
-            tensors[f"master/{key}"] = _host(master.detach().reshape(-1)[offset:offset + n]).float()
+            tensors[f"master/{key}"] = _host(master.detach().reshape(-1)[offset : offset + n]).float()
             for name, value in engine.optimizer.state.get(master, {}).items():
                 if torch.is_tensor(value) and value.numel() == master.numel():
-                    tensors[f"state.{name}/{key}"] = _host(value.reshape(-1)[offset:offset + n])
+                    tensors[f"state.{name}/{key}"] = _host(value.reshape(-1)[offset : offset + n])
                 else:  # per-tensor scalars (Adam's step): equal for every piece of one optimizer
                     scalars[name] = value.item() if torch.is_tensor(value) else value
         if engine.coords.dp == 0:

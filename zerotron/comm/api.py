@@ -8,6 +8,7 @@ which are accepted and ignored: zerotron keeps no per-call comms log (engine.com
 bytes of the engine's own collectives). ReduceOp is torch's; DeepSpeed's own ReduceOp enum is also
 accepted wherever an `op` is. init_distributed is zerotron's (zerotron.comm.init_distributed).
 """
+
 from __future__ import annotations
 
 import enum
@@ -23,15 +24,49 @@ from .groups import init_distributed, shutdown
 
 ReduceOp = dist.ReduceOp
 
-__all__ = ["init_distributed", "is_initialized", "is_available", "destroy_process_group", "new_group",
-           "get_rank", "get_world_size", "get_local_rank", "get_global_rank", "get_all_ranks_from_group",
-           "get_world_group", "barrier", "monitored_barrier", "all_reduce", "inference_all_reduce",
-           "all_reduce_coalesced", "reduce", "broadcast", "broadcast_object_list", "all_gather",
-           "all_gather_object", "all_gather_into_tensor", "allgather_fn", "reduce_scatter",
-           "reduce_scatter_tensor", "reduce_scatter_fn", "all_to_all_single", "all_to_all", "gather",
-           "scatter", "send", "recv", "isend", "irecv", "ReduceOp", "has_all_gather_into_tensor",
-           "has_reduce_scatter_tensor", "has_coalescing_manager", "has_all_reduce_coalesced",
-           "configure", "log_summary"]
+__all__ = [
+    "init_distributed",
+    "is_initialized",
+    "is_available",
+    "destroy_process_group",
+    "new_group",
+    "get_rank",
+    "get_world_size",
+    "get_local_rank",
+    "get_global_rank",
+    "get_all_ranks_from_group",
+    "get_world_group",
+    "barrier",
+    "monitored_barrier",
+    "all_reduce",
+    "inference_all_reduce",
+    "all_reduce_coalesced",
+    "reduce",
+    "broadcast",
+    "broadcast_object_list",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "allgather_fn",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_fn",
+    "all_to_all_single",
+    "all_to_all",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "ReduceOp",
+    "has_all_gather_into_tensor",
+    "has_reduce_scatter_tensor",
+    "has_coalescing_manager",
+    "has_all_reduce_coalesced",
+    "configure",
+    "log_summary",
+]
 
 
 def _op(op):
@@ -41,11 +76,14 @@ def _op(op):
 
 def _require(what: str) -> None:
     if not dist.is_initialized():
-        raise RuntimeError(f"deepspeed.comm.{what}() before any process group exists: call "
-                           "deepspeed.init_distributed() or deepspeed.initialize(...) first")
+        raise RuntimeError(
+            f"deepspeed.comm.{what}() before any process group exists: call "
+            "deepspeed.init_distributed() or deepspeed.initialize(...) first"
+        )
 
 
 # --- the process group ----------------------------------------------------------------------------
+
 
 def is_initialized() -> bool:
     return dist.is_initialized()
@@ -105,12 +143,14 @@ def get_world_group():
 
 # --- collectives ----------------------------------------------------------------------------------
 
+
 def barrier(group=None, async_op=False, device_ids=None, prof=False, log_name="barrier", debug=None):
     return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
 
 
-def monitored_barrier(group=None, timeout=None, wait_all_ranks=False, prof=False, log_name="monitored_barrier",
-                      debug=None):
+def monitored_barrier(
+    group=None, timeout=None, wait_all_ranks=False, prof=False, log_name="monitored_barrier", debug=None
+):
     return dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
 
 
@@ -118,8 +158,9 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, prof=False, 
     return dist.all_reduce(tensor, op=_op(op), group=group, async_op=async_op)
 
 
-def inference_all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, prof=False, log_name="all_reduce",
-                         debug=None):
+def inference_all_reduce(
+    tensor, op=ReduceOp.SUM, group=None, async_op=False, prof=False, log_name="all_reduce", debug=None
+):
     """A blocking all-reduce in place (DeepSpeed's fused inference kernel is one); returns `tensor`."""
     if dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=_op(op), group=group)
@@ -143,8 +184,9 @@ class _ThenWork:
         return self.then is None
 
 
-def all_reduce_coalesced(tensors, op=ReduceOp.SUM, group=None, async_op=False, prof=False, log_name="all_reduce",
-                         debug=None):
+def all_reduce_coalesced(
+    tensors, op=ReduceOp.SUM, group=None, async_op=False, prof=False, log_name="all_reduce", debug=None
+):
     """All tensors reduced as one flat buffer: one collective (torch's own function is deprecated)."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
     work = dist.all_reduce(flat, op=_op(op), group=group, async_op=async_op)
@@ -152,6 +194,7 @@ def all_reduce_coalesced(tensors, op=ReduceOp.SUM, group=None, async_op=False, p
     def unflatten():
         for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
             t.copy_(part.view_as(t))
+
     if async_op:
         return _ThenWork(work, unflatten)
     unflatten()
@@ -177,8 +220,9 @@ def all_gather_object(object_list, obj, group=None, prof=False, log_name="all_ga
     return dist.all_gather_object(object_list, obj, group=group)
 
 
-def all_gather_into_tensor(output_tensor, tensor, group=None, async_op=False, prof=False,
-                           log_name="all_gather_into_tensor", debug=None):
+def all_gather_into_tensor(
+    output_tensor, tensor, group=None, async_op=False, prof=False, log_name="all_gather_into_tensor", debug=None
+):
     return _all_gather_flat(output_tensor, tensor, group=group, async_op=async_op)
 
 
@@ -186,13 +230,22 @@ def allgather_fn(output_tensor, input_tensor, group=None, async_op=False, debug=
     return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False, prof=False,
-                   log_name="reduce_scatter", debug=None):
+def reduce_scatter(
+    output, input_list, op=ReduceOp.SUM, group=None, async_op=False, prof=False, log_name="reduce_scatter", debug=None
+):
     return dist.reduce_scatter(output, input_list, op=_op(op), group=group, async_op=async_op)
 
 
-def reduce_scatter_tensor(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False, prof=False,
-                          log_name="reduce_scatter_tensor", debug=None):
+def reduce_scatter_tensor(
+    output_tensor,
+    tensor,
+    op=ReduceOp.SUM,
+    group=None,
+    async_op=False,
+    prof=False,
+    log_name="reduce_scatter_tensor",
+    debug=None,
+):
     return _reduce_scatter_flat(output_tensor, tensor, op=_op(op), group=group, async_op=async_op)
 
 
@@ -200,10 +253,25 @@ def reduce_scatter_fn(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_
     return reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
 
 
-def all_to_all_single(output, tensor, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False,
-                      prof=False, log_name="all_to_all_single", debug=None):
-    return dist.all_to_all_single(output, tensor, output_split_sizes=output_split_sizes,
-                                  input_split_sizes=input_split_sizes, group=group, async_op=async_op)
+def all_to_all_single(
+    output,
+    tensor,
+    output_split_sizes=None,
+    input_split_sizes=None,
+    group=None,
+    async_op=False,
+    prof=False,
+    log_name="all_to_all_single",
+    debug=None,
+):
+    return dist.all_to_all_single(
+        output,
+        tensor,
+        output_split_sizes=output_split_sizes,
+        input_split_sizes=input_split_sizes,
+        group=group,
+        async_op=async_op,
+    )
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
@@ -214,12 +282,12 @@ def gather(tensor, gather_list=None, dst=0, group=None, async_op=False, prof=Fal
     return dist.gather(tensor, gather_list=gather_list, dst=dst, group=group, async_op=async_op)
 
 
-def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False, prof=False, log_name="scatter",
-            debug=None):
+def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False, prof=False, log_name="scatter", debug=None):
     return dist.scatter(tensor, scatter_list=scatter_list, src=src, group=group, async_op=async_op)
 
 
 # --- point to point -------------------------------------------------------------------------------
+
 
 def send(tensor, dst, group=None, tag=0, prof=False, log_name="send", debug=None):
     return dist.send(tensor, dst=dst, group=group, tag=tag)
@@ -239,6 +307,7 @@ def irecv(tensor, src=None, group=None, tag=0, prof=False, log_name="irecv", deb
 
 
 # --- what the backend offers ----------------------------------------------------------------------
+
 
 def has_all_gather_into_tensor() -> bool:
     return True  # resolved in zerotron.comm for every supported torch release
@@ -267,8 +336,10 @@ def configure(deepspeed_config=None, enabled=None, prof_all=None, prof_ops=None,
     comms = getattr(deepspeed_config, "comms_config", None)
     wanted = bool(enabled) or bool(getattr(comms, "comms_logger_enabled", False))
     if wanted and not _logging_asked:
-        logger.info("comms logging is not available in zerotron (no per-call timing); "
-                    "engine.comm_stats() reports the bytes of every collective the engine issues")
+        logger.info(
+            "comms logging is not available in zerotron (no per-call timing); "
+            "engine.comm_stats() reports the bytes of every collective the engine issues"
+        )
     _logging_asked = _logging_asked or wanted
 
 
@@ -276,8 +347,10 @@ def log_summary(show_straggler=False, return_dict=False):
     """No per-call log to summarize: says so, and with return_dict returns DeepSpeed's layout, empty."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if rank == 0:
-        logger.info("comms logging is off in zerotron: no per-call summary; use engine.comm_stats() for the "
-                    "bytes each kind of collective moved")
+        logger.info(
+            "comms logging is off in zerotron: no per-call summary; use engine.comm_stats() for the "
+            "bytes each kind of collective moved"
+        )
     if return_dict:
         return {"summary": {}, "straggler_analysis": None, "metadata": {"world_size": world, "rank": rank}}
     return None

@@ -5,6 +5,7 @@ them with the watchdog (zerotron/watchdog.py), which turns a hang into a message
 operation, the group and the ranks that did not arrive. Torch renames collectives between
 releases; the names are resolved once here.
 """
+
 from __future__ import annotations
 
 import os
@@ -65,9 +66,12 @@ def _first_operation(comm: "Comm") -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"strict mode: the first operation on group {comm.name}{comm.ranks} waited "
-                f"{STRICT_FIRST_OPERATION_WAIT_S:g} s for the group's other ranks to reach their first operation on it. "
+                f"{STRICT_FIRST_OPERATION_WAIT_S:g} s for the group's other ranks to reach their first operation "
+                "on it. "
                 "On NCCL that operation creates the group's communicator and blocks until every rank of the group "
-                "arrives: this order of operations would hang. Connect groups where they are made (comm.groups.cached_groups).")
+                "arrives: this order of operations would hang. Connect groups where they are made "
+                "(comm.groups.cached_groups)."
+            )
         time.sleep(0.001)
 
 
@@ -109,8 +113,16 @@ class Comm:
     # that reach `outputs` only at wait(), as NCCL's outputs are valid only then: code that reads a
     # buffer before waiting reads stale values. `details`: what the watchdog says of each operation
     # (default: one operation, described by its first tensor's dtype and shape).
-    def _issue(self, op: str, call, tensors: tuple, outputs: tuple, async_op: bool, in_place: bool = False,
-               details: list[str] | None = None):
+    def _issue(
+        self,
+        op: str,
+        call,
+        tensors: tuple,
+        outputs: tuple,
+        async_op: bool,
+        in_place: bool = False,
+        details: list[str] | None = None,
+    ):
         if strict():
             _first_operation(self)
             for t in tensors:
@@ -131,40 +143,60 @@ class Comm:
             for record in records:
                 watch.end(record)
             return work
-        return Work(work if isinstance(work, list) else [work], watch, records,
-                    list(zip(targets, outputs)) if deferred else [])
+        return Work(
+            work if isinstance(work, list) else [work], watch, records, list(zip(targets, outputs)) if deferred else []
+        )
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False):
         self._count("all_reduce", tensor)
-        return self._issue(f"all_reduce({str(op).rsplit('.', 1)[-1]})",
-                           lambda out: dist.all_reduce(out[0], op=op, group=self.group, async_op=async_op),
-                           (tensor,), (tensor,), async_op, in_place=True)
+        return self._issue(
+            f"all_reduce({str(op).rsplit('.', 1)[-1]})",
+            lambda out: dist.all_reduce(out[0], op=op, group=self.group, async_op=async_op),
+            (tensor,),
+            (tensor,),
+            async_op,
+            in_place=True,
+        )
 
     def all_gather_flat(self, output, shard, async_op=False):
         self._count("all_gather", output)
-        return self._issue("all_gather", lambda out: _all_gather_flat(out[0], shard, group=self.group,
-                                                                      async_op=async_op),
-                           (output, shard), (output,), async_op)
+        return self._issue(
+            "all_gather",
+            lambda out: _all_gather_flat(out[0], shard, group=self.group, async_op=async_op),
+            (output, shard),
+            (output,),
+            async_op,
+        )
 
     def reduce_scatter_flat(self, shard, full, op=dist.ReduceOp.SUM, async_op=False):
         self._count("reduce_scatter", full)
-        return self._issue("reduce_scatter", lambda out: _reduce_scatter_flat(out[0], full, op=op, group=self.group,
-                                                                              async_op=async_op),
-                           (full, shard), (shard,), async_op)
+        return self._issue(
+            "reduce_scatter",
+            lambda out: _reduce_scatter_flat(out[0], full, op=op, group=self.group, async_op=async_op),
+            (full, shard),
+            (shard,),
+            async_op,
+        )
 
     def broadcast(self, tensor, src_group_rank: int = 0, async_op=False):
         self._count("broadcast", tensor)
         src = dist.get_global_rank(self.group, src_group_rank) if self.group is not None else src_group_rank
-        return self._issue(f"broadcast(from {src})",
-                           lambda out: dist.broadcast(out[0], src=src, group=self.group, async_op=async_op),
-                           (tensor,), (tensor,), async_op, in_place=True)
+        return self._issue(
+            f"broadcast(from {src})",
+            lambda out: dist.broadcast(out[0], src=src, group=self.group, async_op=async_op),
+            (tensor,),
+            (tensor,),
+            async_op,
+            in_place=True,
+        )
 
     def all_gather_list(self, tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (same shape on all), in group-rank order."""
         out = [torch.empty_like(tensor) for _ in range(self.size)]
         self._count("all_gather", tensor)
-        self._issue("all_gather", lambda o: dist.all_gather(out, tensor.contiguous(), group=self.group),
-                    (tensor,), (), False)
+        self._issue(
+            "all_gather", lambda o: dist.all_gather(out, tensor.contiguous(), group=self.group), (tensor,), (), False
+        )
         return out
 
     def all_gather_object(self, obj) -> list:
@@ -194,13 +226,17 @@ class Comm:
 
         def post(buffers):  # a receive's buffer may be a scratch one (strict mode), written at wait()
             landing = dict(zip(receives, buffers))
-            return dist.batch_isend_irecv([o if landing.get(i, o.tensor) is o.tensor else
-                                           dist.P2POp(o.op, landing[i], o.peer, o.group, o.tag)
-                                           for i, o in enumerate(ops)])
+            return dist.batch_isend_irecv(
+                [
+                    o if landing.get(i, o.tensor) is o.tensor else dist.P2POp(o.op, landing[i], o.peer, o.group, o.tag)
+                    for i, o in enumerate(ops)
+                ]
+            )
 
         details = [f"{'send to' if o.op in (dist.isend, dist.send) else 'recv from'} rank {o.peer}" for o in ops]
-        return self._issue("p2p", post, tuple(o.tensor for o in ops), tuple(ops[i].tensor for i in receives), True,
-                           details=details)
+        return self._issue(
+            "p2p", post, tuple(o.tensor for o in ops), tuple(ops[i].tensor for i in receives), True, details=details
+        )
 
 
 def strict() -> bool:
@@ -231,9 +267,11 @@ def check_device(tensor, op: str, comm: "Comm") -> None:
     device = local_device()
     if isinstance(tensor, HostTensor) or tensor.device.type != device.type:
         where = "host memory (offload)" if isinstance(tensor, HostTensor) else f"{tensor.device}"
-        raise RuntimeError(f"{op} on group {comm.name} of a {str(tensor.dtype).removeprefix('torch.')}"
-                           f"{list(tensor.shape)} tensor in {where}, while the engine's collectives run on {device}: "
-                           "move it to the device first (NCCL refuses host tensors)")
+        raise RuntimeError(
+            f"{op} on group {comm.name} of a {str(tensor.dtype).removeprefix('torch.')}"
+            f"{list(tensor.shape)} tensor in {where}, while the engine's collectives run on {device}: "
+            "move it to the device first (NCCL refuses host tensors)"
+        )
 
 
 class Work:

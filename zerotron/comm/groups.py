@@ -1,5 +1,6 @@
 """Process groups: joining the default group (DeepSpeed's init_distributed), the groups zerotron
 makes (once per job, connected as they are made), and tearing them down at exit."""
+
 from __future__ import annotations
 
 import atexit
@@ -23,9 +24,18 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
-def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
-                     verbose: bool = True, timeout: datetime.timedelta = DEFAULT_TIMEOUT, init_method: str | None = None,
-                     dist_init_required: bool | None = None, config=None, rank: int = -1, world_size: int = -1) -> None:
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = 29500,
+    verbose: bool = True,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config=None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
     """Join the process group: DeepSpeed's signature and argument order.
 
     By default from the launcher's environment (RANK, WORLD_SIZE, ...); with `init_method` (e.g.
@@ -42,16 +52,23 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         connect(None)
         return
     if dist_init_required is False:
-        raise RuntimeError("init_distributed(dist_init_required=False) but no process group exists: initialize "
-                           "torch.distributed first, or leave dist_init_required unset")
+        raise RuntimeError(
+            "init_distributed(dist_init_required=False) but no process group exists: initialize "
+            "torch.distributed first, or leave dist_init_required unset"
+        )
     timeout = group_timeout()
     backend = dist_backend or default_backend()
     if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     explicit = {"rank": rank, "world_size": world_size} if rank >= 0 and world_size > 0 else {}
     if launched_by_torchrun() and init_method is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        dist.init_process_group(backend, store=_attempt_store(timeout), rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        dist.init_process_group(
+            backend,
+            store=_attempt_store(timeout),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+        )
     elif launched_by_torchrun() or init_method is not None:
         dist.init_process_group(backend, init_method=init_method, timeout=timeout, **explicit)
     else:
@@ -130,7 +147,7 @@ def cached_groups(key, make):
     _this_job()
     if key not in _groups:
         made = make()
-        for group in (made.values() if isinstance(made, dict) else [made]):
+        for group in made.values() if isinstance(made, dict) else [made]:
             if isinstance(group, dist.ProcessGroup):  # (not GroupMember.NON_GROUP_MEMBER: a group without this rank)
                 connect(group)
         _groups[key] = made

@@ -6,6 +6,7 @@
 Two accelerators share one base: CUDA (torch.cuda underneath) and CPU, on which streams and events
 are host-side objects with CUDA's methods, so code written for a GPU runs unchanged.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,8 +54,11 @@ class _Accelerator:
         return torch.random
 
     def supported_dtypes(self):
-        return [torch.float] + [torch.half] * bool(self.is_fp16_supported()) + \
-            [torch.bfloat16] * bool(self.is_bf16_supported())
+        return (
+            [torch.float]
+            + [torch.half] * bool(self.is_fp16_supported())
+            + [torch.bfloat16] * bool(self.is_bf16_supported())
+        )
 
     def is_pinned(self, tensor):
         return tensor.is_pinned()
@@ -78,8 +82,10 @@ class _Accelerator:
         self._compile_backend = backend
 
     def _no_ops(self, *_args, **_kwargs):
-        raise OpBuilderUnavailable("zerotron compiles no ops (no op builders); use "
-                                   "zerotron.ops.adam.FusedAdam / DeepSpeedCPUAdam instead of building one")
+        raise OpBuilderUnavailable(
+            "zerotron compiles no ops (no op builders); use "
+            "zerotron.ops.adam.FusedAdam / DeepSpeedCPUAdam instead of building one"
+        )
 
     op_builder_dir = create_op_builder = get_op_builder = build_extension = _no_ops
 
@@ -121,8 +127,9 @@ class CUDA_Accelerator(_Accelerator):
         return free
 
     def total_memory(self, device_index=None):
-        return torch.cuda.get_device_properties(device_index if device_index is not None else
-                                                torch.cuda.current_device()).total_memory
+        return torch.cuda.get_device_properties(
+            device_index if device_index is not None else torch.cuda.current_device()
+        ).total_memory
 
     def get_rng_state(self, device_index=None):
         return torch.cuda.get_rng_state(*([] if device_index is None else [device_index]))
@@ -159,11 +166,13 @@ class CUDA_Accelerator(_Accelerator):
 
 
 # Everything else on CUDA is torch.cuda's function (or class) of the same name, or of the name given.
-for _name in ("set_device current_device device_count synchronize is_available empty_cache memory_allocated "
-              "max_memory_allocated reset_max_memory_allocated memory_reserved max_memory_reserved memory_cached "
-              "max_memory_cached reset_max_memory_cached reset_peak_memory_stats memory_stats manual_seed "
-              "manual_seed_all initial_seed stream current_stream default_stream Stream Event "
-              "lazy_call:_lazy_call create_graph:CUDAGraph capture_to_graph:graph").split():
+for _name in (
+    "set_device current_device device_count synchronize is_available empty_cache memory_allocated "
+    "max_memory_allocated reset_max_memory_allocated memory_reserved max_memory_reserved memory_cached "
+    "max_memory_cached reset_max_memory_cached reset_peak_memory_stats memory_stats manual_seed "
+    "manual_seed_all initial_seed stream current_stream default_stream Stream Event "
+    "lazy_call:_lazy_call create_graph:CUDAGraph capture_to_graph:graph"
+).split():
     _ours, _, _torchs = _name.partition(":")
     setattr(CUDA_Accelerator, _ours, staticmethod(getattr(torch.cuda, _torchs or _ours)))
 

@@ -42,6 +42,7 @@ when their parent is served through the alias (`deepspeed.ops.adam`, `zerotron.a
 below a real zerotron module imported directly (`import zerotron.ops.adam.fused_adam`) they need
 that module to be a package.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -98,8 +99,9 @@ def _spec(name: str, target: str, listed: bool):
         found = None
     if found is None and not listed:
         return None
-    spec = importlib.machinery.ModuleSpec(name, _AliasLoader(target, listed),
-                                          origin=found.origin if found is not None else None)
+    spec = importlib.machinery.ModuleSpec(
+        name, _AliasLoader(target, listed), origin=found.origin if found is not None else None
+    )
     if found is not None and found.submodule_search_locations is not None:
         spec.submodule_search_locations = list(found.submodule_search_locations)
     return spec
@@ -116,15 +118,20 @@ class _AliasLoader(importlib.abc.Loader):
             module = importlib.import_module(self.target)
         except ImportError as e:
             where = "zerotron/compat/paths.py maps it to" if self.listed else "it would be"
-            raise ModuleNotFoundError(f"No module named {spec.name!r}: {where} {self.target!r}, which "
-                                      f"could not be imported ({e})", name=spec.name) from e
+            raise ModuleNotFoundError(
+                f"No module named {spec.name!r}: {where} {self.target!r}, which could not be imported ({e})",
+                name=spec.name,
+            ) from e
         parent, _, child = spec.name.rpartition(".")
         if parent:  # the import system will set parent.<child> = module: never over something else
             held = vars(sys.modules[parent]).get(child, _MISSING)
             if held is not _MISSING and held is not module:
-                raise ImportError(f"{spec.name!r} -> {self.target!r} would replace "
-                                  f"{sys.modules[parent].__name__}.{child} ({held!r}); fix the entry in "
-                                  f"zerotron/compat/paths.py", name=spec.name)
+                raise ImportError(
+                    f"{spec.name!r} -> {self.target!r} would replace "
+                    f"{sys.modules[parent].__name__}.{child} ({held!r}); fix the entry in "
+                    f"zerotron/compat/paths.py",
+                    name=spec.name,
+                )
         spec.loader_state = module.__spec__  # the import system overwrites __spec__; exec_module puts it back
         return module
 
@@ -161,13 +168,18 @@ def _attach(module) -> None:
     """Give a zerotron module reached through the alias PEP 562 access to its submodules (and to the
     table's children), unless it has a module `__getattr__` of its own."""
     name = getattr(module, "__name__", "")
-    if (name == "zerotron" or name.startswith("zerotron.")) and "__getattr__" not in vars(module) and \
-            (getattr(module, "__path__", None) is not None or paths.children(name)):
+    if (
+        (name == "zerotron" or name.startswith("zerotron."))
+        and "__getattr__" not in vars(module)
+        and (getattr(module, "__path__", None) is not None or paths.children(name))
+    ):
+
         def __getattr__(attr, _name=name):
             found = submodule(_name, attr)
             if found is None:
                 raise AttributeError(f"module {_name!r} has no attribute {attr!r}")
             return found
+
         module.__getattr__ = __getattr__
 
 
@@ -191,8 +203,9 @@ def submodule(module_name: str, attr: str):
         sub = importlib.import_module(target)
     except ImportError as e:  # an AttributeError (hasattr() stays usable) that says what is missing
         where = "zerotron/compat/paths.py maps it to" if target != f"{module_name}.{attr}" else "its submodule"
-        raise AttributeError(f"module {module_name!r} has no attribute {attr!r}: {where} {target!r} could "
-                             f"not be imported ({e})") from e
+        raise AttributeError(
+            f"module {module_name!r} has no attribute {attr!r}: {where} {target!r} could not be imported ({e})"
+        ) from e
     if vars(module).get(attr, _MISSING) is _MISSING:
         setattr(module, attr, sub)
     _attach(sub)
@@ -207,8 +220,10 @@ def top_level(name: str):
         try:
             value = getattr(importlib.import_module(target), attr)
         except (ImportError, AttributeError) as e:
-            raise AttributeError(f"module 'zerotron' has no attribute {name!r}: DeepSpeed's deepspeed.{name} "
-                                 f"is {target}.{attr} here, which is missing ({e})") from e
+            raise AttributeError(
+                f"module 'zerotron' has no attribute {name!r}: DeepSpeed's deepspeed.{name} "
+                f"is {target}.{attr} here, which is missing ({e})"
+            ) from e
         setattr(sys.modules["zerotron"], name, value)
         return value
     found = submodule("zerotron", name)
@@ -224,7 +239,7 @@ class _PathTable(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if not name.startswith("zerotron."):
             return None
-        rel = name[len("zerotron."):]
+        rel = name[len("zerotron.") :]
         if paths.PATHS.get(rel, name) == name or _is_alias(name.rpartition(".")[0]):
             return None
         return _spec(name, paths.PATHS[rel], listed=True)
@@ -241,9 +256,9 @@ class _Aliases(importlib.abc.MetaPathFinder):
         if name == "deepspeed" or name.startswith("deepspeed."):
             if not self.deepspeed:
                 return None
-            rel = name[len("deepspeed."):] if name != "deepspeed" else ""
+            rel = name[len("deepspeed.") :] if name != "deepspeed" else ""
         elif name.startswith("zerotron.") and _is_alias(parent):
-            rel = name[len("zerotron."):]
+            rel = name[len("zerotron.") :]
         else:
             return None
         if not rel or rel in paths.PATHS:
@@ -267,9 +282,11 @@ class DeepSpeedDistribution(importlib.metadata.Distribution):
 
     def read_text(self, filename):
         if filename == "METADATA":
-            return (f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {deepspeed_version()}\n"
-                    f"Summary: zerotron's DeepSpeed alias: import deepspeed runs zerotron\n"
-                    f"Home-page: https://github.com/zerotron\nLicense: Apache-2.0\n")
+            return (
+                f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {deepspeed_version()}\n"
+                f"Summary: zerotron's DeepSpeed alias: import deepspeed runs zerotron\n"
+                f"Home-page: https://github.com/zerotron\nLicense: Apache-2.0\n"
+            )
         if filename == "top_level.txt":
             return "deepspeed\n"
         return None
@@ -298,8 +315,12 @@ def install() -> None:
 def _installed_deepspeed():
     """(spec, version) of a real DeepSpeed some other finder would import, else None."""
     for finder in sys.meta_path:
-        if finder is _aliases or finder is _path_table or not hasattr(finder, "find_spec") or \
-                type(finder).__module__ == "_zerotron_startup":
+        if (
+            finder is _aliases
+            or finder is _path_table
+            or not hasattr(finder, "find_spec")
+            or type(finder).__module__ == "_zerotron_startup"
+        ):
             continue
         try:
             spec = finder.find_spec("deepspeed", None)
@@ -308,8 +329,11 @@ def _installed_deepspeed():
         # A directory named deepspeed without an __init__.py (examples/deepspeed/ when run from a
         # checkout) is only a namespace package: no DeepSpeed is installed there.
         if spec is not None and spec.origin not in (None, "namespace"):
-            versions = [d.version for d in importlib.metadata.distributions(name="deepspeed")
-                        if not isinstance(d, DeepSpeedDistribution)]
+            versions = [
+                d.version
+                for d in importlib.metadata.distributions(name="deepspeed")
+                if not isinstance(d, DeepSpeedDistribution)
+            ]
             return spec, versions[0] if versions else None
     return None
 
@@ -327,15 +351,20 @@ def as_deepspeed():
             f"zerotron.as_deepspeed(): a real 'deepspeed' is already imported in this process "
             f"({getattr(held, '__file__', held)!r}); code holding it would keep using it beside zerotron. "
             f"Call zerotron.as_deepspeed() before anything imports deepspeed, or start the process with "
-            f"{ENV}=1.")
+            f"{ENV}=1."
+        )
     installed = _installed_deepspeed()
     if installed is not None:
         spec, version = installed
-        warnings.warn(ShadowWarning(
-            f"zerotron.as_deepspeed(): 'import deepspeed' now gives zerotron in this process; the installed "
-            f"DeepSpeed{' ' + version if version else ''} at {spec.origin!r} is hidden here (and "
-            f"importlib.metadata.version('deepspeed') reports {deepspeed_version()!r}). Other processes "
-            f"still get the real one."), stacklevel=2)
+        warnings.warn(
+            ShadowWarning(
+                f"zerotron.as_deepspeed(): 'import deepspeed' now gives zerotron in this process; the installed "
+                f"DeepSpeed{' ' + version if version else ''} at {spec.origin!r} is hidden here (and "
+                f"importlib.metadata.version('deepspeed') reports {deepspeed_version()!r}). Other processes "
+                f"still get the real one."
+            ),
+            stacklevel=2,
+        )
     if sys.meta_path and sys.meta_path[0] is not _aliases:  # ahead of anything inserted since import
         if _aliases in sys.meta_path:
             sys.meta_path.remove(_aliases)
@@ -348,5 +377,6 @@ def startup_hook_installed() -> bool:
     """The .pth that runs the start-up hook sits in a site directory of this interpreter (what
     workers started with ZEROTRON_AS_DEEPSPEED=1 need)."""
     import site
+
     dirs = [*getattr(site, "getsitepackages", lambda: [])(), site.getusersitepackages(), *sys.path]
     return any(os.path.isfile(os.path.join(d, PTH_NAME)) for d in dirs if isinstance(d, str) and d)

@@ -1,5 +1,6 @@
 """`deepspeed.checkpoint.utils`: clone_tensors_for_torch_save (what accelerate's get_state_dict
 calls below ZeRO-3)."""
+
 from __future__ import annotations
 
 import torch

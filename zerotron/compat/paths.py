@@ -14,6 +14,7 @@ aliases. Stdlib only: read when zerotron is imported (and by the start-up hook's
 `NAMES` are DeepSpeed's top-level names (`deepspeed.get_accelerator`, `deepspeed.DeepSpeedEngine`,
 ...) that zerotron's package serves on first access (PEP 562), as (module path, attribute).
 """
+
 from __future__ import annotations
 
 PATHS: dict[str, str] = {

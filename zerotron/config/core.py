@@ -1,5 +1,6 @@
 """The resolved config (`Config`): loading from any source, batch arithmetic, the checks that span
 sections, and the read-only mapping over DeepSpeed's key names that DeepSpeed-written code reads."""
+
 from __future__ import annotations
 
 import copy
@@ -9,14 +10,28 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .deepspeed import deepspeed_features, deepspeed_names
 from ..errors import ConfigError
 from ..log import warn
+from .deepspeed import deepspeed_features, deepspeed_names
 from .resolve import parse_json, parse_section, resolve_auto
 from .scheduler_section import validate_scheduler
-from .sections import (AUTO, ActivationCheckpointingConfig, BF16Config, FP16Config, IntOrInf, MonitorConfig,
-                       OptimizerConfig, PipelineConfig, SchedulerConfig, TensorParallelConfig, WandbConfig,
-                       ZeroConfig, ZerotronConfig, check, is_auto)
+from .sections import (
+    AUTO,
+    ActivationCheckpointingConfig,
+    BF16Config,
+    FP16Config,
+    IntOrInf,
+    MonitorConfig,
+    OptimizerConfig,
+    PipelineConfig,
+    SchedulerConfig,
+    TensorParallelConfig,
+    WandbConfig,
+    ZeroConfig,
+    ZerotronConfig,
+    check,
+    is_auto,
+)
 
 
 @dataclass(eq=True)
@@ -29,6 +44,7 @@ class Config(Mapping):
     as written) plus every section zerotron parses, with "auto" and the batch triple resolved;
     sections are plain dicts (copies: editing them changes nothing). `raw` is the JSON as given
     (after renaming DeepSpeed's aliases and resolving "auto"); attributes stay the typed view."""
+
     train_batch_size: Optional[int] = None
     train_micro_batch_size_per_gpu: Optional[int] = None
     gradient_accumulation_steps: Optional[int] = None
@@ -64,14 +80,19 @@ class Config(Mapping):
             section = raw.setdefault("pipeline", {})
             given = section.get("stages", AUTO)
             if not is_auto(given) and given != pipeline_stages:
-                raise ConfigError("pipeline.stages", given, f"the PipelineModule has {pipeline_stages} stages; "
-                                  "make them agree (or use \"auto\")")
+                raise ConfigError(
+                    "pipeline.stages",
+                    given,
+                    f'the PipelineModule has {pipeline_stages} stages; make them agree (or use "auto")',
+                )
             section["stages"] = pipeline_stages
         raw = deepspeed_names(raw)
         raw = resolve_auto(raw, **auto_values)
         if "bfloat16" in raw:  # DeepSpeed's older name for the bf16 section
             if "bf16" in raw:
-                raise ConfigError("bfloat16", raw["bfloat16"], "both 'bf16' and its old name 'bfloat16' are set; keep 'bf16'")
+                raise ConfigError(
+                    "bfloat16", raw["bfloat16"], "both 'bf16' and its old name 'bfloat16' are set; keep 'bf16'"
+                )
             raw["bf16"] = raw.pop("bfloat16")
         cfg = parse_section(cls, deepspeed_features(raw), "")
         cfg.raw = raw
@@ -136,33 +157,63 @@ class Config(Mapping):
             # blame the size the user set (the pipeline's when both are)
             key, value = ("tensor_parallel.autotp_size", tp) if pp == 1 else ("pipeline.stages", pp)
             product = f"tensor ({tp}) x pipeline ({pp}) parallel size" if tp > 1 and pp > 1 else "it"
-            raise ConfigError(key, value, f"{product} must divide the number of processes ({self.world_size}); "
-                                          f"use a divisor of {self.world_size} or launch a multiple of {tp * pp} processes")
-        check(not (self.fp16.enabled and self.bf16.enabled), "fp16.enabled", True,
-               "fp16 and bf16 are both enabled; enable at most one of them")
-        check(self.gradient_clipping >= 0, "gradient_clipping", self.gradient_clipping,
-               "use 0 to disable clipping or a positive max norm, e.g. 1.0")
+            raise ConfigError(
+                key,
+                value,
+                f"{product} must divide the number of processes ({self.world_size}); "
+                f"use a divisor of {self.world_size} or launch a multiple of {tp * pp} processes",
+            )
+        check(
+            not (self.fp16.enabled and self.bf16.enabled),
+            "fp16.enabled",
+            True,
+            "fp16 and bf16 are both enabled; enable at most one of them",
+        )
+        check(
+            self.gradient_clipping >= 0,
+            "gradient_clipping",
+            self.gradient_clipping,
+            "use 0 to disable clipping or a positive max norm, e.g. 1.0",
+        )
         check(self.steps_per_print >= 1, "steps_per_print", self.steps_per_print, "use a positive integer")
-        check(self.communication_data_type in (None, "fp32", "fp16", "bf16"), "communication_data_type",
-               self.communication_data_type, "use 'fp32', 'fp16' or 'bf16' (or leave it out to reduce in the gradient dtype)")
+        check(
+            self.communication_data_type in (None, "fp32", "fp16", "bf16"),
+            "communication_data_type",
+            self.communication_data_type,
+            "use 'fp32', 'fp16' or 'bf16' (or leave it out to reduce in the gradient dtype)",
+        )
         self.fp16.validate("fp16")
         self.zero_optimization.validate("zero_optimization")
         if self.zerotron.sequence_parallel and self.tensor_parallel.autotp_size == 1:
-            warn("zerotron.sequence_parallel has no effect without tensor parallelism "
-                 "(tensor_parallel.autotp_size > 1)")
-        check(not self.wandb.enabled, "wandb.enabled", True,
-               "zerotron does not log to Weights & Biases; use 'tensorboard' or 'csv_monitor'")
+            warn(
+                "zerotron.sequence_parallel has no effect without tensor parallelism (tensor_parallel.autotp_size > 1)"
+            )
+        check(
+            not self.wandb.enabled,
+            "wandb.enabled",
+            True,
+            "zerotron does not log to Weights & Biases; use 'tensorboard' or 'csv_monitor'",
+        )
         if self.optimizer is not None:
             from ..optim import validate_optimizer
+
             off = self.zero_optimization.offload_optimizer
-            validate_optimizer(self.optimizer.type, self.optimizer.params, zero_stage=self.zero_optimization.stage,
-                               on_host=off is not None and off.device == "cpu")
+            validate_optimizer(
+                self.optimizer.type,
+                self.optimizer.params,
+                zero_stage=self.zero_optimization.stage,
+                on_host=off is not None and off.device == "cpu",
+            )
         if self.scheduler is not None:
             validate_scheduler(self.scheduler.type, self.scheduler.params)
         self._resolve_batch()
-        check(not self.tensor_parallel.tp_overlap_comm or self.train_micro_batch_size_per_gpu >= 2,
-               "tensor_parallel.tp_overlap_comm", True, f"it splits each micro-batch in two halves, and "
-               f"train_micro_batch_size_per_gpu is {self.train_micro_batch_size_per_gpu}; use 2 or more, or remove it")
+        check(
+            not self.tensor_parallel.tp_overlap_comm or self.train_micro_batch_size_per_gpu >= 2,
+            "tensor_parallel.tp_overlap_comm",
+            True,
+            f"it splits each micro-batch in two halves, and "
+            f"train_micro_batch_size_per_gpu is {self.train_micro_batch_size_per_gpu}; use 2 or more, or remove it",
+        )
 
     def _resolve_batch(self):
         """train_batch_size = micro x accumulation x data-parallel size; any two give the third.
@@ -184,30 +235,46 @@ class Config(Mapping):
             except ConfigError:
                 self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = given
                 self._resolve_batch_over(self.dp_size)  # raise the data-parallel message
-            self.train_batch_size = (self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps
-                                     * self.dp_size)
+            self.train_batch_size = (
+                self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps * self.dp_size
+            )
 
     def _resolve_batch_over(self, dp: int):
-        tbs, mbs, gas = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
-                         self.gradient_accumulation_steps)
-        for key, v in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", mbs),
-                       ("gradient_accumulation_steps", gas)):
+        tbs, mbs, gas = (self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps)
+        for key, v in (
+            ("train_batch_size", tbs),
+            ("train_micro_batch_size_per_gpu", mbs),
+            ("gradient_accumulation_steps", gas),
+        ):
             check(v is None or v >= 1, key, v, "use a positive integer")
         if tbs is None and mbs is None:
-            raise ConfigError("train_micro_batch_size_per_gpu", None,
-                              "set train_micro_batch_size_per_gpu or train_batch_size")
+            raise ConfigError(
+                "train_micro_batch_size_per_gpu", None, "set train_micro_batch_size_per_gpu or train_batch_size"
+            )
         if tbs is not None and mbs is not None and gas is not None:
-            check(tbs == mbs * gas * dp, "train_batch_size", tbs,
-                   f"it must equal train_micro_batch_size_per_gpu ({mbs}) x gradient_accumulation_steps "
-                   f"({gas}) x data-parallel size ({dp}) = {mbs * gas * dp}; fix one of them or leave one out")
+            check(
+                tbs == mbs * gas * dp,
+                "train_batch_size",
+                tbs,
+                f"it must equal train_micro_batch_size_per_gpu ({mbs}) x gradient_accumulation_steps "
+                f"({gas}) x data-parallel size ({dp}) = {mbs * gas * dp}; fix one of them or leave one out",
+            )
         elif tbs is not None and mbs is not None:
-            check(tbs % (mbs * dp) == 0, "train_batch_size", tbs,
-                   f"it must be divisible by train_micro_batch_size_per_gpu ({mbs}) x data-parallel size ({dp})")
+            check(
+                tbs % (mbs * dp) == 0,
+                "train_batch_size",
+                tbs,
+                f"it must be divisible by train_micro_batch_size_per_gpu ({mbs}) x data-parallel size ({dp})",
+            )
             gas = tbs // (mbs * dp)
         elif tbs is not None:
             gas = gas or 1
-            check(tbs % (gas * dp) == 0, "train_batch_size", tbs,
-                   f"it must be divisible by gradient_accumulation_steps ({gas}) x data-parallel size ({dp})")
+            check(
+                tbs % (gas * dp) == 0,
+                "train_batch_size",
+                tbs,
+                f"it must be divisible by gradient_accumulation_steps ({gas}) x data-parallel size ({dp})",
+            )
             mbs = tbs // (gas * dp)
         else:
             gas = gas or 1
@@ -244,7 +311,9 @@ def read_raw(source) -> dict:
         if not os.path.exists(path):
             if path.lstrip().startswith("{"):
                 return parse_json(path, "<inline JSON>")
-            raise ConfigError("config", path, "no such file; pass the path of a DeepSpeed JSON config, a dict or a zerotron.Config")
+            raise ConfigError(
+                "config", path, "no such file; pass the path of a DeepSpeed JSON config, a dict or a zerotron.Config"
+            )
         with open(path) as f:
             return parse_json(f.read(), path)
     raise ConfigError("config", type(source).__name__, "pass a path to a JSON file, a dict or a zerotron.Config")

@@ -1,6 +1,7 @@
 """DeepSpeed's config keys under other names, and its features zerotron does not implement:
 plain tables and the two passes `Config.load` makes over the raw JSON before parsing it
 (renaming DeepSpeed's aliases and deprecated keys; warning about, or refusing, features)."""
+
 from __future__ import annotations
 
 import copy
@@ -22,10 +23,13 @@ _NOT_IMPLEMENTED = {
     "hybrid_engine": "the RLHF hybrid engine",
     "weight_quantization": "quantized weights",
     "checkpoint": "DeepSpeed's checkpoint options (tag validation, universal checkpoints, node-local storage)",
-    "nebula": "Nebula checkpointing", "datastates": "DataStates checkpointing", "aio": "async I/O (NVMe)",
-    "graph_harvesting": "graph harvesting", "disable_allgather": "disable_allgather (a legacy switch)",
+    "nebula": "Nebula checkpointing",
+    "datastates": "DataStates checkpointing",
+    "aio": "async I/O (NVMe)",
+    "graph_harvesting": "graph harvesting",
+    "disable_allgather": "disable_allgather (a legacy switch)",
     "torch_autocast": "torch.autocast around the forward: the forward runs in the model's dtype, for bf16 training "
-                      "set \"bf16\": {\"enabled\": true}",
+    'set "bf16": {"enabled": true}',
     "amp": "apex AMP (the model runs in its dtype, use the 'fp16' or 'bf16' section)",
     "data_types": "data_types (gradients accumulate in the model dtype, the optimizer sees fp32)",
     "expert_parallel": "expert parallelism",
@@ -33,54 +37,141 @@ _NOT_IMPLEMENTED = {
     "datastates_ckpt": "DataStates checkpointing",
 }
 _NOT_IMPLEMENTED_IN = {
-    "zero_optimization": {k: "ZeRO++ / MiCS / ZenFlow and other DeepSpeed ZeRO options" for k in (
-        "zenflow", "model_persistence_threshold", "stage3_model_persistence_threshold",
-        "module_granularity_threshold", "stage3_module_granularity_threshold",
-        "use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params",
-        "allgather_sequential", "stage3_allgather_sequential", "zero_hpz_partition_size",
-        "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
-        "zeropp_loco_param", "mics_shard_size", "mics_hierarchical_params_gather", "memory_efficient_linear",
-        "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
-        "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "leaf_module",
-        "use_multi_rank_bucket_allreduce", "legacy_stage1")},
-    "bf16": {"bf16_master_weights_and_grads": "bf16 master weights and gradients (zerotron keeps them in fp32)",
-             "bf16_optimizer_states": "bf16 optimizer states (zerotron keeps them in fp32)",
-             "immediate_grad_update": "immediate gradient updates",
-             "check_grad_overflow": "bf16 overflow checks (see zerotron.max_nonfinite_steps)"},
+    "zero_optimization": {
+        k: "ZeRO++ / MiCS / ZenFlow and other DeepSpeed ZeRO options"
+        for k in (
+            "zenflow",
+            "model_persistence_threshold",
+            "stage3_model_persistence_threshold",
+            "module_granularity_threshold",
+            "stage3_module_granularity_threshold",
+            "use_all_reduce_for_fetch_params",
+            "stage3_use_all_reduce_for_fetch_params",
+            "allgather_sequential",
+            "stage3_allgather_sequential",
+            "zero_hpz_partition_size",
+            "zero_quantized_weights",
+            "zero_quantized_nontrainable_weights",
+            "zero_quantized_gradients",
+            "zeropp_loco_param",
+            "mics_shard_size",
+            "mics_hierarchical_params_gather",
+            "memory_efficient_linear",
+            "pipeline_loading_checkpoint",
+            "override_module_apply",
+            "log_trace_cache_warnings",
+            "enable_sanity_checks",
+            "save_muon_momentum_buffer_in_memory",
+            "leaf_module",
+            "use_multi_rank_bucket_allreduce",
+            "legacy_stage1",
+        )
+    },
+    "bf16": {
+        "bf16_master_weights_and_grads": "bf16 master weights and gradients (zerotron keeps them in fp32)",
+        "bf16_optimizer_states": "bf16 optimizer states (zerotron keeps them in fp32)",
+        "immediate_grad_update": "immediate gradient updates",
+        "check_grad_overflow": "bf16 overflow checks (see zerotron.max_nonfinite_steps)",
+    },
     "fp16": {"fp16_master_weights_and_grads": "fp16 master weights and gradients (zerotron keeps them in fp32)"},
     "optimizer": {"legacy_fusion": "legacy optimizer fusion"},
     "zero_optimization.offload_optimizer": {"super_offload": "SuperOffload (for superchips)"},
     # AutoTP's inference and kernel-injection options, and its own partition specs: zerotron splits
     # by the model's plan (parallelize/registry.py), which gives the same math
-    "tensor_parallel": {k: "AutoTP's inference, kernel-injection and custom partition options" for k in (
-        "dtype", "injection_policy_tuple", "keep_module_on_host", "kernel_inject", "replace_with_kernel_inject",
-        "partition_config", "preset_model", "tensor_parallel", "tp", "vocab_parallel_lm_head",
-        "vocab_parallel_ce_backend")},
+    "tensor_parallel": {
+        k: "AutoTP's inference, kernel-injection and custom partition options"
+        for k in (
+            "dtype",
+            "injection_policy_tuple",
+            "keep_module_on_host",
+            "kernel_inject",
+            "replace_with_kernel_inject",
+            "partition_config",
+            "preset_model",
+            "tensor_parallel",
+            "tp",
+            "vocab_parallel_lm_head",
+            "vocab_parallel_ce_backend",
+        )
+    },
 }
 # Every top-level key DeepSpeed 0.19.8 reads (its DeepSpeedConfig, the optimizer, scheduler,
 # profiler and autotuning configs): an unknown top-level key that is one of these is a DeepSpeed
 # feature zerotron ignores (a warning); one that is none of these but close to a key is a typo (an error).
-DEEPSPEED_TOP_LEVEL = frozenset({
-    "activation_checkpointing", "aio", "amp", "autotuning", "bf16", "bfloat16", "checkpoint", "comet",
-    "comms_logger", "communication_data_type", "compile", "compression_training", "csv_monitor",
-    "curriculum_learning", "data_efficiency", "data_types", "dataloader_drop_last", "datastates_ckpt",
-    "disable_allgather", "disable_python_gc", "dump_state", "eigenvalue", "elasticity", "expert_parallel",
-    "flops_profiler", "fp16", "gradient_accumulation_dtype", "gradient_accumulation_steps", "gradient_allreduce_op",
-    "gradient_clipping", "gradient_predivide_factor", "graph_harvesting", "hybrid_engine", "log_level",
-    "managed_gradient_accumulation", "memory_breakdown", "nebula", "optimizer", "pipeline", "prescale_gradients",
-    "progressive_layer_drop", "quantize_training", "scheduler", "seq_parallel_communication_data_type",
-    "sequence_parallel_size", "sparse_attention", "sparse_gradients", "steps_per_print", "tensor_parallel",
-    "tensorboard", "timers", "torch_autocast", "train_batch_size", "train_micro_batch_size_per_gpu",
-    "use_data_before_expert_parallelism", "vocabulary_size", "wall_clock_breakdown", "wandb",
-    "weight_quantization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "zero_optimization",
-})
+DEEPSPEED_TOP_LEVEL = frozenset(
+    {
+        "activation_checkpointing",
+        "aio",
+        "amp",
+        "autotuning",
+        "bf16",
+        "bfloat16",
+        "checkpoint",
+        "comet",
+        "comms_logger",
+        "communication_data_type",
+        "compile",
+        "compression_training",
+        "csv_monitor",
+        "curriculum_learning",
+        "data_efficiency",
+        "data_types",
+        "dataloader_drop_last",
+        "datastates_ckpt",
+        "disable_allgather",
+        "disable_python_gc",
+        "dump_state",
+        "eigenvalue",
+        "elasticity",
+        "expert_parallel",
+        "flops_profiler",
+        "fp16",
+        "gradient_accumulation_dtype",
+        "gradient_accumulation_steps",
+        "gradient_allreduce_op",
+        "gradient_clipping",
+        "gradient_predivide_factor",
+        "graph_harvesting",
+        "hybrid_engine",
+        "log_level",
+        "managed_gradient_accumulation",
+        "memory_breakdown",
+        "nebula",
+        "optimizer",
+        "pipeline",
+        "prescale_gradients",
+        "progressive_layer_drop",
+        "quantize_training",
+        "scheduler",
+        "seq_parallel_communication_data_type",
+        "sequence_parallel_size",
+        "sparse_attention",
+        "sparse_gradients",
+        "steps_per_print",
+        "tensor_parallel",
+        "tensorboard",
+        "timers",
+        "torch_autocast",
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "use_data_before_expert_parallelism",
+        "vocabulary_size",
+        "wall_clock_breakdown",
+        "wandb",
+        "weight_quantization",
+        "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer",
+        "zero_optimization",
+    }
+)
 # DeepSpeed's other names for zero_optimization keys: (alias, zerotron's key).
-_ZERO_ALIASES = [("prefetch_bucket_size", "stage3_prefetch_bucket_size"),
-                 ("param_persistence_threshold", "stage3_param_persistence_threshold"),
-                 ("max_live_parameters", "stage3_max_live_parameters"),
-                 ("max_reuse_distance", "stage3_max_reuse_distance"),
-                 ("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save")]
-
+_ZERO_ALIASES = [
+    ("prefetch_bucket_size", "stage3_prefetch_bucket_size"),
+    ("param_persistence_threshold", "stage3_param_persistence_threshold"),
+    ("max_live_parameters", "stage3_max_live_parameters"),
+    ("max_reuse_distance", "stage3_max_reuse_distance"),
+    ("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save"),
+]
 
 
 def deepspeed_names(raw: dict) -> dict:
@@ -95,8 +186,9 @@ def deepspeed_names(raw: dict) -> dict:
         if alias in zero:
             value = zero.pop(alias)
             if key in zero and zero[key] != value:
-                raise ConfigError(p + alias, value, f"it is another name for {key}, which is set to {zero[key]!r}; "
-                                  "keep one of them")
+                raise ConfigError(
+                    p + alias, value, f"it is another name for {key}, which is set to {zero[key]!r}; keep one of them"
+                )
             zero[key] = value
     # Deprecated in DeepSpeed, still read by it: cpu_offload -> offload_optimizer, cpu_offload_param
     # -> offload_param, cpu_offload_use_pin_memory -> both sections' pin_memory.
@@ -109,7 +201,7 @@ def deepspeed_names(raw: dict) -> dict:
                 section = zero.get(new)
                 if section is None or (isinstance(section, dict) and section.get("device", "none") == "none"):
                     zero[new] = {**(section or {}), "device": "cpu"}
-                warn(f"{p}{old} is deprecated in DeepSpeed; read as {p}{new}.device = \"cpu\"")
+                warn(f'{p}{old} is deprecated in DeepSpeed; read as {p}{new}.device = "cpu"')
     if "cpu_offload_use_pin_memory" in zero:
         value = zero.pop("cpu_offload_use_pin_memory")
         if not isinstance(value, bool):
@@ -129,29 +221,47 @@ def deepspeed_features(raw: dict) -> dict:
     (ConfigError: key, value, fix); warn, by name, about the others zerotron does not implement.
     Returns the dict to parse, without the keys warned about here."""
     refusals = [
-        ("progressive_layer_drop", _enabled(raw.get("progressive_layer_drop")),
-         "progressive layer drop (DeepSpeed hands pld_theta to the model's forward) is not implemented by zerotron; "
-         "set enabled to false or remove the section"),
-        ("curriculum_learning", _enabled(raw.get("curriculum_learning")),
-         "curriculum learning (DeepSpeed hands curriculum_seqlen to the model's forward) is not implemented by "
-         "zerotron; set enabled to false or remove the section"),
-        ("elasticity", _enabled(raw.get("elasticity")),
-         "elastic training (DeepSpeed chooses the batch sizes) is not implemented by zerotron; remove the section "
-         "and set train_batch_size / train_micro_batch_size_per_gpu yourself"),
-        ("sequence_parallel_size", isinstance(raw.get("sequence_parallel_size"), (int, float))
-         and raw.get("sequence_parallel_size", 1) > 1,
-         "DeepSpeed-Ulysses sequence parallelism (which divides the data-parallel size) is not implemented by "
-         "zerotron; remove the key (or use tensor_parallel with zerotron.sequence_parallel)"),
-        ("gradient_allreduce_op", raw.get("gradient_allreduce_op", "mean") != "mean",
-         "zerotron averages gradients over the data-parallel ranks; use \"mean\" (the default)"),
-        ("managed_gradient_accumulation", raw.get("managed_gradient_accumulation", True) is not True,
-         "zerotron steps the optimizer at the gradient accumulation boundary only; remove the key or set it to true"),
+        (
+            "progressive_layer_drop",
+            _enabled(raw.get("progressive_layer_drop")),
+            "progressive layer drop (DeepSpeed hands pld_theta to the model's forward) is not implemented by zerotron; "
+            "set enabled to false or remove the section",
+        ),
+        (
+            "curriculum_learning",
+            _enabled(raw.get("curriculum_learning")),
+            "curriculum learning (DeepSpeed hands curriculum_seqlen to the model's forward) is not implemented by "
+            "zerotron; set enabled to false or remove the section",
+        ),
+        (
+            "elasticity",
+            _enabled(raw.get("elasticity")),
+            "elastic training (DeepSpeed chooses the batch sizes) is not implemented by zerotron; remove the section "
+            "and set train_batch_size / train_micro_batch_size_per_gpu yourself",
+        ),
+        (
+            "sequence_parallel_size",
+            isinstance(raw.get("sequence_parallel_size"), (int, float)) and raw.get("sequence_parallel_size", 1) > 1,
+            "DeepSpeed-Ulysses sequence parallelism (which divides the data-parallel size) is not implemented by "
+            "zerotron; remove the key (or use tensor_parallel with zerotron.sequence_parallel)",
+        ),
+        (
+            "gradient_allreduce_op",
+            raw.get("gradient_allreduce_op", "mean") != "mean",
+            'zerotron averages gradients over the data-parallel ranks; use "mean" (the default)',
+        ),
+        (
+            "managed_gradient_accumulation",
+            raw.get("managed_gradient_accumulation", True) is not True,
+            "zerotron steps the optimizer at the gradient accumulation boundary only; remove the key or set it to true",
+        ),
     ]
     for key, refused, fix in refusals:
         if refused:
             value = raw[key]
-            raise ConfigError(f"{key}.enabled" if isinstance(value, dict) else key,
-                              True if isinstance(value, dict) else value, fix)
+            raise ConfigError(
+                f"{key}.enabled" if isinstance(value, dict) else key, True if isinstance(value, dict) else value, fix
+            )
     out = dict(raw)
     named = []
     for key in list(out):
@@ -168,8 +278,7 @@ def deepspeed_features(raw: dict) -> dict:
             named.append(f"{path}.{k} ({keys[k]})")
             del section[k]
     if named:
-        warn("zerotron does not implement these DeepSpeed features and ignores their keys: "
-             + "; ".join(named))
+        warn("zerotron does not implement these DeepSpeed features and ignores their keys: " + "; ".join(named))
     return out
 
 

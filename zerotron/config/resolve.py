@@ -1,5 +1,6 @@
 """Reading a config as given (a path, JSON text, a dict or a Config) and resolving its "auto"
 values the way the Hugging Face Trainer does; parsing raw sections into the typed dataclasses."""
+
 from __future__ import annotations
 
 import copy
@@ -9,10 +10,11 @@ import json
 import math
 import typing
 
-from .deepspeed import DEEPSPEED_TOP_LEVEL
-from .sections import ACCEPTED_NO_EFFECT, AUTO, IntOrInf, is_auto
 from ..errors import ConfigError
 from ..log import warn
+from .deepspeed import DEEPSPEED_TOP_LEVEL
+from .sections import ACCEPTED_NO_EFFECT, AUTO, IntOrInf, is_auto
+
 
 def parse_json(text: str, where: str) -> dict:
     try:
@@ -27,7 +29,7 @@ def parse_json(text: str, where: str) -> dict:
 # --------------------------------------------------------------------------------------------
 # "auto" values: (path, name in auto_values, what to do when the caller gave no value)
 # --------------------------------------------------------------------------------------------
-_DROP = object()      # fall back to the key's default (or derive it, for the batch triple)
+_DROP = object()  # fall back to the key's default (or derive it, for the batch triple)
 _REQUIRED = object()  # no sensible default: the user must say
 
 _AUTO_RULES = [
@@ -51,8 +53,21 @@ _AUTO_RULES = [
     ("zero_optimization.stage3_param_persistence_threshold", "stage3_param_persistence_threshold", _DROP),
 ]
 _OPTIMIZER_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
-_AUTO_MEANS_DEFAULT = {"zero_optimization", "fp16", "bf16", "bfloat16", "tensorboard", "wandb", "csv_monitor",
-                       "comet", "comms_logger", "compile", "hybrid_engine", "tensor_parallel", "timers"}
+_AUTO_MEANS_DEFAULT = {
+    "zero_optimization",
+    "fp16",
+    "bf16",
+    "bfloat16",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "comms_logger",
+    "compile",
+    "hybrid_engine",
+    "tensor_parallel",
+    "timers",
+}
 
 
 def resolve_auto(raw: dict, **values) -> dict:
@@ -89,8 +104,11 @@ def resolve_auto(raw: dict, **values) -> dict:
             else:
                 del parent[key]
         elif fallback is _REQUIRED:
-            raise ConfigError(path, AUTO, f"nothing to resolve it from; set a number or pass {name}=... "
-                              "to zerotron.resolve_auto(config, ...)")
+            raise ConfigError(
+                path,
+                AUTO,
+                f"nothing to resolve it from; set a number or pass {name}=... to zerotron.resolve_auto(config, ...)",
+            )
         elif isinstance(fallback, str):  # another key's (resolved) value
             src_parent, src_key = _walk(raw, fallback)
             src = None if src_parent is None else src_parent.get(src_key)
@@ -166,8 +184,10 @@ def _top_level_unknown(unknown: list[str], raw: dict, known: set[str]):
         if near and key not in DEEPSPEED_TOP_LEVEL:
             raise ConfigError(key, raw[key], f"not a config key; did you mean '{near[0]}'? Rename it (or remove it)")
     if unknown:
-        warn(f"zerotron ignores these top-level config sections, which are neither DeepSpeed's nor "
-             f"zerotron's: {', '.join(unknown)}")
+        warn(
+            f"zerotron ignores these top-level config sections, which are neither DeepSpeed's nor "
+            f"zerotron's: {', '.join(unknown)}"
+        )
 
 
 def _convert(tp, value, key: str):
@@ -186,8 +206,11 @@ def _convert(tp, value, key: str):
             return math.inf
         tp = int
     if tp is int:
-        if (isinstance(value, bool) or not isinstance(value, (int, float))
-                or (isinstance(value, float) and not value.is_integer())):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not value.is_integer())
+        ):
             raise ConfigError(key, value, "expected an integer")
         return int(value)
     if tp is float:

@@ -1,5 +1,6 @@
 """The "scheduler" section's checks: which DeepSpeed scheduler types exist and what each parameter
 accepts (zerotron/schedulers.py runs them; a config is checked before any scheduler is built)."""
+
 from __future__ import annotations
 
 import math
@@ -13,6 +14,7 @@ WARMUP_TYPES = (LOG, LINEAR)
 DEFAULT_WARMUP_STEPS = 1000
 
 # Each rule is (accepts(value) -> bool, what a valid value looks like).
+
 
 def _is_number(v):
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
@@ -28,6 +30,7 @@ def _per_group_rule(accepts, what):
         if isinstance(v, (list, tuple)):
             return len(v) > 0 and all(accepts(x) for x in v)
         return accepts(v)
+
     return check, f"{what}, or a list of them (one per param group)"
 
 
@@ -48,22 +51,37 @@ _WARMUP_TYPE = (lambda v: v in WARMUP_TYPES, f"one of {list(WARMUP_TYPES)}")
 _ITERATION = (lambda v: _is_int(v) and v >= -1, "an integer >= -1 (-1 = start from the beginning)")
 
 _WARMUP_RULES = {
-    "warmup_min_lr": _LR, "warmup_max_lr": _LR_OR_NONE, "warmup_num_steps": _WARMUP_STEPS,
-    "warmup_type": _WARMUP_TYPE, "last_batch_iteration": _ITERATION,
+    "warmup_min_lr": _LR,
+    "warmup_max_lr": _LR_OR_NONE,
+    "warmup_num_steps": _WARMUP_STEPS,
+    "warmup_type": _WARMUP_TYPE,
+    "last_batch_iteration": _ITERATION,
 }
 _RULES = {
     "WarmupLR": _WARMUP_RULES,
     "WarmupDecayLR": {"total_num_steps": _POSITIVE, **_WARMUP_RULES},
     "WarmupCosineLR": {
-        "total_num_steps": _POSITIVE, "warmup_min_ratio": _RATIO, "warmup_num_steps": _WARMUP_STEPS,
-        "cos_min_ratio": _RATIO, "warmup_type": _WARMUP_TYPE, "last_batch_iteration": _ITERATION,
+        "total_num_steps": _POSITIVE,
+        "warmup_min_ratio": _RATIO,
+        "warmup_num_steps": _WARMUP_STEPS,
+        "cos_min_ratio": _RATIO,
+        "warmup_type": _WARMUP_TYPE,
+        "last_batch_iteration": _ITERATION,
     },
     "OneCycle": {
-        "cycle_min_lr": _LR, "cycle_max_lr": _LR, "decay_lr_rate": _NON_NEGATIVE,
-        "cycle_first_step_size": _POSITIVE, "cycle_second_step_size": _NON_NEGATIVE_OR_NONE,
-        "cycle_first_stair_count": _COUNT, "cycle_second_stair_count": _COUNT_OR_NONE,
-        "decay_step_size": _NON_NEGATIVE, "cycle_momentum": _BOOL, "cycle_min_mom": _MOMENTUM,
-        "cycle_max_mom": _MOMENTUM, "decay_mom_rate": _ANY_NUMBER, "last_batch_iteration": _ITERATION,
+        "cycle_min_lr": _LR,
+        "cycle_max_lr": _LR,
+        "decay_lr_rate": _NON_NEGATIVE,
+        "cycle_first_step_size": _POSITIVE,
+        "cycle_second_step_size": _NON_NEGATIVE_OR_NONE,
+        "cycle_first_stair_count": _COUNT,
+        "cycle_second_stair_count": _COUNT_OR_NONE,
+        "decay_step_size": _NON_NEGATIVE,
+        "cycle_momentum": _BOOL,
+        "cycle_min_mom": _MOMENTUM,
+        "cycle_max_mom": _MOMENTUM,
+        "decay_mom_rate": _ANY_NUMBER,
+        "last_batch_iteration": _ITERATION,
     },
 }
 # Parameters the scheduler cannot run without (no DeepSpeed default).
@@ -88,8 +106,7 @@ def validate_scheduler(type_name: str, params: dict) -> None:
     rules = _RULES[type_name]
     for name, value in params.items():
         if name not in rules:
-            raise ConfigError(f"scheduler.params.{name}", value,
-                              f"{type_name} takes only {sorted(rules)}")
+            raise ConfigError(f"scheduler.params.{name}", value, f"{type_name} takes only {sorted(rules)}")
         accepts, what = rules[name]
         if not is_auto(value) and not accepts(value):
             raise ConfigError(f"scheduler.params.{name}", value, f"{name} must be {what}")
@@ -101,5 +118,4 @@ def validate_scheduler(type_name: str, params: dict) -> None:
         warmup = params.get("warmup_num_steps", DEFAULT_WARMUP_STEPS)
         # DeepSpeed only warns; a decay that ends before warmup does is a misconfiguration.
         if not is_auto(total) and not is_auto(warmup) and total < warmup:
-            raise ConfigError("scheduler.params.total_num_steps", total,
-                              f"must be >= warmup_num_steps ({warmup})")
+            raise ConfigError("scheduler.params.total_num_steps", total, f"must be >= warmup_num_steps ({warmup})")

@@ -2,6 +2,7 @@
 typed dataclasses with their defaults and per-section checks, and the names they check against
 (pipeline schedules, activation-checkpoint policies) kept here as plain data so the config needs
 nothing of the modules that implement them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,17 +12,36 @@ from ..errors import ConfigError
 from ..log import warn
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # zerotron/pipe/schedule.py builds each
-CHECKPOINT_POLICIES = ("none", "every_block", "every_k", "selective")  # zerotron/activation_checkpointing.py applies each
+CHECKPOINT_POLICIES = (
+    "none",
+    "every_block",
+    "every_k",
+    "selective",
+)  # zerotron/activation_checkpointing.py applies each
 
 AUTO = "auto"
 
 # DeepSpeed keys we accept but that change nothing about the math here, by section ("" is the
 # top level); no warning for them.
 ACCEPTED_NO_EFFECT = {
-    "": {"memory_breakdown", "dump_state", "zero_force_ds_cpu_optimizer", "dataloader_drop_last", "flops_profiler",
-         "comms_logger", "prescale_gradients", "gradient_predivide_factor", "sparse_gradients",
-         "gradient_accumulation_dtype", "log_level", "timers", "seq_parallel_communication_data_type",
-         "use_data_before_expert_parallelism", "disable_python_gc", "vocabulary_size"},
+    "": {
+        "memory_breakdown",
+        "dump_state",
+        "zero_force_ds_cpu_optimizer",
+        "dataloader_drop_last",
+        "flops_profiler",
+        "comms_logger",
+        "prescale_gradients",
+        "gradient_predivide_factor",
+        "sparse_gradients",
+        "gradient_accumulation_dtype",
+        "log_level",
+        "timers",
+        "seq_parallel_communication_data_type",
+        "use_data_before_expert_parallelism",
+        "disable_python_gc",
+        "vocabulary_size",
+    },
     # DeepSpeed computes the norm for its own logging; its flat buffers' alignment
     "zero_optimization": {"compute_grad_norm", "parameter_alignment"},
     # threads DeepSpeed's CPU Adam may use (zerotron's uses torch's)
@@ -29,6 +49,7 @@ ACCEPTED_NO_EFFECT = {
     # which torch.utils.checkpoint DeepSpeed's pipeline uses for activation_checkpoint_interval
     "pipeline": {"use_reentrant"},
 }
+
 
 def is_auto(value) -> bool:
     return isinstance(value, str) and value == AUTO
@@ -54,9 +75,24 @@ class FP16Config:
     auto_cast: bool = False
 
     def validate(self, p: str):
-        check(self.loss_scale >= 0, p + ".loss_scale", self.loss_scale, "use 0 for dynamic scaling or a positive static scale")
-        check(0 <= self.initial_scale_power <= 64, p + ".initial_scale_power", self.initial_scale_power, "use a power of two exponent in [0, 64], e.g. 16")
-        check(self.loss_scale_window >= 1, p + ".loss_scale_window", self.loss_scale_window, "use a positive number of steps, e.g. 1000")
+        check(
+            self.loss_scale >= 0,
+            p + ".loss_scale",
+            self.loss_scale,
+            "use 0 for dynamic scaling or a positive static scale",
+        )
+        check(
+            0 <= self.initial_scale_power <= 64,
+            p + ".initial_scale_power",
+            self.initial_scale_power,
+            "use a power of two exponent in [0, 64], e.g. 16",
+        )
+        check(
+            self.loss_scale_window >= 1,
+            p + ".loss_scale_window",
+            self.loss_scale_window,
+            "use a positive number of steps, e.g. 1000",
+        )
         check(self.hysteresis >= 1, p + ".hysteresis", self.hysteresis, "use a positive integer, e.g. 2")
         check(self.min_loss_scale > 0, p + ".min_loss_scale", self.min_loss_scale, "use a positive scale, e.g. 1")
 
@@ -120,14 +156,26 @@ class ZeroConfig:
         for key in ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size", "stage3_max_live_parameters"):
             value = getattr(self, key)
             check(value is None or value > 0, f"{p}.{key}", value, "use a positive number of elements, e.g. 5e8")
-        check(self.stage3_prefetch_bucket_size >= 0, p + ".stage3_prefetch_bucket_size",
-               self.stage3_prefetch_bucket_size, "use a number of elements (0: no prefetching), e.g. 5e7")
-        check(self.stage3_param_persistence_threshold >= 0, p + ".stage3_param_persistence_threshold",
-               self.stage3_param_persistence_threshold, "use a non-negative number of elements")
+        check(
+            self.stage3_prefetch_bucket_size >= 0,
+            p + ".stage3_prefetch_bucket_size",
+            self.stage3_prefetch_bucket_size,
+            "use a number of elements (0: no prefetching), e.g. 5e7",
+        )
+        check(
+            self.stage3_param_persistence_threshold >= 0,
+            p + ".stage3_param_persistence_threshold",
+            self.stage3_param_persistence_threshold,
+            "use a non-negative number of elements",
+        )
         for key in ("reshard_after_backward", "overlap_param_gather"):
-            check(not getattr(self, key) or self.stage in (1, 2), f"{p}.{key}", True,
-                   "applies to stages 1 and 2 only (stage 3 gathers and releases each unit itself, and "
-                   "prefetches by stage3_prefetch_bucket_size); remove it or use stage 1 or 2")
+            check(
+                not getattr(self, key) or self.stage in (1, 2),
+                f"{p}.{key}",
+                True,
+                "applies to stages 1 and 2 only (stage 3 gathers and releases each unit itself, and "
+                "prefetches by stage3_prefetch_bucket_size); remove it or use stage 1 or 2",
+            )
         for key in ("offload_optimizer", "offload_param"):
             off = getattr(self, key)
             if off is None:
@@ -135,15 +183,25 @@ class ZeroConfig:
             off.validate(f"{p}.{key}")
             if key == "offload_param" and self.stage != 3:
                 continue  # ignored below stage 3 (warned about below)
-            check(off.device != "nvme", f"{p}.{key}.device", off.device,
-                   "NVMe offload (ZeRO-Infinity) is not supported by zerotron; use \"cpu\" (host memory) instead")
+            check(
+                off.device != "nvme",
+                f"{p}.{key}.device",
+                off.device,
+                'NVMe offload (ZeRO-Infinity) is not supported by zerotron; use "cpu" (host memory) instead',
+            )
         if self.offload_optimizer is not None and self.offload_optimizer.device == "cpu":
-            check(self.stage >= 1, f"{p}.offload_optimizer.device", "cpu",
-                   "optimizer offload shards the optimizer: it needs zero_optimization.stage 1, 2 or 3")
+            check(
+                self.stage >= 1,
+                f"{p}.offload_optimizer.device",
+                "cpu",
+                "optimizer offload shards the optimizer: it needs zero_optimization.stage 1, 2 or 3",
+            )
         if self.offload_param is not None and self.offload_param.device != "none" and self.stage != 3:
             # DeepSpeed offloads parameters only at stage 3 and ignores the key below it.
-            warn(f"{p}.offload_param is ignored at zero_optimization.stage {self.stage} (as DeepSpeed "
-                 "ignores it): parameters stay on the device; parameter offload needs stage 3")
+            warn(
+                f"{p}.offload_param is ignored at zero_optimization.stage {self.stage} (as DeepSpeed "
+                "ignores it): parameters stay on the device; parameter offload needs stage 3"
+            )
 
 
 @dataclass
@@ -182,16 +240,21 @@ class TensorParallelConfig:
 
     def validate(self, p: str):
         check(self.autotp_size >= 1, p + ".autotp_size", self.autotp_size, "use a positive integer")
-        check(not self.tp_overlap_comm or self.autotp_size > 1, p + ".tp_overlap_comm", True,
-               "it overlaps tensor-parallel collectives, and autotp_size is 1; remove it or set autotp_size > 1")
+        check(
+            not self.tp_overlap_comm or self.autotp_size > 1,
+            p + ".tp_overlap_comm",
+            True,
+            "it overlaps tensor-parallel collectives, and autotp_size is 1; remove it or set autotp_size > 1",
+        )
 
 
 @dataclass
 class PipelineConfig:
     """DeepSpeed's "pipeline" section. The PipelineModule decides the stages ("auto" takes its
     num_stages) and the partition; zerotron adds the schedule."""
+
     stages: int = 1
-    schedule: str = "1f1b"   # "gpipe", "1f1b", "interleaved" (1F1B over the module's virtual stages), "zb-h1"
+    schedule: str = "1f1b"  # "gpipe", "1f1b", "interleaved" (1F1B over the module's virtual stages), "zb-h1"
     partition: str = "best"  # accepted for DeepSpeed configs; PipelineModule(partition_method=...) decides
     seed_layers: bool = False
     activation_checkpoint_interval: int = 0
@@ -199,17 +262,18 @@ class PipelineConfig:
     grad_partitioned: bool = True
 
     def validate(self, p: str):
-        check(self.stages >= 1, p + ".stages", self.stages, "use a positive integer (or \"auto\")")
+        check(self.stages >= 1, p + ".stages", self.stages, 'use a positive integer (or "auto")')
         check(self.schedule in SCHEDULES, p + ".schedule", self.schedule, f"use one of {', '.join(SCHEDULES)}")
 
 
 @dataclass
 class ActivationCheckpointingConfig:
     """DeepSpeed's "activation_checkpointing" section (for zerotron.checkpointing.checkpoint)."""
+
     partition_activations: bool = False
     cpu_checkpointing: bool = False
-    contiguous_memory_optimization: bool = False   # accepted; torch's allocator already reuses the memory
-    number_checkpoints: Optional[int] = None       # accepted; the policy decides what is checkpointed
+    contiguous_memory_optimization: bool = False  # accepted; torch's allocator already reuses the memory
+    number_checkpoints: Optional[int] = None  # accepted; the policy decides what is checkpointed
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
 
@@ -217,24 +281,41 @@ class ActivationCheckpointingConfig:
 @dataclass
 class ZerotronConfig:
     """Settings zerotron adds to DeepSpeed's schema, in their own "zerotron" section."""
+
     sequence_parallel: bool = False
     check_tensor_parallel_plan: bool = True  # run a few tokens through the model split and unsplit first
-    checkpoint_policy: str = "none"   # activation checkpointing the engine applies: none, every_block, every_k, selective
-    checkpoint_every: int = 2         # with every_k: checkpoint one block in this many
+    checkpoint_policy: str = (
+        "none"  # activation checkpointing the engine applies: none, every_block, every_k, selective
+    )
+    checkpoint_every: int = 2  # with every_k: checkpoint one block in this many
     # Fault tolerance (zerotron/watchdog.py, engine/step.py):
-    collective_timeout: Optional[float] = None  # seconds a collective may wait (None: $ZEROTRON_COLLECTIVE_TIMEOUT or 600)
-    collective_checks: bool = False   # debug: compare each collective's op/shape/dtype across ranks first
-    max_nonfinite_steps: int = 8      # bf16/fp32: stop after this many consecutive steps with NaN/Inf gradients
+    collective_timeout: Optional[float] = (
+        None  # seconds a collective may wait (None: $ZEROTRON_COLLECTIVE_TIMEOUT or 600)
+    )
+    collective_checks: bool = False  # debug: compare each collective's op/shape/dtype across ranks first
+    max_nonfinite_steps: int = 8  # bf16/fp32: stop after this many consecutive steps with NaN/Inf gradients
     save_on_preemption: Optional[str] = None  # SIGTERM/SIGINT: finish the step, checkpoint here, exit 75
 
     def validate(self, p: str):
-        check(self.checkpoint_policy in CHECKPOINT_POLICIES, p + ".checkpoint_policy", self.checkpoint_policy,
-               f"use one of {', '.join(CHECKPOINT_POLICIES)}")
+        check(
+            self.checkpoint_policy in CHECKPOINT_POLICIES,
+            p + ".checkpoint_policy",
+            self.checkpoint_policy,
+            f"use one of {', '.join(CHECKPOINT_POLICIES)}",
+        )
         check(self.checkpoint_every >= 1, p + ".checkpoint_every", self.checkpoint_every, "use a positive integer")
-        check(self.collective_timeout is None or self.collective_timeout > 0, p + ".collective_timeout",
-               self.collective_timeout, "use a positive number of seconds")
-        check(self.max_nonfinite_steps >= 1, p + ".max_nonfinite_steps", self.max_nonfinite_steps,
-               "use a positive integer")
+        check(
+            self.collective_timeout is None or self.collective_timeout > 0,
+            p + ".collective_timeout",
+            self.collective_timeout,
+            "use a positive number of seconds",
+        )
+        check(
+            self.max_nonfinite_steps >= 1,
+            p + ".max_nonfinite_steps",
+            self.max_nonfinite_steps,
+            "use a positive integer",
+        )
 
 
 def check(ok: bool, key: str, value, fix: str):

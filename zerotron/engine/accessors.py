@@ -1,6 +1,7 @@
 """The engine's DeepSpeed-shaped accessors and conveniences: what scripts read and call besides
 the training verbs (batch sizes, precision flags, the optimizer's name, groups, `no_sync`,
 moving optimizer states off the device, passing attributes through to the model)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -117,8 +118,10 @@ class EngineAccessors:
         illegal inside; no re-entry). The next backward outside reduces everything accumulated."""
         stage = self.zero_optimization_stage()
         if stage >= 2:
-            raise RuntimeError(f"no_sync is incompatible with ZeRO stage {stage}, which partitions gradients as it "
-                               "reduces them: accumulate with gradient_accumulation_steps instead")
+            raise RuntimeError(
+                f"no_sync is incompatible with ZeRO stage {stage}, which partitions gradients as it "
+                "reduces them: accumulate with gradient_accumulation_steps instead"
+            )
         if self._inside_no_sync:
             raise RuntimeError("engine.no_sync() does not nest")
         self._inside_no_sync = True
@@ -135,15 +138,21 @@ class EngineAccessors:
         kinds = [getattr(k, "value", k) for k in (include or self.OFFLOADABLE)]
         unknown = [k for k in kinds if k not in self.OFFLOADABLE]
         if unknown or str(getattr(device, "value", device)) != "cpu":
-            raise NotImplementedError(f"offload_states moves {list(self.OFFLOADABLE)} to 'cpu'; not {unknown or device}")
+            raise NotImplementedError(
+                f"offload_states moves {list(self.OFFLOADABLE)} to 'cpu'; not {unknown or device}"
+            )
         if self._offloaded_from is not None:
             return
         self._offloaded_from = {}
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 if torch.is_tensor(value) and value.device.type != "cpu":
-                    host = torch.empty(value.shape, dtype=value.dtype, device="cpu",
-                                       pin_memory=pin_memory and torch.cuda.is_available())
+                    host = torch.empty(
+                        value.shape,
+                        dtype=value.dtype,
+                        device="cpu",
+                        pin_memory=pin_memory and torch.cuda.is_available(),
+                    )
                     host.copy_(value, non_blocking=non_blocking)
                     self._offloaded_from[id(host)] = value.device
                     state[key] = host
@@ -177,6 +186,7 @@ class EngineAccessors:
         pipeline stages rank 0 collects every stage's layers."""
         from ..comm import comm_for
         from ..zero import consolidated_state_dict
+
         state = consolidated_state_dict(self.module)
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
@@ -196,8 +206,10 @@ class EngineAccessors:
         (`nn.Module.compile`), so the engine's hooks (ZeRO-3 gathers, gradient reduction) stay on
         its submodules. `schedule` (DeepCompile's passes) is refused."""
         if schedule is not None:
-            raise NotImplementedError("engine.compile(schedule=...) is DeepSpeed's DeepCompile; zerotron compiles "
-                                      "the module with torch.compile only: leave schedule out")
+            raise NotImplementedError(
+                "engine.compile(schedule=...) is DeepSpeed's DeepCompile; zerotron compiles "
+                "the module with torch.compile only: leave schedule out"
+            )
         options = dict(compile_kwargs or {})
         options.update(kwargs)
         if backend is not None:

@@ -1,4 +1,5 @@
 """The training engine: forward / backward / step / train_batch on one model replica per rank."""
+
 from __future__ import annotations
 
 import time
@@ -8,11 +9,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import preemption, watchdog
-from .accessors import EngineAccessors, ThroughputTimer
-from .input_guard import InputGuard
-from .report import StepReport
-from .state import EngineState
-from .step import StepStages
 from ..comm import Comm, comm_for, local_device
 from ..config import Config
 from ..errors import BadBatchError, ConfigError
@@ -24,7 +20,11 @@ from ..precision import LossScaler, model_dtype
 from ..topology import Topology
 from ..zero import make_model_states
 from ..zero.partition_api import built_under_init
-
+from .accessors import EngineAccessors, ThroughputTimer
+from .input_guard import InputGuard
+from .report import StepReport
+from .state import EngineState
+from .step import StepStages
 
 
 class _NoOptimizer(torch.optim.SGD):
@@ -45,8 +45,18 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
     ready, and `step()` then unscales, clips, updates the fp32 masters and copies them back.
     """
 
-    def __init__(self, module: nn.Module, config: Config, topology: Topology, optimizer=None,
-                 lr_scheduler=None, model_parameters=None, training_data=None, collate_fn=None, isolate=None):
+    def __init__(
+        self,
+        module: nn.Module,
+        config: Config,
+        topology: Topology,
+        optimizer=None,
+        lr_scheduler=None,
+        model_parameters=None,
+        training_data=None,
+        collate_fn=None,
+        isolate=None,
+    ):
         """`isolate(module)`, given the placed and split model, returns parameter lists that need
         gradient buckets of their own (the pipeline engine's weights tied across stages)."""
         super().__init__()
@@ -71,14 +81,23 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         params = [p for p in self.module.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no parameters that require gradients; nothing to train")
-        self._param_numels = [getattr(p, "ds_numel", p.numel()) for p in params]  # before ZeRO-3 partitions them (memory prediction)
+        self._param_numels = [
+            getattr(p, "ds_numel", p.numel()) for p in params
+        ]  # before ZeRO-3 partitions them (memory prediction)
         self._backward_owner = None  # "engine" inside engine.backward, "autograd" inside a direct loss.backward()
-        self._grad_hooks = [p.register_hook(self._scale_direct_grad) for p in params] \
-            if config.gradient_accumulation_steps > 1 else []
+        self._grad_hooks = (
+            [p.register_hook(self._scale_direct_grad) for p in params] if config.gradient_accumulation_steps > 1 else []
+        )
         self.optimizer = self._make_optimizer(optimizer, model_parameters, params)
         # Gradient reduction, master weights and parameter updates, for the configured ZeRO stage.
-        self.states = make_model_states(self.module, self.optimizer, config, self.grad_comm, self.dp_comm,
-                                        isolate=isolate(self.module) if isolate is not None else [])
+        self.states = make_model_states(
+            self.module,
+            self.optimizer,
+            config,
+            self.grad_comm,
+            self.dp_comm,
+            isolate=isolate(self.module) if isolate is not None else [],
+        )
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.loss_scaler = LossScaler(config.fp16)
         self.monitor = Monitor(config, self.global_rank)
@@ -113,15 +132,21 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         until ZeRO-3 builds its units from them."""
         meta = any(p.is_meta or built_under_init(p) for p in module.parameters())
         if meta and self.config.zero_optimization.stage != 3:
-            raise ValueError("the model was built under zerotron.zero.Init (partitioned parameters), which needs "
-                             "zero_optimization.stage 3")
+            raise ValueError(
+                "the model was built under zerotron.zero.Init (partitioned parameters), which needs "
+                "zero_optimization.stage 3"
+            )
         if meta and self.topology.tp > 1:
-            raise ValueError("zerotron.zero.Init with tensor parallelism is not supported yet: build the model "
-                             "normally (tensor parallelism already splits it) or use tensor_parallel.autotp_size 1")
+            raise ValueError(
+                "zerotron.zero.Init with tensor parallelism is not supported yet: build the model "
+                "normally (tensor parallelism already splits it) or use tensor_parallel.autotp_size 1"
+            )
         dtype = self.dtype
-        return module._apply(lambda t: t.to(dtype=dtype if t.is_floating_point() else t.dtype)
-                             if t.is_meta or device is None
-                             else t.to(device, dtype=dtype if t.is_floating_point() else t.dtype))
+        return module._apply(
+            lambda t: t.to(dtype=dtype if t.is_floating_point() else t.dtype)
+            if t.is_meta or device is None
+            else t.to(device, dtype=dtype if t.is_floating_point() else t.dtype)
+        )
 
     def _broadcast_module(self):
         """Start every data-parallel replica from dp-rank 0's weights, seeded or not."""
@@ -132,8 +157,11 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
 
     def _make_optimizer(self, client, model_parameters, params):
         if client is not None and self.config.optimizer is not None:
-            raise ConfigError("optimizer", self.config.optimizer.type,
-                              "both the config and initialize(optimizer=...) give an optimizer; keep one")
+            raise ConfigError(
+                "optimizer",
+                self.config.optimizer.type,
+                "both the config and initialize(optimizer=...) give an optimizer; keep one",
+            )
         groups = list(model_parameters) if model_parameters is not None else params
         if client is None:
             if self.config.optimizer is None:
@@ -141,8 +169,12 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
                 # Trainer's evaluate() before train()): forward works, step() says what is missing.
                 return _NoOptimizer(groups)
             off = self.config.zero_optimization.offload_optimizer
-            return build_optimizer(self.config.optimizer.type, self.config.optimizer.params, groups,
-                                   on_host=off is not None and off.device == "cpu")
+            return build_optimizer(
+                self.config.optimizer.type,
+                self.config.optimizer.params,
+                groups,
+                on_host=off is not None and off.device == "cpu",
+            )
         if isinstance(client, torch.optim.Optimizer):
             return client
         if callable(client):
@@ -155,32 +187,47 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         if self.config.scheduler is None:
             return None
         from ..schedulers import build_scheduler
+
         return build_scheduler(self.config.scheduler.type, self.config.scheduler.params, self.optimizer)
 
     def _make_dataloader(self, dataset, collate_fn):
         if dataset is None:
             return None
         from ..data import ResumableDistributedSampler
+
         if len(dataset) < self.train_batch_size():
-            raise ValueError(f"training_data holds {len(dataset)} samples, fewer than one global batch "
-                             f"({self.train_batch_size()} = micro-batch x accumulation x data-parallel ranks): "
-                             "use more data or a smaller batch")
-        sampler = ResumableDistributedSampler(len(dataset), num_replicas=self.topology.dp,
-                                              rank=self.coords.dp, shuffle=True, infinite=False)
-        return torch.utils.data.DataLoader(dataset, batch_size=self.train_micro_batch_size_per_gpu(),
-                                           sampler=sampler, collate_fn=collate_fn or _collate, drop_last=True)
+            raise ValueError(
+                f"training_data holds {len(dataset)} samples, fewer than one global batch "
+                f"({self.train_batch_size()} = micro-batch x accumulation x data-parallel ranks): "
+                "use more data or a smaller batch"
+            )
+        sampler = ResumableDistributedSampler(
+            len(dataset), num_replicas=self.topology.dp, rank=self.coords.dp, shuffle=True, infinite=False
+        )
+        return torch.utils.data.DataLoader(
+            dataset,
+            batch_size=self.train_micro_batch_size_per_gpu(),
+            sampler=sampler,
+            collate_fn=collate_fn or _collate,
+            drop_last=True,
+        )
 
     # ---- the training verbs -----------------------------------------------------------------
     def forward(self, *args, **kwargs):
         if self.__dict__.get("_destroyed"):
             raise RuntimeError(
                 "this engine was destroyed (engine.destroy(); accelerate's free_memory() calls it when Trainer.train() "
-                "starts) and its ZeRO state is gone: build a new one with zerotron.initialize. The Hugging Face Trainer "
-                "reuses the engine of an evaluate() run before train(), with DeepSpeed too (huggingface/transformers#44889): "
-                "evaluate at the start of training with TrainingArguments(eval_on_start=True), or train with a new Trainer")
+                "starts) and its ZeRO state is gone: build a new one with zerotron.initialize. The Hugging Face "
+                "Trainer "
+                "reuses the engine of an evaluate() run before train(), with DeepSpeed too "
+                "(huggingface/transformers#44889): "
+                "evaluate at the start of training with TrainingArguments(eval_on_start=True), or train with a new "
+                "Trainer"
+            )
         self.tput_timer.start()
-        args, kwargs = self.input_guard.check(args, kwargs, self._record,
-                                              f"step {self.global_steps} on rank {self.global_rank}")
+        args, kwargs = self.input_guard.check(
+            args, kwargs, self._record, f"step {self.global_steps} on rank {self.global_rank}"
+        )
         output = self.module(*args, **kwargs)
         if torch.is_grad_enabled():  # a script may call loss.backward() itself instead of engine.backward
             for t in tensors_in(output):
@@ -214,8 +261,10 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         if self._backward_owner is not None:
             return None
         if self.loss_scaler.enabled:
-            raise RuntimeError("with fp16 the loss must be scaled before backward: call engine.backward(loss) "
-                               "instead of loss.backward()")
+            raise RuntimeError(
+                "with fp16 the loss must be scaled before backward: call engine.backward(loss) "
+                "instead of loss.backward()"
+            )
         self._backward_owner = "autograd"
         self.states.begin_backward(self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_direct_backward)
@@ -231,8 +280,9 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
     def step(self, lr_kwargs: dict | None = None):
         """Count a micro-batch; at the accumulation boundary, update the weights."""
         if self._inside_no_sync:
-            raise RuntimeError("engine.step() inside engine.no_sync(): leave the block first (its gradients are "
-                               "not reduced yet)")
+            raise RuntimeError(
+                "engine.step() inside engine.no_sync(): leave the block first (its gradients are not reduced yet)"
+            )
         boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = False
         if boundary:
@@ -258,8 +308,10 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         was_training = self.module.training
         self.module.eval()
         try:
-            losses = [self._loss_of(self.forward_batch(next(it))).float()
-                      for _ in range(num_micro_batches or self.gradient_accumulation_steps())]
+            losses = [
+                self._loss_of(self.forward_batch(next(it))).float()
+                for _ in range(num_micro_batches or self.gradient_accumulation_steps())
+            ]
         finally:
             self.module.train(was_training)
         return self._mean_over_dp(torch.stack(losses).mean())
@@ -331,8 +383,15 @@ def _collate(samples):
     except RuntimeError as e:
         if "equal size" not in str(e) and "same size" not in str(e):
             raise
-        shapes = sorted({tuple(getattr(t, "shape", ())) for s in samples
-                         for t in (s if isinstance(s, (tuple, list)) else s.values() if isinstance(s, dict) else [s])})
-        raise BadBatchError(f"samples of different shapes cannot form one batch ({', '.join(map(str, shapes[:4]))}"
-                            f"{' ...' if len(shapes) > 4 else ''}): pad or cut them to one length, or pass a "
-                            "collate_fn that does (e.g. transformers.DataCollatorForLanguageModeling)") from e
+        shapes = sorted(
+            {
+                tuple(getattr(t, "shape", ()))
+                for s in samples
+                for t in (s if isinstance(s, (tuple, list)) else s.values() if isinstance(s, dict) else [s])
+            }
+        )
+        raise BadBatchError(
+            f"samples of different shapes cannot form one batch ({', '.join(map(str, shapes[:4]))}"
+            f"{' ...' if len(shapes) > 4 else ''}): pad or cut them to one length, or pass a "
+            "collate_fn that does (e.g. transformers.DataCollatorForLanguageModeling)"
+        ) from e

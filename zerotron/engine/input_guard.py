@@ -4,6 +4,7 @@ inside the embedding or the loss (or read garbage on a GPU): in training they ar
 forward (ids by 0, labels by the ignore index) and kept in the step's record, so the step's
 agreement names them on every rank before the update and no host sync is spent per micro-batch;
 without gradients (evaluation) they are named at once."""
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,9 @@ class InputGuard:
             if not torch.is_tensor(tokens):
                 continue
             if at is ids and tokens.numel() == 0:
-                self._refuse(where, f"an empty batch (shape {list(tokens.shape)}): every micro-batch needs at least "
-                                    "one sequence")
+                self._refuse(
+                    where, f"an empty batch (shape {list(tokens.shape)}): every micro-batch needs at least one sequence"
+                )
             if tokens.is_floating_point() or tokens.dtype == torch.bool or not self.vocab_size:
                 continue
             checked = self._outside_vocabulary(tokens, replacement, allowed, record, where)
@@ -41,16 +43,20 @@ class InputGuard:
                 args[at] = checked
         return tuple(args), kwargs
 
-    def _outside_vocabulary(self, tokens: torch.Tensor, replacement: int, allowed: int | None, record,
-                            where: str) -> torch.Tensor:
+    def _outside_vocabulary(
+        self, tokens: torch.Tensor, replacement: int, allowed: int | None, record, where: str
+    ) -> torch.Tensor:
         outside = (tokens < 0) | (tokens >= self.vocab_size)
         if allowed is not None:
             outside &= tokens != allowed
         worst = torch.where(outside, tokens, torch.iinfo(tokens.dtype).min).max()
         if not torch.is_grad_enabled():
             if bool(outside.any()):
-                self._refuse(where, f"token id {int(worst)} is outside the vocabulary [0, {self.vocab_size}) (batch "
-                                    f"shape {list(tokens.shape)}): check the tokenizer against the model's vocab_size")
+                self._refuse(
+                    where,
+                    f"token id {int(worst)} is outside the vocabulary [0, {self.vocab_size}) (batch "
+                    f"shape {list(tokens.shape)}): check the tokenizer against the model's vocab_size",
+                )
             return tokens
         record.saw_input(outside.any(), worst.long())
         return tokens.masked_fill(outside, replacement)

@@ -9,6 +9,7 @@ backward's gradients as it goes, from the hooks that fire where weight gradients
 weights tied across stages get their reduced gradients summed between those stages, and the
 step clips by the global norm over data, tensor and pipeline ranks.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,35 +19,55 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Comm, shared_group
-from .engine import Engine
-from ..nested import to_device
 from ..errors import ConfigError
-from ..pipe.module import PipelineModule
+from ..nested import to_device
 from ..pipe.backward import backward_input
+from ..pipe.module import PipelineModule
 from ..pipe.p2p import P2P, Inbox, as_tuple, flows
-from ..pipe.schedule import (Action, build_schedule, location, simulate, splits_backward, theoretical_bubble,
-                             virtual_stage)
+from ..pipe.schedule import (
+    Action,
+    build_schedule,
+    location,
+    simulate,
+    splits_backward,
+    theoretical_bubble,
+    virtual_stage,
+)
+from .engine import Engine
 
 
 class PipelineEngine(Engine):
     def __init__(self, module: PipelineModule, config, topology, **kwargs):
         if config.zero_optimization.stage > 2:
-            raise ConfigError("zero_optimization.stage", config.zero_optimization.stage,
-                              "pipeline parallelism works with ZeRO stages 0-2; stage 3 regathers every layer "
-                              "for every micro-batch. Use stage 1 or 2 (or no pipeline)")
+            raise ConfigError(
+                "zero_optimization.stage",
+                config.zero_optimization.stage,
+                "pipeline parallelism works with ZeRO stages 0-2; stage 3 regathers every layer "
+                "for every micro-batch. Use stage 1 or 2 (or no pipeline)",
+            )
         if config.zerotron.sequence_parallel:
-            raise ConfigError("zerotron.sequence_parallel", True, "sequence parallelism is not supported with "
-                              "pipeline parallelism yet; turn it off or use one pipeline stage")
+            raise ConfigError(
+                "zerotron.sequence_parallel",
+                True,
+                "sequence parallelism is not supported with "
+                "pipeline parallelism yet; turn it off or use one pipeline stage",
+            )
         if config.pipeline.schedule == "zb-h1" and config.zerotron.checkpoint_policy == "selective":
-            raise ConfigError("zerotron.checkpoint_policy", "selective", "the zb-h1 schedule recomputes a "
-                              "checkpointed block twice (for B, then for W), which selective checkpointing does not "
-                              "allow; use every_block or every_k, or the 1f1b schedule")
+            raise ConfigError(
+                "zerotron.checkpoint_policy",
+                "selective",
+                "the zb-h1 schedule recomputes a "
+                "checkpointed block twice (for B, then for W), which selective checkpointing does not "
+                "allow; use every_block or every_k, or the 1f1b schedule",
+            )
         chunks = module.num_virtual_stages
         build_schedule(config.pipeline.schedule, topology.pp, config.gradient_accumulation_steps, chunks)  # refused now
         self.stage, self.stages, self.chunks = topology.coords(dist.get_rank()).pp, topology.pp, chunks
         if module.stage_id != self.stage:
-            raise RuntimeError(f"the PipelineModule was built for stage {module.stage_id} but this rank is stage "
-                               f"{self.stage}; build it after zerotron.init_distributed() with the same world")
+            raise RuntimeError(
+                f"the PipelineModule was built for stage {module.stage_id} but this rank is stage "
+                f"{self.stage}; build it after zerotron.init_distributed() with the same world"
+            )
         links = _StageLinks(module, topology)  # the process groups between stages, made first
         self.pp_comm, self.tie_groups = links.pp_comm, links.tie_groups  # (tie_groups: filled by tie_weights)
         super().__init__(module, config, topology, isolate=links.tie_weights, **kwargs)
@@ -60,8 +81,10 @@ class PipelineEngine(Engine):
 
     # ---- DeepSpeed's pipeline API --------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        raise RuntimeError("a pipeline engine runs whole batches: use engine.train_batch(data_iter) "
-                           "or engine.eval_batch(data_iter) instead of forward/backward/step")
+        raise RuntimeError(
+            "a pipeline engine runs whole batches: use engine.train_batch(data_iter) "
+            "or engine.eval_batch(data_iter) instead of forward/backward/step"
+        )
 
     backward = step = forward
 
@@ -76,8 +99,9 @@ class PipelineEngine(Engine):
         mean loss on every rank."""
         self.module.train()
         batches = self._read(data_iter)
-        losses = self._run(build_schedule(self.schedule_name, self.stages, len(batches), self.chunks)[self.stage],
-                           batches, train=True)
+        losses = self._run(
+            build_schedule(self.schedule_name, self.stages, len(batches), self.chunks)[self.stage], batches, train=True
+        )
         # The loss travels from the last stage while the step runs: no stage waits for another to
         # finish its last backward before updating its own weights.
         loss, arrival = self._send_mean_loss(losses)
@@ -116,17 +140,21 @@ class PipelineEngine(Engine):
         is what the engine adds (transfers, waits, host work); replayed minus theory is the stages'
         own unevenness (a machine where concurrent stages slow each other, uneven layers)."""
         if self._timeline is None:
-            raise RuntimeError("pipeline_bubble() reports on the last train_batch: run one first, with "
-                               "\"wall_clock_breakdown\": true in the config (timing synchronizes the device)")
+            raise RuntimeError(
+                "pipeline_bubble() reports on the last train_batch: run one first, with "
+                '"wall_clock_breakdown": true in the config (timing synchronizes the device)'
+            )
         (start, end, durations), micro = self._timeline
         mine = torch.tensor([start, end, *durations], dtype=torch.float64, device=self.device)
         every = [t.tolist() for t in self.pp_comm.all_gather_list(mine)]  # every stage runs as many actions
         window = max(t[1] for t in every) - min(t[0] for t in every)
         schedule = build_schedule(self.schedule_name, self.stages, micro, self.chunks)
         replayed = simulate(schedule, self.chunks, durations=[t[2:] for t in every])
-        return {"measured": [1 - sum(t[2:]) / window for t in every],
-                "theory": theoretical_bubble(self.stages, micro, self.chunks, self.schedule_name),
-                "replayed": replayed.bubble}
+        return {
+            "measured": [1 - sum(t[2:]) / window for t in every],
+            "theory": theoretical_bubble(self.stages, micro, self.chunks, self.schedule_name),
+            "replayed": replayed.bubble,
+        }
 
     # ---- running a schedule --------------------------------------------------------------------
     def _read(self, data_iter, count: int | None = None) -> list:
@@ -135,10 +163,13 @@ class PipelineEngine(Engine):
         for _ in range(count or self.gradient_accumulation_steps()):
             batch = next(it)
             if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-                raise ValueError("a pipeline batch is (inputs, labels): the first stage reads inputs, the last stage "
-                                 f"passes labels to loss_fn; got a {type(batch).__name__}")
-            (inputs,), _ = self.input_guard.check((batch[0],), {}, self._record,
-                                                  f"step {self.global_steps} on rank {self.global_rank}")
+                raise ValueError(
+                    "a pipeline batch is (inputs, labels): the first stage reads inputs, the last stage "
+                    f"passes labels to loss_fn; got a {type(batch).__name__}"
+                )
+            (inputs,), _ = self.input_guard.check(
+                (batch[0],), {}, self._record, f"step {self.global_steps} on rank {self.global_rank}"
+            )
             batches.append((inputs, batch[1]))
         return batches
 
@@ -212,8 +243,10 @@ class PipelineEngine(Engine):
                 self.states.end_backward()
                 back = [t.grad for t in received]
         if vs > 0:
-            self.p2p.send_gradient([g if g is not None else torch.zeros_like(t)
-                                    for t, g in zip(received, back) if t.requires_grad], self._peer(vs - 1))
+            self.p2p.send_gradient(
+                [g if g is not None else torch.zeros_like(t) for t, g in zip(received, back) if t.requires_grad],
+                self._peer(vs - 1),
+            )
 
     def _reads(self, actions: list[Action]) -> list:
         """What each action receives (see p2p.Inbox): a forward its activation, unless it is the
@@ -234,8 +267,10 @@ class PipelineEngine(Engine):
         loss_fn = self.module.loss_fn
         loss = loss_fn(output, labels) if loss_fn is not None else output
         if not (torch.is_tensor(loss) and loss.numel() == 1):
-            raise ValueError("the last pipeline stage must produce a scalar loss: give PipelineModule a loss_fn "
-                             "(output, labels) -> loss, or make the last layer return the loss")
+            raise ValueError(
+                "the last pipeline stage must produce a scalar loss: give PipelineModule a loss_fn "
+                "(output, labels) -> loss, or make the last layer return the loss"
+            )
         return loss
 
     def _send_mean_loss(self, losses: list[torch.Tensor]):

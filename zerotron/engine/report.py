@@ -1,6 +1,7 @@
 """What the engine says after a step: the planner's memory prediction beside what the rank holds
 (once, after the first step, when optimizer states exist), and every `steps_per_print` steps the
 loss, learning rate and throughput (to the log and the configured monitors)."""
+
 from __future__ import annotations
 
 import time
@@ -9,7 +10,7 @@ import torch
 
 from ..log import logger
 
-MIB = 2 ** 20
+MIB = 2**20
 
 
 class StepReport:
@@ -33,9 +34,11 @@ class StepReport:
         if print_now:
             elapsed = time.perf_counter() - self.window_start
             self.window_start = time.perf_counter()
-            logger.info(f"step={engine.global_steps} loss={loss:.4f} lr={engine.get_lr()} "
-                        f"skipped={engine.skipped_steps} "
-                        f"samples/s={self.steps_per_print * engine.train_batch_size() / elapsed:.1f}")
+            logger.info(
+                f"step={engine.global_steps} loss={loss:.4f} lr={engine.get_lr()} "
+                f"skipped={engine.skipped_steps} "
+                f"samples/s={self.steps_per_print * engine.train_batch_size() / elapsed:.1f}"
+            )
 
     @staticmethod
     def _memory(engine):
@@ -43,7 +46,9 @@ class StepReport:
         predicted peak alone."""
         predicted, measured = engine.predicted_memory(), engine.memory_report()
         kept = ("params", "master_weights", "optimizer")
-        logger.info(f"rank {engine.global_rank} model states: predicted {sum(predicted[k] for k in kept) / MIB:.1f} "
-                    f"MiB, measured {sum(measured.get(k, 0) for k in kept) / MIB:.1f} MiB (" + ", ".join(
-                        f"{k} {predicted[k] / MIB:.1f}/{measured.get(k, 0) / MIB:.1f}" for k in kept) +
-                    f"); gradients from backward to the step: predicted {predicted['grads'] / MIB:.1f} MiB")
+        logger.info(
+            f"rank {engine.global_rank} model states: predicted {sum(predicted[k] for k in kept) / MIB:.1f} "
+            f"MiB, measured {sum(measured.get(k, 0) for k in kept) / MIB:.1f} MiB ("
+            + ", ".join(f"{k} {predicted[k] / MIB:.1f}/{measured.get(k, 0) / MIB:.1f}" for k in kept)
+            + f"); gradients from backward to the step: predicted {predicted['grads'] / MIB:.1f} MiB"
+        )

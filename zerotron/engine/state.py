@@ -1,6 +1,7 @@
 """The engine's state beyond the model: what it holds in memory, what a checkpoint keeps of it
 (training_state / load_training_state, read and written by checkpoint/), its data position and
 its communication counters. A mixin of engine.Engine."""
+
 from __future__ import annotations
 
 import torch
@@ -20,6 +21,7 @@ class EngineState:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds for model states."""
+
         def nbytes(tensors):
             seen, total = set(), 0
             for t in tensors:
@@ -27,8 +29,12 @@ class EngineState:
                     seen.add(t.untyped_storage().data_ptr())
                     total += t.untyped_storage().nbytes()
             return total
-        report = {"params": nbytes(self.module.parameters()), **self.states.memory(),
-                  "optimizer": nbytes(v for s in self.optimizer.state.values() for v in s.values())}
+
+        report = {
+            "params": nbytes(self.module.parameters()),
+            **self.states.memory(),
+            "optimizer": nbytes(v for s in self.optimizer.state.values() for v in s.values()),
+        }
         host = report.pop("host", None)
         report["total"] = sum(report.values())
         if host is not None:  # offloaded: what of the above lives in host memory
@@ -39,27 +45,38 @@ class EngineState:
         """The planner's model-state bytes for this rank (zerotron.planner.memory), from the
         parameters it trains and the configured ZeRO stage, precision and offload."""
         from ..planner.memory import rank_state_bytes
+
         z = self.config.zero_optimization
-        return rank_state_bytes(self._param_numels, dp=self.grad_comm.size, stage=z.stage,
-                                dtype={torch.float32: "fp32", torch.bfloat16: "bf16"}.get(self.dtype, "fp16"),
-                                offload_optimizer=z.offload_optimizer is not None and z.offload_optimizer.device == "cpu",
-                                offload_param=z.offload_param is not None and z.offload_param.device == "cpu",
-                                persistence_threshold=z.stage3_param_persistence_threshold)
+        return rank_state_bytes(
+            self._param_numels,
+            dp=self.grad_comm.size,
+            stage=z.stage,
+            dtype={torch.float32: "fp32", torch.bfloat16: "bf16"}.get(self.dtype, "fp16"),
+            offload_optimizer=z.offload_optimizer is not None and z.offload_optimizer.device == "cpu",
+            offload_param=z.offload_param is not None and z.offload_param.device == "cpu",
+            persistence_threshold=z.stage3_param_persistence_threshold,
+        )
 
     # ---- checkpoints (zerotron/checkpoint/) -------------------------------------------------------
     def training_state(self) -> dict:
         """What a checkpoint keeps of this engine besides the tensors: layout, counters, loss
         scaler, scheduler, optimizer hyperparameters, data position and the model's metadata."""
-        return {"topology": {"dp": self.topology.dp, "tp": self.topology.tp, "pp": self.topology.pp},
-                "zero_stage": self.zero_optimization_stage(), "dtype": self.config.model_dtype_name,
-                "counters": {"global_steps": self.global_steps, "global_samples": self.global_samples,
-                             "skipped_steps": self.skipped_steps},
-                "loss_scaler": self.loss_scaler.state_dict(),
-                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-                "optimizer_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
-                "data": self.data_state(),
-                # A Transformers model's config, so `zerotron convert` can write a Hugging Face directory.
-                "hf_config": self.module.config.to_dict() if is_hf_model(self.module) else None}
+        return {
+            "topology": {"dp": self.topology.dp, "tp": self.topology.tp, "pp": self.topology.pp},
+            "zero_stage": self.zero_optimization_stage(),
+            "dtype": self.config.model_dtype_name,
+            "counters": {
+                "global_steps": self.global_steps,
+                "global_samples": self.global_samples,
+                "skipped_steps": self.skipped_steps,
+            },
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "optimizer_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+            "data": self.data_state(),
+            # A Transformers model's config, so `zerotron convert` can write a Hugging Face directory.
+            "hf_config": self.module.config.to_dict() if is_hf_model(self.module) else None,
+        }
 
     def load_training_state(self, state: dict, load_lr_scheduler_states: bool = True) -> None:
         """Counters, loss scaler, scheduler and data position from `training_state()`'s dict; the
@@ -72,30 +89,51 @@ class EngineState:
         self.start_at_boundary()
         self.load_data_state(state.get("data"))
 
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False) -> bool:
+    def save_checkpoint(
+        self, save_dir, tag=None, client_state=None, save_latest: bool = True, exclude_frozen_parameters: bool = False
+    ) -> bool:
         """Every rank writes its own shard (safetensors + JSON), atomically; see checkpoint/save.py.
         `exclude_frozen_parameters` (DeepSpeed's) is accepted; frozen parameters are still written
         (a larger checkpoint, nothing lost)."""
         from ..checkpoint.save import save_checkpoint
+
         return save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False, custom_load_fn=None):
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn=None,
+    ):
         """Load a checkpoint written under any topology; returns (path, client_state), or
         (None, None) when `load_dir` has no `latest` and no tag is given. DeepSpeed's signature
         and argument order; `load_module_strict=False` keeps the current values of parameters the
         checkpoint lacks (strict: an error naming them). `custom_load_fn` is refused."""
         if custom_load_fn is not None:
-            raise NotImplementedError("load_checkpoint(custom_load_fn=...) is not supported by zerotron: checkpoints "
-                                      "are read by zerotron.checkpoint (any layout, any topology); leave it out")
+            raise NotImplementedError(
+                "load_checkpoint(custom_load_fn=...) is not supported by zerotron: checkpoints "
+                "are read by zerotron.checkpoint (any layout, any topology); leave it out"
+            )
         from ..checkpoint.load import load_checkpoint
-        return load_checkpoint(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                               load_module_only, load_module_strict=load_module_strict)
+
+        return load_checkpoint(
+            self,
+            load_dir,
+            tag,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+            load_module_strict=load_module_strict,
+        )
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors") -> bool:
         """The whole model's weights in the model dtype, one safetensors file written by rank 0."""
         from ..checkpoint.export import save_16bit_model
+
         return save_16bit_model(self, save_dir, save_filename)
 
     def data_state(self) -> dict | None:

@@ -9,6 +9,7 @@ cut the model into stages: both in zerotron/parallelize/ (hf.py, hf_pipeline.py)
 Here: Trainer-style configs, weights in and out (io.py), and generation under ZeRO-3 that keeps
 every rank in every forward (`generate` below).
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,15 +24,23 @@ def resolve_config(config, training_args=None, model=None, **values):
     from `training_args` (a TrainingArguments or any object with its attribute names), the model
     (hidden size, dtype) and explicit `values` (which win). Returns a dict for zerotron.initialize."""
     from ..config import read_raw, resolve_auto
+
     args = training_args
     found = {}
     if args is not None:
         get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
-        found.update(micro_batch_size=get("per_device_train_batch_size"),
-                     gradient_accumulation_steps=get("gradient_accumulation_steps"), lr=get("learning_rate"),
-                     eps=get("adam_epsilon"), weight_decay=get("weight_decay"), max_grad_norm=get("max_grad_norm"),
-                     fp16=get("fp16"), bf16=get("bf16"), warmup_steps=get("warmup_steps"),
-                     total_steps=get("max_steps") if (get("max_steps") or 0) > 0 else None)
+        found.update(
+            micro_batch_size=get("per_device_train_batch_size"),
+            gradient_accumulation_steps=get("gradient_accumulation_steps"),
+            lr=get("learning_rate"),
+            eps=get("adam_epsilon"),
+            weight_decay=get("weight_decay"),
+            max_grad_norm=get("max_grad_norm"),
+            fp16=get("fp16"),
+            bf16=get("bf16"),
+            warmup_steps=get("warmup_steps"),
+            total_steps=get("max_steps") if (get("max_steps") or 0) > 0 else None,
+        )
         if get("adam_beta1") is not None and get("adam_beta2") is not None:
             found["betas"] = [get("adam_beta1"), get("adam_beta2")]
         if found.get("warmup_steps") in (None, 0) and get("warmup_ratio") and found.get("total_steps"):
@@ -49,6 +58,7 @@ def generate(engine, input_ids, **kwargs):
     collectives, so a rank that finishes early must keep stepping until all have finished
     (Transformers' synced_gpus)."""
     import torch.distributed as dist
+
     synced = engine.zero_optimization_stage() == 3 and dist.get_world_size() > 1
     was_training = engine.module.training
     engine.module.eval()

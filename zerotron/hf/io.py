@@ -8,6 +8,7 @@ save_hf_pretrained: config.json (+ generation_config.json) and the weights in th
 model.safetensors, or shards of at most `max_shard_size` bytes with model.safetensors.index.json,
 loadable by `AutoModelForCausalLM.from_pretrained`.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,8 @@ import torch
 from safetensors import safe_open
 
 from ..checkpoint.layout import rank_pieces, stride_of, tensor_parallel_of
-from ..tensor_parallel.split import local_part
 from ..comm import comm_for
+from ..tensor_parallel.split import local_part
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:
@@ -29,8 +30,10 @@ def _weight_files(directory: Path) -> dict[str, Path]:
         return {name: directory / file for name, file in weight_map.items()}
     single = directory / "model.safetensors"
     if not single.exists():
-        raise FileNotFoundError(f"{directory} has neither model.safetensors nor model.safetensors.index.json "
-                                "(only safetensors checkpoints are read; convert .bin files first)")
+        raise FileNotFoundError(
+            f"{directory} has neither model.safetensors nor model.safetensors.index.json "
+            "(only safetensors checkpoints are read; convert .bin files first)"
+        )
     with safe_open(str(single), framework="pt") as f:
         return {name: single for name in f.keys()}
 
@@ -56,7 +59,7 @@ def _read_piece(handle, name: str, param, lo: int, hi: int) -> torch.Tensor:
     start0 = cut[0].start or 0 if isinstance(cut[0], slice) else 0
     cut[0] = slice(start0 + first, start0 + last)
     rows = view[tuple(cut)]
-    return rows.reshape(-1)[lo - first * row:hi - first * row]
+    return rows.reshape(-1)[lo - first * row : hi - first * row]
 
 
 @torch.no_grad()
@@ -75,7 +78,7 @@ def load_hf_weights(engine, directory) -> None:
         if piece.name not in files:
             raise KeyError(f"{directory} has no tensor {piece.name!r}: it is a checkpoint of a different model")
         values = _read_piece(handle(files[piece.name]), piece.name, param, piece.lo, piece.hi)
-        master.reshape(-1)[offset:offset + piece.hi - piece.lo].copy_(values)
+        master.reshape(-1)[offset : offset + piece.hi - piece.lo].copy_(values)
     for name, p in engine.module.named_parameters():
         if not p.requires_grad and name in files:  # frozen parameters: whole (their tensor-parallel cut)
             p.copy_(_read_piece(handle(files[name]), name, p, 0, p.numel()).view_as(p))
@@ -84,10 +87,10 @@ def load_hf_weights(engine, directory) -> None:
 
 def save_hf_pretrained(engine, directory, max_shard_size: int = 5 * 2**30) -> Path:
     """Write the model as a Hugging Face directory (every rank must call it; rank 0 writes)."""
-    import torch.distributed as dist
     from safetensors.torch import save_file
 
     from ..zero import consolidated_state_dict
+
     model = engine.module
     state = consolidated_state_dict(model)
     directory = Path(directory)
@@ -123,6 +126,7 @@ def save_hf_pretrained(engine, directory, max_shard_size: int = 5 * 2**30) -> Pa
                 weight_map.update({name: file for name in shard})
             total = sum(t.numel() * t.element_size() for t in unique.values())
             (directory / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+            )
     comm_for(None, "world").barrier()
     return directory

@@ -1,6 +1,7 @@
 """The Hugging Face Trainer's evaluate-then-train: `evaluate()` before `train()` builds an engine
 without an optimizer, then training builds another on the same model. The model remembers the
 engine that wraps it (`hold`), and a new engine first takes it back whole (`hand_back`)."""
+
 from __future__ import annotations
 
 import weakref
@@ -54,11 +55,14 @@ def hand_back(module: nn.Module) -> None:
     if old is None or old.engine_destroyed():
         return
     if old.topology.tp > 1:
-        raise RuntimeError("this model is already wrapped by a zerotron engine with tensor parallelism (its layers are "
-                           "split): build a new model for a second engine")
+        raise RuntimeError(
+            "this model is already wrapped by a zerotron engine with tensor parallelism (its layers are "
+            "split): build a new model for a second engine"
+        )
     full = None
     if old.config.zero_optimization.stage == 3:
         from ..zero import consolidated_state_dict
+
         full = consolidated_state_dict(module)
     old.destroy()
     if full is not None:

@@ -3,6 +3,7 @@
 RMSNorm, rotary positions, grouped-query attention through `scaled_dot_product_attention`, SwiGLU.
 Parallelism is applied to it from outside; nothing in here knows about ranks.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,12 +16,12 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class GPTConfig:
-    vocab_size: int = 256          # bytes
+    vocab_size: int = 256  # bytes
     n_layer: int = 4
     n_head: int = 4
-    n_kv_head: int = 4             # < n_head: grouped-query attention
+    n_kv_head: int = 4  # < n_head: grouped-query attention
     d_model: int = 128
-    ffn_hidden: int = 0            # 0: SwiGLU's usual 8/3 * d_model, rounded up to a multiple of 32
+    ffn_hidden: int = 0  # 0: SwiGLU's usual 8/3 * d_model, rounded up to a multiple of 32
     max_seq_len: int = 256
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
@@ -108,8 +109,7 @@ class Attention(nn.Module):
         if k.shape[1] != q.shape[1]:  # grouped-query attention: share each k/v head
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -185,10 +185,16 @@ class GPT(nn.Module):
         return 6 * n + 12 * self.config.n_layer * self.config.d_model * seq_len
 
     @torch.no_grad()
-    def generate(self, tokens: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    def generate(
+        self,
+        tokens: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         for _ in range(max_new_tokens):
-            context = tokens[:, -self.config.max_seq_len:]
+            context = tokens[:, -self.config.max_seq_len :]
             logits = self(context)[:, -1, :].float() / max(temperature, 1e-6)
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]

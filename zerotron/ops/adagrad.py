@@ -11,6 +11,7 @@ update, and this class runs torch's fused Adagrad kernel (bit for bit torch.opti
 with lr_decay 0 and initial_accumulator_value 0); with weight decay it runs DeepSpeed's form, one
 foreach pass per group. Elementwise, so ZeRO runs it on flat shards.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -23,8 +24,11 @@ class DeepSpeedCPUAdagrad(torch.optim.Optimizer):
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"lr ({lr}), eps ({eps}) and weight_decay ({weight_decay}) must be >= 0")
         if amsgrad:  # DeepSpeed accepts the argument and ignores it; say so rather than drop it
-            warnings.warn("DeepSpeedCPUAdagrad: Adagrad has no AMSGrad variant; amsgrad=True is ignored "
-                          "(as DeepSpeed ignores it)", stacklevel=2)
+            warnings.warn(
+                "DeepSpeedCPUAdagrad: Adagrad has no AMSGrad variant; amsgrad=True is ignored "
+                "(as DeepSpeed ignores it)",
+                stacklevel=2,
+            )
         super().__init__(model_params, dict(lr=lr, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad))
         self.fp32_optimizer_states = bool(fp32_optimizer_states)
 
@@ -52,8 +56,9 @@ class DeepSpeedCPUAdagrad(torch.optim.Optimizer):
                 params, grads, sums, steps = (list(x) for x in zip(*items))
                 torch._foreach_add_(steps, 1)
                 if decay == 0 and dtype == pdtype:
-                    torch._fused_adagrad_(params, grads, sums, steps, lr=lr, lr_decay=0.0, weight_decay=0.0,
-                                          eps=eps, maximize=False)
+                    torch._fused_adagrad_(
+                        params, grads, sums, steps, lr=lr, lr_decay=0.0, weight_decay=0.0, eps=eps, maximize=False
+                    )
                     continue
                 work = [p if p.dtype == dtype else p.to(dtype) for p in params]
                 grads = [g if g.dtype == dtype else g.to(dtype) for g in grads]

@@ -4,6 +4,7 @@
 FusedAdam is torch's fused Adam/AdamW kernel behind DeepSpeed's signature, with DeepSpeed's
 `bias_correction` switch (which torch lacks): see `FusedAdam`.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,11 +26,23 @@ class FusedAdam(torch.optim.Optimizer):
     gradients to None (the default) rather than zeroing them.
     """
 
-    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
-                 weight_decay=0.0, amsgrad=False, set_grad_none=True):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        adam_w_mode=True,
+        weight_decay=0.0,
+        amsgrad=False,
+        set_grad_none=True,
+    ):
         if amsgrad:
-            raise RuntimeError("FusedAdam does not support the AMSGrad variant (nor does DeepSpeed's); use "
-                               "torch.optim.AdamW(..., amsgrad=True) instead")
+            raise RuntimeError(
+                "FusedAdam does not support the AMSGrad variant (nor does DeepSpeed's); use "
+                "torch.optim.AdamW(..., amsgrad=True) instead"
+            )
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.adam_w_mode = bool(adam_w_mode)
@@ -71,8 +84,21 @@ class FusedAdam(torch.optim.Optimizer):
             for (device, _), (ps, grads, exp_avgs, exp_avg_sqs, steps) in kinds.items():
                 torch._foreach_add_(steps, 1)
                 counts = steps if group["bias_correction"] else [self._infinite_step(device)] * len(ps)
-                kernel(ps, grads, exp_avgs, exp_avg_sqs, [], counts, lr=group["lr"], beta1=beta1, beta2=beta2,
-                       weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False)
+                kernel(
+                    ps,
+                    grads,
+                    exp_avgs,
+                    exp_avg_sqs,
+                    [],
+                    counts,
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    amsgrad=False,
+                    maximize=False,
+                )
         return loss
 
     def __setstate__(self, state):

@@ -20,6 +20,7 @@ zerotron/zero/offload.py's FusedHostStep drives it in the engine's offloaded ste
 bench/cpu_adam.py measures it against torch.optim.AdamW (foreach and fused) and DeepSpeed's C++
 DeepSpeedCPUAdam, with and without the offloaded step's other passes.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -36,21 +37,22 @@ CHUNK = 1 << 19  # elements: a chunk's weights, gradient and moments (8 MiB of f
 @dataclass
 class _Item:
     """One unit of work: slices of one or more parameters, ~chunk_numel elements in all."""
+
     group: dict
     params: list = field(default_factory=list)
-    grads: list = field(default_factory=list)       # the gradient sources (grad_in or .grad), any dtype
+    grads: list = field(default_factory=list)  # the gradient sources (grad_in or .grad), any dtype
     exp_avgs: list = field(default_factory=list)
     exp_avg_sqs: list = field(default_factory=list)
     max_sqs: list = field(default_factory=list)
     steps: list = field(default_factory=list)
-    outs: list = field(default_factory=list)        # (updated slice, its model-dtype copy) or None
+    outs: list = field(default_factory=list)  # (updated slice, its model-dtype copy) or None
     numel: int = 0
 
 
 @dataclass
 class _Plan:
     signature: list
-    params: list       # the parameters stepped, in order
+    params: list  # the parameters stepped, in order
     items: list
 
 
@@ -58,9 +60,20 @@ class CPUAdam(torch.optim.Optimizer):
     """DeepSpeedCPUAdam's signature, plus `grad_in`, `grad_multipliers` and `copy_out` (see the
     module's docstring)."""
 
-    def __init__(self, model_params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 amsgrad=False, adamw_mode=True, fp32_optimizer_states=True, threads: int | None = None,
-                 chunk_numel: int = CHUNK):
+    def __init__(
+        self,
+        model_params,
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        amsgrad=False,
+        adamw_mode=True,
+        fp32_optimizer_states=True,
+        threads: int | None = None,
+        chunk_numel: int = CHUNK,
+    ):
         if not bias_correction:
             raise ValueError("CPUAdam always applies Adam's bias correction (bias_correction=False is not supported)")
         if not fp32_optimizer_states:
@@ -70,8 +83,9 @@ class CPUAdam(torch.optim.Optimizer):
         self.adamw_mode = adamw_mode
         self.chunk_numel = chunk_numel
         self.threads = threads or max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="zerotron-cpu-adam") if self.threads > 1 \
-            else None
+        self._pool = (
+            ThreadPoolExecutor(self.threads, thread_name_prefix="zerotron-cpu-adam") if self.threads > 1 else None
+        )
         self.copy_out: dict[torch.Tensor, torch.Tensor] = {}
         self.grad_in: dict[torch.Tensor, torch.Tensor] = {}
         self.grad_multipliers: tuple[torch.Tensor, ...] = ()
@@ -103,9 +117,21 @@ class CPUAdam(torch.optim.Optimizer):
         group = item.group
         beta1, beta2 = group["betas"]
         grads = self._fp32(item.grads, multipliers, item.numel)
-        kernel(item.params, grads, item.exp_avgs, item.exp_avg_sqs, item.max_sqs, item.steps, lr=group["lr"],
-               beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-               amsgrad=group["amsgrad"], maximize=False)
+        kernel(
+            item.params,
+            grads,
+            item.exp_avgs,
+            item.exp_avg_sqs,
+            item.max_sqs,
+            item.steps,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            amsgrad=group["amsgrad"],
+            maximize=False,
+        )
         for pair in item.outs:  # the updated slice, still in cache, into its model-dtype copy
             if pair is not None:
                 pair[1].copy_(pair[0])
@@ -142,6 +168,7 @@ class CPUAdam(torch.optim.Optimizer):
                 if i >= count:
                     return
                 fn(i)
+
         try:
             for future in [self._pool.submit(drain) for _ in range(self.threads)]:
                 future.result()
@@ -161,8 +188,10 @@ class CPUAdam(torch.optim.Optimizer):
                 if p.device.type != "cpu" or p.dtype != torch.float32:
                     raise ValueError(f"CPUAdam updates fp32 tensors on the CPU; got a {p.dtype} tensor on {p.device}")
                 if g.numel() != p.numel() or not g.is_floating_point():
-                    raise ValueError(f"CPUAdam: the gradient of a tensor of {p.numel()} elements has {g.numel()} "
-                                     f"elements of {g.dtype}")
+                    raise ValueError(
+                        f"CPUAdam: the gradient of a tensor of {p.numel()} elements has {g.numel()} "
+                        f"elements of {g.dtype}"
+                    )
                 out = self.copy_out.get(p)
                 signature.append((id(p), g.data_ptr(), g.dtype, None if out is None else out.data_ptr()))
         if self._plan is None or self._plan.signature != signature:

@@ -12,6 +12,7 @@ The trust ratio needs each parameter's whole norm, so LAMB is not elementwise: Z
 which update flat shards cutting through tensors, refuse it (zerotron.optim.check_shardable);
 use it with zero_optimization.stage 0.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,17 +27,39 @@ class FusedLamb(torch.optim.Optimizer):
     elementwise = False  # read by zerotron.optim.check_shardable
     not_elementwise_because = "its trust ratio ||w|| / ||update|| is a norm over each whole parameter tensor"
 
-    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, eps_inside_sqrt=False,
-                 weight_decay=0.0, max_grad_norm=0.0, max_coeff=10.0, min_coeff=0.01, amsgrad=False):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        eps_inside_sqrt=False,
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        max_coeff=10.0,
+        min_coeff=0.01,
+        amsgrad=False,
+    ):
         if amsgrad:
             raise RuntimeError("FusedLamb does not support the AMSGrad variant (nor does DeepSpeed's)")
         if max_grad_norm and max_grad_norm > 0:
-            raise ValueError("FusedLamb(max_grad_norm=...) clips with norms handed to step(), which the engine does "
-                             "not hand in; set the config's 'gradient_clipping' instead")
+            raise ValueError(
+                "FusedLamb(max_grad_norm=...) clips with norms handed to step(), which the engine does "
+                "not hand in; set the config's 'gradient_clipping' instead"
+            )
         if not 0 <= min_coeff <= max_coeff:
             raise ValueError(f"need 0 <= min_coeff ({min_coeff}) <= max_coeff ({max_coeff})")
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        max_grad_norm=0.0, max_coeff=max_coeff, min_coeff=min_coeff)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            max_grad_norm=0.0,
+            max_coeff=max_coeff,
+            min_coeff=min_coeff,
+        )
         super().__init__(params, defaults)
         self.eps_inside_sqrt = bool(eps_inside_sqrt)
         self.lamb_coeffs: list[torch.Tensor] = []
@@ -74,7 +97,7 @@ class FusedLamb(torch.optim.Optimizer):
                 coeff = torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
                 step_size = group["lr"]
                 if group["bias_correction"]:
-                    step_size = step_size * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
+                    step_size = step_size * math.sqrt(1 - beta2**t) / (1 - beta1**t)
                 p.add_(update.mul_(coeff), alpha=-step_size)
                 self.lamb_coeffs.append(coeff)
         return loss

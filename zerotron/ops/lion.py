@@ -11,6 +11,7 @@ decay. Where c is exactly 0 this update leaves the element alone (sign(0) = 0, a
 DeepSpeed's own kernels disagree there (its CUDA kernel steps by +lr, its CPU kernel by -lr or +lr
 after the sign bit of the zero). Elementwise, so ZeRO runs it on flat shards.
 """
+
 from __future__ import annotations
 
 import torch

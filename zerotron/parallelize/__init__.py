@@ -2,14 +2,23 @@
 is the model): tensor parallelism from the plan the registry finds for the model's class (checked
 against the unsplit model first), then the activation-checkpoint policy. The ZeRO strategy, which
 needs the optimizer, comes after, in the engine (zero.make_model_states)."""
+
 from __future__ import annotations
 
 import contextlib
 
 from .registry import REGISTRY, Adapter, adapter_for, register, tensor_parallel_plan, to_pipeline
 
-__all__ = ["parallelize", "REGISTRY", "Adapter", "adapter_for", "register", "tensor_parallel_plan", "to_pipeline",
-           "vocab_size"]
+__all__ = [
+    "parallelize",
+    "REGISTRY",
+    "Adapter",
+    "adapter_for",
+    "register",
+    "tensor_parallel_plan",
+    "to_pipeline",
+    "vocab_size",
+]
 
 
 def parallelize(module, config, topology, tp_comm, device) -> None:
@@ -19,16 +28,19 @@ def parallelize(module, config, topology, tp_comm, device) -> None:
     adapter = adapter_for(module)
     if topology.tp > 1:
         from ..tensor_parallel.tensor import apply_tensor_parallel
+
         sequence_parallel = config.zerotron.sequence_parallel
         plan = adapter.plan(module, topology.tp, sequence_parallel)
         with _plan_probe(module, adapter, config, tp_comm, topology.tp):  # records the whole model first
             adapter.prepare(module, topology.tp)
-            head = apply_tensor_parallel(module, plan, tp_comm, sequence_parallel,
-                                         overlap=config.tensor_parallel.tp_overlap_comm)
+            head = apply_tensor_parallel(
+                module, plan, tp_comm, sequence_parallel, overlap=config.tensor_parallel.tp_overlap_comm
+            )
             if head is not None:  # before the probe runs the split model
                 adapter.use_split_head(module, head)
             module.to(device)  # the probe then runs the split model there, with its collectives
     from .. import activation_checkpointing as checkpointing
+
     checkpointing.reset()
     checkpointing.configure(deepspeed_config=config, tp_comm=tp_comm)
     z = config.zerotron
@@ -49,4 +61,5 @@ def _plan_probe(module, adapter, config, tp_comm, tp: int):
     if not config.zerotron.check_tensor_parallel_plan or vocab is None:  # (pipeline stages: no vocab)
         return contextlib.nullcontext()
     from ..tensor_parallel.probe import PlanProbe
+
     return PlanProbe(module, adapter.probe_call, tp_comm, vocab, tokens=2 * tp + 1)

@@ -1,5 +1,6 @@
 """zerotron's reference GPT (models/gpt.py), parallelized from outside: its tensor-parallel plan
 (Megatron's split) and its pipeline form (the same modules as one layer each)."""
+
 from __future__ import annotations
 
 import torch.nn as nn
@@ -56,15 +57,33 @@ def gpt_plan(model: GPT, tp: int) -> dict[str, str]:
     input, the vocabulary across ranks for the embedding, head and loss; attention and MLP are
     the regions tensor_parallel.tp_overlap_comm runs in two halves."""
     cfg = model.config
-    for what, n in (("attention heads", cfg.n_head), ("key/value heads", cfg.n_kv_head),
-                    ("vocabulary", cfg.vocab_size), ("MLP hidden size", cfg.ffn)):
+    for what, n in (
+        ("attention heads", cfg.n_head),
+        ("key/value heads", cfg.n_kv_head),
+        ("vocabulary", cfg.vocab_size),
+        ("MLP hidden size", cfg.ffn),
+    ):
         if n % tp:
-            raise ConfigError("tensor_parallel.autotp_size", tp,
-                              f"the model's {what} ({n}) must be divisible by it; choose a size that divides it")
+            raise ConfigError(
+                "tensor_parallel.autotp_size",
+                tp,
+                f"the model's {what} ({n}) must be divisible by it; choose a size that divides it",
+            )
     # Leading "*": the same plan fits the model and its pipeline form (names like "layers.3.block.attn.wq").
-    return {"*tok_emb": "vocab", "*attn.wq": "column", "*attn.wk": "column", "*attn.wv": "column",
-            "*attn.wo": "row", "*mlp.w1": "column", "*mlp.w3": "column", "*mlp.w2": "row", "*lm_head": "head",
-            "*norm": "norm", "*attn": "region", "*mlp": "region"}
+    return {
+        "*tok_emb": "vocab",
+        "*attn.wq": "column",
+        "*attn.wk": "column",
+        "*attn.wv": "column",
+        "*attn.wo": "row",
+        "*mlp.w1": "column",
+        "*mlp.w3": "column",
+        "*mlp.w2": "row",
+        "*lm_head": "head",
+        "*norm": "norm",
+        "*attn": "region",
+        "*mlp": "region",
+    }
 
 
 def gpt_pipeline(model: GPT, num_stages: int, partition_method: str = "parameters", **kwargs) -> PipelineModule:
@@ -76,12 +95,19 @@ def gpt_pipeline(model: GPT, num_stages: int, partition_method: str = "parameter
     blocks = [LayerSpec(_PipeBlock, block, cfg) for block in model.layers]
     if cfg.tie_embeddings:
         first = TiedLayerSpec("embed", lambda: embed, tied_weight_attr="tok_emb.weight")
-        last = [LayerSpec(_Norm, model.norm),
-                TiedLayerSpec("embed", lambda: embed, forward_fn=_Embedding.project,
-                              tied_weight_attr="tok_emb.weight")]
+        last = [
+            LayerSpec(_Norm, model.norm),
+            TiedLayerSpec("embed", lambda: embed, forward_fn=_Embedding.project, tied_weight_attr="tok_emb.weight"),
+        ]
     else:
         first = LayerSpec(lambda: embed)
         last = [LayerSpec(_Head, model.norm, model.lm_head)]
-    return PipelineModule([first, *blocks, *last], num_stages=num_stages, loss_fn=model.loss_fn,
-                          partition_method=partition_method, tensor_parallel_plan=lambda tp: gpt_plan(model, tp),
-                          source_module=model, **kwargs)
+    return PipelineModule(
+        [first, *blocks, *last],
+        num_stages=num_stages,
+        loss_fn=model.loss_fn,
+        partition_method=partition_method,
+        tensor_parallel_plan=lambda tp: gpt_plan(model, tp),
+        source_module=model,
+        **kwargs,
+    )

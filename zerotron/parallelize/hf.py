@@ -1,18 +1,33 @@
 """Transformers models: their tensor-parallel plan (the one Transformers ships, translated to
 zerotron's styles; GPT-2's written here) and the adjustments a split or activation checkpointing
 needs. The registry in parallelize/registry.py dispatches here for every PreTrainedModel."""
+
 from __future__ import annotations
 
 import torch
 
 # Transformers' tensor-parallel styles -> zerotron's (zerotron/tensor_parallel/tensor.py). A plan key names
 # a module or a parameter; the same name then means the module's or the parameter's split.
-_STYLES = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "column_gathered",
-           "colwise_rep": "column_gathered", "rowwise_split_input": "row_split_input", "rowwise_rep": "row_split_input",
-           "embedding_rowwise": "vocab", "embedding_colwise": "embedding_column", "packed_colwise": "column_packed",
-           "packed_rowwise": "row_packed", "replicated_with_grad_allreduce": "sum_grad", "sequence_parallel": "norm",
-           "moe_tp_experts": "experts", "moe_identity_expert": "scale_input", "all_reduce": "reduce_output",
-           "mla_kv_a_proj": "rope_tail", "local_params": "keep", "replicate": "keep"}
+_STYLES = {
+    "colwise": "column",
+    "rowwise": "row",
+    "colwise_gather_output": "column_gathered",
+    "colwise_rep": "column_gathered",
+    "rowwise_split_input": "row_split_input",
+    "rowwise_rep": "row_split_input",
+    "embedding_rowwise": "vocab",
+    "embedding_colwise": "embedding_column",
+    "packed_colwise": "column_packed",
+    "packed_rowwise": "row_packed",
+    "replicated_with_grad_allreduce": "sum_grad",
+    "sequence_parallel": "norm",
+    "moe_tp_experts": "experts",
+    "moe_identity_expert": "scale_input",
+    "all_reduce": "reduce_output",
+    "mla_kv_a_proj": "rope_tail",
+    "local_params": "keep",
+    "replicate": "keep",
+}
 
 
 def is_hf_model(module) -> bool:
@@ -24,9 +39,14 @@ def is_hf_model(module) -> bool:
 
 
 # GPT-2 ships no plan, and its attention projection is one fused q|k|v Conv1D: split it block by block.
-_GPT2_PLAN = {"transformer.wte": "vocab", "transformer.h.*.attn.c_attn": "column_qkv",
-              "transformer.h.*.attn.c_proj": "row", "transformer.h.*.mlp.c_fc": "column",
-              "transformer.h.*.mlp.c_proj": "row", "lm_head": "column_gathered"}
+_GPT2_PLAN = {
+    "transformer.wte": "vocab",
+    "transformer.h.*.attn.c_attn": "column_qkv",
+    "transformer.h.*.attn.c_proj": "row",
+    "transformer.h.*.mlp.c_fc": "column",
+    "transformer.h.*.mlp.c_proj": "row",
+    "lm_head": "column_gathered",
+}
 
 
 def prepare_tensor_parallel(model, tp: int) -> None:
@@ -57,14 +77,23 @@ def tensor_parallel_plan(model, tp: int) -> dict[str, str]:
         prefix = getattr(model, "base_model_prefix", "")
         plan = {f"{prefix}.{k}" if prefix and hasattr(model, prefix) else k: v for k, v in base.items()}
     from ..errors import ConfigError
+
     if not plan:
-        raise ConfigError("tensor_parallel.autotp_size", tp, f"{type(model).__name__} ships no tensor-parallel plan "
-                          "(config.base_model_tp_plan): use 1, or give the model a tensor_parallel_plan(tp) method")
+        raise ConfigError(
+            "tensor_parallel.autotp_size",
+            tp,
+            f"{type(model).__name__} ships no tensor-parallel plan "
+            "(config.base_model_tp_plan): use 1, or give the model a tensor_parallel_plan(tp) method",
+        )
     out = {}
     for pattern, style in plan.items():
         if style not in _STYLES:
-            raise ConfigError("tensor_parallel.autotp_size", tp, f"the model's plan splits {pattern} as {style!r}, "
-                              f"which zerotron does not translate (known: {', '.join(_STYLES)}): use 1")
+            raise ConfigError(
+                "tensor_parallel.autotp_size",
+                tp,
+                f"the model's plan splits {pattern} as {style!r}, "
+                f"which zerotron does not translate (known: {', '.join(_STYLES)}): use 1",
+            )
         out[pattern] = _STYLES[style]
     _keep_the_head_whole_where_needed(model, out)
     return _check_heads(model, tp, out)
@@ -88,8 +117,12 @@ def _check_heads(model, tp: int, out: dict) -> dict:
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
     kv = getattr(cfg, "num_key_value_heads", None)
     from ..errors import ConfigError
+
     for what, n in (("attention heads", heads), ("key/value heads", kv), ("vocabulary", cfg.vocab_size)):
         if n is not None and n % tp:
-            raise ConfigError("tensor_parallel.autotp_size", tp,
-                              f"the model's {what} ({n}) must be divisible by it; choose a size that divides it")
+            raise ConfigError(
+                "tensor_parallel.autotp_size",
+                tp,
+                f"the model's {what} ({n}) must be divisible by it; choose a size that divides it",
+            )
     return out

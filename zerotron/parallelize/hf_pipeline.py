@@ -5,6 +5,7 @@ Covers the Llama family (Llama, Mistral, Qwen2, ...: model.embed_tokens / layers
 rotary_emb) and GPT-2 (transformer.wte / wpe / h / ln_f). The pipeline's layers are the model's own
 modules, and checkpoints keep the model's parameter names (PipelineModule.source_names).
 """
+
 from __future__ import annotations
 
 import torch
@@ -66,27 +67,36 @@ def to_pipeline(model, num_stages: int, partition_method: str = "type:_Decoder",
     """`model` (a Transformers causal LM) as a zerotron PipelineModule; kwargs go to PipelineModule.
     Batches are (input_ids, labels) with labels as Transformers takes them (shifted inside the loss)."""
     from .hf import prepare_tensor_parallel, tensor_parallel_plan
+
     cfg = model.config
     if getattr(cfg, "_attn_implementation", "sdpa") == "eager":
         cfg._attn_implementation = "sdpa"  # the causal mask must come from the attention kernel
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    if hasattr(model, "transformer") and hasattr(model.transformer, "wte"):       # GPT-2
-        base, tokens, positions, dropout = model.transformer, model.transformer.wte, model.transformer.wpe, \
-            model.transformer.drop
+    if hasattr(model, "transformer") and hasattr(model.transformer, "wte"):  # GPT-2
+        base, tokens, positions, dropout = (
+            model.transformer,
+            model.transformer.wte,
+            model.transformer.wpe,
+            model.transformer.drop,
+        )
         layers, norm, rotary = base.h, base.ln_f, None
-    elif hasattr(model, "model") and hasattr(model.model, "embed_tokens"):       # Llama family
+    elif hasattr(model, "model") and hasattr(model.model, "embed_tokens"):  # Llama family
         base, tokens, positions, dropout = model.model, model.model.embed_tokens, None, None
         layers, norm, rotary = base.layers, base.norm, base.rotary_emb
     else:
-        raise ValueError(f"{type(model).__name__}: zerotron pipelines Llama-family and GPT-2 causal LMs; "
-                         "write a PipelineModule of its layers for other architectures")
+        raise ValueError(
+            f"{type(model).__name__}: zerotron pipelines Llama-family and GPT-2 causal LMs; "
+            "write a PipelineModule of its layers for other architectures"
+        )
     embed = _Embed(tokens, positions, model.lm_head if tied else None, dropout)
     embedding_name = next(n for n, m in model.named_modules() if m is tokens)
     decoders = [LayerSpec(_Decoder, layer, rotary) for layer in layers]
     if tied:
         first = TiedLayerSpec("embed", lambda: embed, tied_weight_attr="tokens.weight")
-        last = [LayerSpec(_Final, norm),
-                TiedLayerSpec("embed", lambda: embed, forward_fn=_Embed.project, tied_weight_attr="tokens.weight")]
+        last = [
+            LayerSpec(_Final, norm),
+            TiedLayerSpec("embed", lambda: embed, forward_fn=_Embed.project, tied_weight_attr="tokens.weight"),
+        ]
     else:
         first = LayerSpec(lambda: embed)
         last = [LayerSpec(_Final, norm, model.lm_head)]
@@ -106,5 +116,13 @@ def to_pipeline(model, num_stages: int, partition_method: str = "type:_Decoder",
             else:
                 out["*." + pattern.split(".*.", 1)[-1]] = style
         return out
-    return PipelineModule([first, *decoders, *last], num_stages=num_stages, loss_fn=loss_fn,
-                          partition_method=partition_method, tensor_parallel_plan=plan, source_module=model, **kwargs)
+
+    return PipelineModule(
+        [first, *decoders, *last],
+        num_stages=num_stages,
+        loss_fn=loss_fn,
+        partition_method=partition_method,
+        tensor_parallel_plan=plan,
+        source_module=model,
+        **kwargs,
+    )

@@ -6,12 +6,13 @@ checkpointing, how to call it for the plan probe, and how to cut it into pipelin
 model itself stays plain code. zerotron's GPT and Transformers' PreTrainedModel are registered
 here; a model of another class may carry a `tensor_parallel_plan(tp)` method of its own.
 """
+
 from __future__ import annotations
 
-from . import gpt, hf, hf_pipeline
 from ..errors import ConfigError
 from ..models.gpt import GPT
 from ..pipe import PipelineModule
+from . import gpt, hf, hf_pipeline
 
 
 class Adapter:
@@ -20,8 +21,10 @@ class Adapter:
 
     def plan(self, model, tp: int, sequence_parallel: bool) -> dict[str, str]:
         if not hasattr(model, "tensor_parallel_plan"):
-            raise ValueError(f"{type(model).__name__} has no tensor_parallel_plan(tp); tensor parallelism "
-                             "needs a plan (module-name patterns -> column/row/vocab/head/norm)")
+            raise ValueError(
+                f"{type(model).__name__} has no tensor_parallel_plan(tp); tensor parallelism "
+                "needs a plan (module-name patterns -> column/row/vocab/head/norm)"
+            )
         return model.tensor_parallel_plan(tp)
 
     def prepare(self, model, tp: int) -> None:
@@ -35,17 +38,22 @@ class Adapter:
         and returns logits through `head.output_fn` (zerotron's GPT and PipelineModule read them
         from their `loss_fn` / `output_fn` attributes)."""
         if not hasattr(model, "loss_fn"):
-            raise ConfigError("tensor-parallel plan", "head", f"{type(model).__name__} has no loss_fn attribute to "
-                              "take the vocabulary-parallel loss, so it would compute its loss on split logits: "
-                              "split its head with 'column_gathered' instead")
+            raise ConfigError(
+                "tensor-parallel plan",
+                "head",
+                f"{type(model).__name__} has no loss_fn attribute to "
+                "take the vocabulary-parallel loss, so it would compute its loss on split logits: "
+                "split its head with 'column_gathered' instead",
+            )
         model.loss_fn, model.output_fn = head.loss_fn, head.output_fn
 
     def probe_call(self, model, ids):
         return model(ids[:, :-1], ids[:, 1:])
 
     def pipeline(self, model, num_stages: int, **kwargs) -> PipelineModule:
-        raise ValueError(f"{type(model).__name__}: zerotron has no pipeline form for it; build a PipelineModule "
-                         "of its layers")
+        raise ValueError(
+            f"{type(model).__name__}: zerotron has no pipeline form for it; build a PipelineModule of its layers"
+        )
 
 
 class GPTAdapter(Adapter):
@@ -59,9 +67,13 @@ class GPTAdapter(Adapter):
 class TransformersAdapter(Adapter):
     def plan(self, model, tp, sequence_parallel):
         if sequence_parallel:
-            raise ConfigError("zerotron.sequence_parallel", True, "Transformers' tensor-parallel plans do not "
-                              "mark the sequence-split regions (norm gradients, position embeddings), so it "
-                              "would train wrong: turn it off for Transformers models")
+            raise ConfigError(
+                "zerotron.sequence_parallel",
+                True,
+                "Transformers' tensor-parallel plans do not "
+                "mark the sequence-split regions (norm gradients, position embeddings), so it "
+                "would train wrong: turn it off for Transformers models",
+            )
         if hasattr(model, "tensor_parallel_plan"):  # a model that brings its own
             return model.tensor_parallel_plan(tp)
         return hf.tensor_parallel_plan(model, tp)

@@ -23,6 +23,7 @@ older torch, once per W group); selective checkpointing allows only one recomput
 refuses it with zb-h1). A custom autograd Function that takes a weight computes all its
 gradients in each pass, and runs any communication in its backward twice.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,9 @@ from torch.autograd.graph import GradientEdge
 _one_recomputation = getattr(torch.utils.checkpoint, "GraphExecGroup", contextlib.nullcontext)
 
 
-def backward_input(outputs: list[torch.Tensor], grads: list | None, inputs: list[torch.Tensor],
-                   weights: list[torch.nn.Parameter]) -> tuple[list, Callable[[], None]]:
+def backward_input(
+    outputs: list[torch.Tensor], grads: list | None, inputs: list[torch.Tensor], weights: list[torch.nn.Parameter]
+) -> tuple[list, Callable[[], None]]:
     """B: the gradients of `inputs` (None where an input needs none or is unused), and W: a
     function that accumulates the weight gradients into .grad, to be called once, later."""
     wanted = [x for x in inputs if x.requires_grad]
@@ -57,8 +59,10 @@ def backward_input(outputs: list[torch.Tensor], grads: list | None, inputs: list
     finally:
         for h in handles:
             h.remove()
-    groups = [(nodes, [graph.weight_of[w] for w in reach], [recorded.get(n, ()) for n in nodes])
-              for nodes, reach in reversed(graph.groups())]  # the weights backward reaches first, first
+    groups = [
+        (nodes, [graph.weight_of[w] for w in reach], [recorded.get(n, ()) for n in nodes])
+        for nodes, reach in reversed(graph.groups())
+    ]  # the weights backward reaches first, first
     return _per_input(inputs, got), partial(_weight_pass, groups)
 
 
@@ -79,7 +83,9 @@ def _weight_pass(groups: list):
                 continue
             values = [g for gs in grads for g in gs if g is not None]
             # Between two frontier nodes of one group, the input path's flow is B's, already recorded.
-            clamps = [n.register_prehook(partial(_replace, gs)) for n, gs in zip(nodes, grads)] if len(nodes) > 1 else []
+            clamps = (
+                [n.register_prehook(partial(_replace, gs)) for n, gs in zip(nodes, grads)] if len(nodes) > 1 else []
+            )
             try:
                 torch.autograd.backward(edges, values, inputs=weights, retain_graph=True)
             finally:

@@ -13,6 +13,7 @@ gradients across those stages.
 zerotron adds `num_virtual_stages`: with v > 1 the layers are cut into stages × v parts and rank s
 holds parts s, s + stages, …, which the interleaved 1F1B schedule runs.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -54,11 +55,24 @@ class TiedLayerSpec(LayerSpec):
 
 
 class PipelineModule(nn.Module):
-    def __init__(self, layers, num_stages: int | None = None, topology=None, loss_fn=None, seed_layers: bool = False,
-                 seed_fn=None, base_seed: int = 1234, partition_method: str = "parameters",
-                 activation_checkpoint_interval: int = 0, activation_checkpoint_func=None,
-                 checkpointable_layers=None, num_virtual_stages: int = 1, tensor_parallel_plan=None,
-                 stage_id: int | None = None, source_module: nn.Module | None = None):
+    def __init__(
+        self,
+        layers,
+        num_stages: int | None = None,
+        topology=None,
+        loss_fn=None,
+        seed_layers: bool = False,
+        seed_fn=None,
+        base_seed: int = 1234,
+        partition_method: str = "parameters",
+        activation_checkpoint_interval: int = 0,
+        activation_checkpoint_func=None,
+        checkpointable_layers=None,
+        num_virtual_stages: int = 1,
+        tensor_parallel_plan=None,
+        stage_id: int | None = None,
+        source_module: nn.Module | None = None,
+    ):
         super().__init__()
         if topology is not None:
             num_stages = getattr(topology, "pp", None) or topology.get_dim("pipe")
@@ -89,8 +103,8 @@ class PipelineModule(nn.Module):
                 if self.stage_of_layer(idx) not in stages:
                     stages.append(self.stage_of_layer(idx))
 
-        self.layers = nn.ModuleDict()   # built layers, by global index
-        self.tied = nn.ModuleDict()     # tied modules, by key
+        self.layers = nn.ModuleDict()  # built layers, by global index
+        self.tied = nn.ModuleDict()  # tied modules, by key
         self.chunks: list[list[tuple[int, object]]] = []  # per local chunk: (layer index, callable)
         for chunk in range(num_virtual_stages):
             part = chunk * num_stages + self.stage_id
@@ -105,17 +119,20 @@ class PipelineModule(nn.Module):
             original = {}  # a tied tensor goes by its first name, as the model's own named_parameters() gives it
             for n, p in source_module.named_parameters(remove_duplicate=False):
                 original.setdefault(id(p), n)
-            self.source_names = {n: original[id(p)] for n, p in self.named_parameters(remove_duplicate=False)
-                                 if id(p) in original}
+            self.source_names = {
+                n: original[id(p)] for n, p in self.named_parameters(remove_duplicate=False) if id(p) in original
+            }
 
     # ---- construction -------------------------------------------------------------------------
     def _my_stage(self) -> int:
         """Ranks are laid out pipeline-outermost (see zerotron.topology): stage = rank // (world / stages)."""
         import torch.distributed as dist
+
         if self.num_stages == 1:
             return 0
         if not dist.is_initialized():
             from ..comm import init_distributed
+
             init_distributed()
         world, rank = dist.get_world_size(), dist.get_rank()
         if world % self.num_stages:
@@ -129,7 +146,9 @@ class PipelineModule(nn.Module):
         if isinstance(spec, LayerSpec):
             with torch.device("meta"):  # build it without memory, only to count
                 module = spec.build()
-            return sum(p.numel() for p in module.parameters() if p.requires_grad) if isinstance(module, nn.Module) else 0
+            return (
+                sum(p.numel() for p in module.parameters() if p.requires_grad) if isinstance(module, nn.Module) else 0
+            )
         return 0
 
     def stage_of_layer(self, idx: int) -> int:
@@ -158,7 +177,9 @@ class PipelineModule(nn.Module):
             return spec
         if callable(spec):  # a plain function, e.g. a reshape between layers
             return spec
-        raise TypeError(f"layer {idx} is a {type(spec).__name__}; use a LayerSpec, TiedLayerSpec, nn.Module or function")
+        raise TypeError(
+            f"layer {idx} is a {type(spec).__name__}; use a LayerSpec, TiedLayerSpec, nn.Module or function"
+        )
 
     @staticmethod
     def _seed(idx, seed_layers, seed_fn, base_seed):
@@ -172,9 +193,10 @@ class PipelineModule(nn.Module):
         interval = self.activation_checkpoint_interval
         if interval and self.training and torch.is_grad_enabled():
             from ..activation_checkpointing import checkpoint
+
             run = self.activation_checkpoint_func or checkpoint
             for start in range(0, len(funcs), interval):
-                group = funcs[start:start + interval]
+                group = funcs[start : start + interval]
                 x = run(self._run_group, group, x) if self._checkpointable(group) else self._run_group(group, x)
             return x
         return self._run_group(funcs, x)
@@ -209,6 +231,8 @@ class PipelineModule(nn.Module):
     def tensor_parallel_plan(self, tp: int) -> dict[str, str]:
         plan = self._tensor_parallel_plan
         if plan is None:
-            raise ValueError("this PipelineModule has no tensor-parallel plan: pass tensor_parallel_plan= "
-                             "(a dict of module-name patterns -> styles, or a function of the TP size)")
+            raise ValueError(
+                "this PipelineModule has no tensor-parallel plan: pass tensor_parallel_plan= "
+                "(a dict of module-name patterns -> styles, or a function of the TP size)"
+            )
         return plan(tp) if callable(plan) else plan

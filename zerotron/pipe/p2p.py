@@ -17,6 +17,7 @@ Receives are posted ahead (`Inbox`) so that a message arrives while the stage co
 posted as soon as their tensors exist and waited for at the end of the batch. A received buffer is
 read only after its work was waited on (NCCL's rule; zerotron.comm's strict mode enforces it on gloo).
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,10 +25,20 @@ import torch.distributed as dist
 
 from ..comm import host_buffer, to_device
 
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool,
-           torch.uint8, torch.int8, torch.int16]
+_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+]
 _MAX_TENSORS, _MAX_DIMS = 8, 6
-_FIELDS = 3 + _MAX_DIMS   # dtype, requires_grad, ndim, dims
+_FIELDS = 3 + _MAX_DIMS  # dtype, requires_grad, ndim, dims
 HEADER_NUMEL = 1 + _MAX_TENSORS * _FIELDS
 
 
@@ -36,7 +47,9 @@ def as_tuple(x) -> tuple:
         return (x,)
     if isinstance(x, (tuple, list)) and all(torch.is_tensor(t) for t in x):
         return tuple(x)
-    raise TypeError(f"a pipeline stage must pass a tensor or a tuple of tensors to the next stage, not {type(x).__name__}")
+    raise TypeError(
+        f"a pipeline stage must pass a tensor or a tuple of tensors to the next stage, not {type(x).__name__}"
+    )
 
 
 def encode_header(tensors: tuple, device) -> torch.Tensor:
@@ -48,11 +61,13 @@ def encode_header(tensors: tuple, device) -> torch.Tensor:
     header[0] = len(tensors)
     for i, t in enumerate(tensors):
         if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
-            raise ValueError(f"cannot send a {t.dtype} tensor of shape {tuple(t.shape)} between pipeline stages "
-                             f"(at most {_MAX_DIMS} dimensions, dtypes {', '.join(map(str, _DTYPES))})")
+            raise ValueError(
+                f"cannot send a {t.dtype} tensor of shape {tuple(t.shape)} between pipeline stages "
+                f"(at most {_MAX_DIMS} dimensions, dtypes {', '.join(map(str, _DTYPES))})"
+            )
         row = 1 + i * _FIELDS
-        header[row:row + 3] = torch.tensor([_DTYPES.index(t.dtype), int(t.requires_grad), t.dim()])
-        header[row + 3:row + 3 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        header[row : row + 3] = torch.tensor([_DTYPES.index(t.dtype), int(t.requires_grad), t.dim()])
+        header[row + 3 : row + 3 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
     return to_device(header, device)
 
 
@@ -62,7 +77,7 @@ def decode_header(header: torch.Tensor) -> list[tuple[torch.dtype, bool, tuple[i
     for i in range(h[0]):
         row = 1 + i * _FIELDS
         ndim = h[row + 2]
-        out.append((_DTYPES[h[row]], bool(h[row + 1]), tuple(h[row + 3:row + 3 + ndim])))
+        out.append((_DTYPES[h[row]], bool(h[row + 1]), tuple(h[row + 3 : row + 3 + ndim])))
     return out
 
 
@@ -81,7 +96,7 @@ class P2P:
             comm.count_into(stats)
         self.rank = dist.get_rank()
         self._sends: list = []
-        self._sent_meta: dict = {}      # receiving virtual stage -> [(dtype, shape)] its buffers expect
+        self._sent_meta: dict = {}  # receiving virtual stage -> [(dtype, shape)] its buffers expect
         self._received_meta: dict = {}  # receiving virtual stage -> what the last header said
 
     def _post(self, kind: str, src: int, dst: int, ops, header: int = 0):
@@ -89,8 +104,9 @@ class P2P:
         if not ops:
             return _NOTHING
         comm = self.flows[(kind, src, dst)]
-        return comm.batch_p2p([dist.P2POp(op, t, dst if op is dist.isend else src, group=comm.group)
-                               for op, t in ops], header=header)
+        return comm.batch_p2p(
+            [dist.P2POp(op, t, dst if op is dist.isend else src, group=comm.group) for op, t in ops], header=header
+        )
 
     # ---- sending ----------------------------------------------------------------------------
     def send_activation(self, tensors: tuple, dst: int, vstage: int, first: bool):
@@ -99,9 +115,11 @@ class P2P:
         meta = [(t.dtype, tuple(t.shape)) for t in tensors]
         if not first:
             if self._sent_meta.get(vstage) != meta:
-                raise ValueError(f"a pipeline stage's output changed within a batch: {_describe(meta)} after "
-                                 f"{_describe(self._sent_meta.get(vstage, []))}; every micro-batch of a batch must "
-                                 "have the same shapes (pad the batch), as in DeepSpeed's pipelines")
+                raise ValueError(
+                    f"a pipeline stage's output changed within a batch: {_describe(meta)} after "
+                    f"{_describe(self._sent_meta.get(vstage, []))}; every micro-batch of a batch must "
+                    "have the same shapes (pad the batch), as in DeepSpeed's pipelines"
+                )
             self._send("act", dst, tensors)
             return
         expected, self._sent_meta[vstage] = self._sent_meta.get(vstage), meta
@@ -130,8 +148,11 @@ class P2P:
         known = self._received_meta.get(vstage)
         if not first:
             buffers = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in known]
-            return Incoming(self._post("act", src, self.rank, [(dist.irecv, t) for t in buffers]), buffers,
-                            [rg for _, rg, _ in known])
+            return Incoming(
+                self._post("act", src, self.rank, [(dist.irecv, t) for t in buffers]),
+                buffers,
+                [rg for _, rg, _ in known],
+            )
         header = torch.empty(HEADER_NUMEL, dtype=torch.int64, device=self.device)
         guess = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, _, shape in known or []]
         work = self._post("act", src, self.rank, [(dist.irecv, header)] + [(dist.irecv, t) for t in guess], header=1)

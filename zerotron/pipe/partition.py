@@ -8,6 +8,7 @@ Methods, as DeepSpeed's PipelineModule names them:
   between them follow, so "type:Block" puts the embedding with the first block and the head with
   the last.
 """
+
 from __future__ import annotations
 
 import re
@@ -59,8 +60,10 @@ def by_type(names: list[str], pattern: str, parts: int) -> list[int]:
     regex = re.compile(pattern, re.IGNORECASE)
     hits = [i for i, name in enumerate(names) if regex.search(name)]
     if len(hits) < parts:
-        raise ValueError(f"partition_method 'type:{pattern}' matches {len(hits)} layers ({', '.join(sorted(set(names)))} "
-                         f"are the layer types), fewer than the {parts} pipeline parts; change the pattern or the stages")
+        raise ValueError(
+            f"partition_method 'type:{pattern}' matches {len(hits)} layers ({', '.join(sorted(set(names)))} "
+            f"are the layer types), fewer than the {parts} pipeline parts; change the pattern or the stages"
+        )
     per = uniform(len(hits), parts)
     return [0] + [hits[per[k]] for k in range(1, parts)] + [len(names)]
 

@@ -22,6 +22,7 @@ for micro-batch m; B(c, m) needs B of the next virtual stage (the last one: its 
   instead of 1F1B's 3·(p − 1)·t_F. (torch.distributed.pipelining's ScheduleInterleavedZeroBubble
   gives the same order with one chunk per rank.)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,12 +31,11 @@ from ..config import SCHEDULES
 from ..errors import ConfigError
 
 
-
 @dataclass(frozen=True)
 class Action:
-    kind: str    # "F", "B" or "W"
-    chunk: int   # the rank's local model chunk
-    micro: int   # micro-batch index
+    kind: str  # "F", "B" or "W"
+    chunk: int  # the rank's local model chunk
+    micro: int  # micro-batch index
 
     def __repr__(self):
         return f"{self.kind}{self.chunk}.{self.micro}"
@@ -51,18 +51,28 @@ def build_schedule(name: str, stages: int, micro_batches: int, chunks: int = 1) 
         return [_gpipe(micro_batches, chunks) for _ in range(stages)]
     if name == "zb-h1":
         if chunks > 1:
-            raise ConfigError("pipeline.schedule", name, "zb-h1 runs one model chunk per stage: build the "
-                              "PipelineModule with num_virtual_stages=1, or use the interleaved schedule")
+            raise ConfigError(
+                "pipeline.schedule",
+                name,
+                "zb-h1 runs one model chunk per stage: build the "
+                "PipelineModule with num_virtual_stages=1, or use the interleaved schedule",
+            )
         return [_zb_h1(s, stages, micro_batches) for s in range(stages)]
     if name == "1f1b" and chunks == 1:
         return [_one_f_one_b(s, stages, micro_batches) for s in range(stages)]
     if name == "interleaved" and chunks == 1:
-        raise ConfigError("pipeline.schedule", "interleaved", "the interleaved schedule needs "
-                          "PipelineModule(num_virtual_stages=2 or more); or use '1f1b'")
+        raise ConfigError(
+            "pipeline.schedule",
+            "interleaved",
+            "the interleaved schedule needs PipelineModule(num_virtual_stages=2 or more); or use '1f1b'",
+        )
     if micro_batches % stages:
-        raise ConfigError("gradient_accumulation_steps", micro_batches,
-                          f"the interleaved schedule takes micro-batches {stages} at a time: use a multiple of the "
-                          f"pipeline stages ({stages}), or the 1f1b schedule")
+        raise ConfigError(
+            "gradient_accumulation_steps",
+            micro_batches,
+            f"the interleaved schedule takes micro-batches {stages} at a time: use a multiple of the "
+            f"pipeline stages ({stages}), or the 1f1b schedule",
+        )
     return [_interleaved(s, stages, micro_batches, chunks) for s in range(stages)]
 
 
@@ -102,7 +112,7 @@ def splits_backward(actions: list[Action]) -> bool:
 def _interleaved(s: int, p: int, m: int, v: int) -> list[Action]:
     total = m * v
 
-    def forward(k):   # the k-th forward of this rank: chunks advance every p micro-batches
+    def forward(k):  # the k-th forward of this rank: chunks advance every p micro-batches
         return Action("F", (k % (p * v)) // p, (k // (p * v)) * p + k % p)
 
     def backward(k):  # backwards walk the chunks in reverse
@@ -127,18 +137,24 @@ def location(vstage: int, stages: int) -> tuple[int, int]:
 @dataclass
 class Simulation:
     makespan: float
-    busy: list[float]            # per stage
-    max_in_flight: list[int]     # per stage: micro-batch activations alive at once
-    messages: dict               # (src, dst, kind) -> [(vstage, micro) in send order]
-    received: dict               # (src, dst, kind) -> [(vstage, micro) in receive order]
+    busy: list[float]  # per stage
+    max_in_flight: list[int]  # per stage: micro-batch activations alive at once
+    messages: dict  # (src, dst, kind) -> [(vstage, micro) in send order]
+    received: dict  # (src, dst, kind) -> [(vstage, micro) in receive order]
 
     @property
     def bubble(self) -> list[float]:
         return [1 - b / self.makespan for b in self.busy]
 
 
-def simulate(schedule: list[list[Action]], chunks: int = 1, t_forward=1.0, t_backward=2.0,
-             t_weight=None, durations: list[list[float]] | None = None) -> Simulation:
+def simulate(
+    schedule: list[list[Action]],
+    chunks: int = 1,
+    t_forward=1.0,
+    t_backward=2.0,
+    t_weight=None,
+    durations: list[list[float]] | None = None,
+) -> Simulation:
     """Run the schedule on ideal stages (fixed action times, free transfers, blocking receives in
     program order). `t_backward` is a whole backward; where the schedule splits it, W takes
     `t_weight` of it (default half) and B the rest. Each time is a number, or one per stage;
@@ -159,8 +175,8 @@ def simulate(schedule: list[list[Action]], chunks: int = 1, t_forward=1.0, t_bac
         durations = [[cost[s][a.kind] for a in actions] for s, actions in enumerate(schedule)]
     elif [len(d) for d in durations] != [len(actions) for actions in schedule]:
         raise ValueError("durations must give one time per action of each stage")
-    frees = "W" if split else "B"   # the action after which a micro-batch's activations are gone
-    done: dict[tuple[str, int, int], float] = {}   # (kind, vstage, micro) -> finish time
+    frees = "W" if split else "B"  # the action after which a micro-batch's activations are gone
+    done: dict[tuple[str, int, int], float] = {}  # (kind, vstage, micro) -> finish time
     position, clock = [0] * p, [0.0] * p
     busy, alive, peak = [0.0] * p, [0] * p, [0] * p
     messages: dict = {}
@@ -209,8 +225,12 @@ def simulate(schedule: list[list[Action]], chunks: int = 1, t_forward=1.0, t_bac
         if not progressed:
             waiting = {s: schedule[s][position[s]] for s in range(p) if position[s] < len(schedule[s])}
             raise RuntimeError(f"pipeline schedule deadlocks: stages wait forever at {waiting}")
-    missing = [a for s, actions in enumerate(schedule) for a in actions
-               if split and a.kind == "B" and ("W", virtual_stage(s, a.chunk, p), a.micro) not in done]
+    missing = [
+        a
+        for s, actions in enumerate(schedule)
+        for a in actions
+        if split and a.kind == "B" and ("W", virtual_stage(s, a.chunk, p), a.micro) not in done
+    ]
     if missing:
         raise RuntimeError(f"backwards without their weight pass: {missing}")
     return Simulation(max(clock), busy, peak, messages, received)

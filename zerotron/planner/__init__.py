@@ -1,5 +1,6 @@
 """The planner: which layouts fit, and how fast they run (memory and step-time cost model,
 hardware presets, the search behind `zerotron plan`)."""
+
 from . import cost, hardware
 from .activations import activation_bytes
 from .cost import Layout, memory, step_time, throughput
@@ -8,5 +9,18 @@ from .memory import model_state_bytes, rank_state_bytes
 from .model import ModelShape
 from .search import deepspeed_config, plan
 
-__all__ = ["ModelShape", "Hardware", "Layout", "model_state_bytes", "rank_state_bytes", "activation_bytes",
-           "memory", "step_time", "throughput", "plan", "deepspeed_config", "cost", "hardware"]
+__all__ = [
+    "ModelShape",
+    "Hardware",
+    "Layout",
+    "model_state_bytes",
+    "rank_state_bytes",
+    "activation_bytes",
+    "memory",
+    "step_time",
+    "throughput",
+    "plan",
+    "deepspeed_config",
+    "cost",
+    "hardware",
+]

@@ -26,12 +26,13 @@ ops, except every second mm", parallelize_llama.py) keeps the block input, the o
 first, third, ... matmul (q, v, gate and down in a Llama block), the attention's output and its
 log-sum-exp. This is that policy's inventory, not checked against a run as zerotron's policies are.
 """
+
 from __future__ import annotations
 
 from ..config import CHECKPOINT_POLICIES
+from .memory import ModelShape
 
 POLICIES = CHECKPOINT_POLICIES + ("op_sac",)  # zerotron's, and torchtitan's op-level policy (cost.py)
-from .memory import ModelShape
 
 
 def bytes_per_activation(dtype: str) -> int:
@@ -42,17 +43,21 @@ def block_bytes_per_token(shape: ModelShape, dtype: str = "fp32", tp: int = 1, s
     """What one un-checkpointed block keeps per token, by part."""
     a, d, f, h = bytes_per_activation(dtype), shape.hidden, shape.ffn, shape.heads
     sp = sp and tp > 1
-    return {"norms": 2 * (8 * d + 4) / (tp if sp else 1),
-            "linear inputs": 2 * a * d,
-            "attention": (5 * a * d + 4 * h) / tp,
-            "mlp": (4 if shape.gated else 2) * a * f / tp}  # two-matrix MLPs: input and activation
+    return {
+        "norms": 2 * (8 * d + 4) / (tp if sp else 1),
+        "linear inputs": 2 * a * d,
+        "attention": (5 * a * d + 4 * h) / tp,
+        "mlp": (4 if shape.gated else 2) * a * f / tp,
+    }  # two-matrix MLPs: input and activation
 
 
 def selective_bytes_per_token(shape: ModelShape, dtype: str = "fp32", tp: int = 1) -> float:
     """What a block under selective checkpointing keeps per token besides its input: the matmul outputs."""
     a, d, f = bytes_per_activation(dtype), shape.hidden, shape.ffn
     kv = d // shape.heads * shape.kv_heads
-    return a * ((d + 2 * kv + (2 if shape.gated else 1) * f) / tp + 2 * d)  # column outputs split, row outputs whole (before all-reduce)
+    return a * (
+        (d + 2 * kv + (2 if shape.gated else 1) * f) / tp + 2 * d
+    )  # column outputs split, row outputs whole (before all-reduce)
 
 
 def op_sac_bytes_per_token(shape: ModelShape, dtype: str = "fp32", tp: int = 1) -> float:
@@ -65,9 +70,21 @@ def op_sac_bytes_per_token(shape: ModelShape, dtype: str = "fp32", tp: int = 1) 
     return a * (sum(outputs[0::2]) + d / tp) + 4 * shape.heads / tp
 
 
-def activation_bytes(shape: ModelShape, micro_batch: int, seq: int, policy: str = "none", every: int = 2, *,
-                     dtype: str = "fp32", tp: int = 1, sp: bool = False, partition_activations: bool = False,
-                     layers: int | None = None, first_stage: bool = True, last_stage: bool = True) -> int:
+def activation_bytes(
+    shape: ModelShape,
+    micro_batch: int,
+    seq: int,
+    policy: str = "none",
+    every: int = 2,
+    *,
+    dtype: str = "fp32",
+    tp: int = 1,
+    sp: bool = False,
+    partition_activations: bool = False,
+    layers: int | None = None,
+    first_stage: bool = True,
+    last_stage: bool = True,
+) -> int:
     """Bytes one micro-batch keeps for backward on one rank. `layers`: the blocks this rank runs
     (all of them by default); `first_stage`/`last_stage`: whether it runs the embedding / head."""
     if policy not in POLICIES:
@@ -78,14 +95,18 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq: int, policy: str 
     sp = sp and tp > 1
     full = sum(block_bytes_per_token(shape, dtype, tp, sp).values())
     kept_input = a * d / (tp if (sp or partition_activations) else 1)
-    per_block = {"none": [full] * layers,
-                 "every_block": [kept_input] * layers,
-                 "every_k": [kept_input if i % every == 0 else full for i in range(layers)],
-                 "selective": [kept_input + selective_bytes_per_token(shape, dtype, tp)] * layers,
-                 "op_sac": [kept_input + op_sac_bytes_per_token(shape, dtype, tp)] * layers}[policy]
+    per_block = {
+        "none": [full] * layers,
+        "every_block": [kept_input] * layers,
+        "every_k": [kept_input if i % every == 0 else full for i in range(layers)],
+        "selective": [kept_input + selective_bytes_per_token(shape, dtype, tp)] * layers,
+        "op_sac": [kept_input + op_sac_bytes_per_token(shape, dtype, tp)] * layers,
+    }[policy]
     total = tokens * sum(per_block)
     if layers:
-        total += 4 * seq * (d // shape.heads)  # rotary cos and sin, shared by the blocks (and kept as checkpoint inputs)
+        total += (
+            4 * seq * (d // shape.heads)
+        )  # rotary cos and sin, shared by the blocks (and kept as checkpoint inputs)
     if first_stage and tp > 1:
         total += tokens  # the vocabulary-parallel embedding's mask
     if last_stage:

@@ -1,5 +1,6 @@
 """`zerotron estimate` (memory per GPU for each ZeRO stage) and `zerotron plan` (search, rank,
 write the best config)."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,12 @@ HARDWARE_FIELDS = ("memory_gib", "peak_tflops", "intra_gbps", "inter_gbps", "hos
 
 
 def _model_argument(p, default: str):
-    p.add_argument("--model", default=default, help="a zerotron size (1.3b), an architecture (llama3-8b), a config.json "
-                                                    "path, or layers=..,hidden=..,heads=..,vocab=..")
+    p.add_argument(
+        "--model",
+        default=default,
+        help="a zerotron size (1.3b), an architecture (llama3-8b), a config.json "
+        "path, or layers=..,hidden=..,heads=..,vocab=..",
+    )
 
 
 def add_estimate_arguments(p):
@@ -52,15 +57,36 @@ def estimate(args) -> int:
     from .activations import activation_bytes
     from .memory import estimate_table
     from .model import ModelShape
+
     shape = ModelShape.parse(args.model)
-    print(estimate_table(shape, args.dp, args.tp, args.pp, args.precision, args.offload_optimizer,
-                         args.offload_param, args.persistence_threshold))
+    print(
+        estimate_table(
+            shape,
+            args.dp,
+            args.tp,
+            args.pp,
+            args.precision,
+            args.offload_optimizer,
+            args.offload_param,
+            args.persistence_threshold,
+        )
+    )
     if args.seq:
-        act = activation_bytes(shape, args.micro_batch, args.seq, args.checkpoint, dtype=args.precision, tp=args.tp,
-                               sp=args.sequence_parallel, partition_activations=args.checkpoint != "none" and args.tp > 1,
-                               layers=-(-shape.layers // args.pp))
-        print(f"activations of one micro-batch ({args.micro_batch} x {args.seq} tokens, checkpointing "
-              f"{args.checkpoint}): {act / 2**30:.2f} GiB per GPU")
+        act = activation_bytes(
+            shape,
+            args.micro_batch,
+            args.seq,
+            args.checkpoint,
+            dtype=args.precision,
+            tp=args.tp,
+            sp=args.sequence_parallel,
+            partition_activations=args.checkpoint != "none" and args.tp > 1,
+            layers=-(-shape.layers // args.pp),
+        )
+        print(
+            f"activations of one micro-batch ({args.micro_batch} x {args.seq} tokens, checkpointing "
+            f"{args.checkpoint}): {act / 2**30:.2f} GiB per GPU"
+        )
     return 0
 
 
@@ -68,15 +94,27 @@ def plan_command(args) -> int:
     from .model import ModelShape
     from .report import plot, pyplot, table
     from .search import deepspeed_config, plan
+
     if args.plot:
         pyplot()  # matplotlib is there, before the search and the config it writes
     shape = ModelShape.parse(args.model)
     overrides = {k: getattr(args, k) for k in HARDWARE_FIELDS}
     hw = hardware(args.hardware, **overrides, gpus_per_node=args.gpus_per_node)
-    candidates = plan(shape, args.gpus, hw, args.seq, args.global_batch, args.precision,
-                      max_micro_batch=args.max_micro_batch, zero_stages=tuple(args.zero), offload=not args.no_offload)
-    print(f"{args.model}: {shape.parameters / 1e9:.2f}B parameters, {args.gpus} x {hw.name}, seq {args.seq}, "
-          f"global batch {args.global_batch} sequences, {args.precision}")
+    candidates = plan(
+        shape,
+        args.gpus,
+        hw,
+        args.seq,
+        args.global_batch,
+        args.precision,
+        max_micro_batch=args.max_micro_batch,
+        zero_stages=tuple(args.zero),
+        offload=not args.no_offload,
+    )
+    print(
+        f"{args.model}: {shape.parameters / 1e9:.2f}B parameters, {args.gpus} x {hw.name}, seq {args.seq}, "
+        f"global batch {args.global_batch} sequences, {args.precision}"
+    )
     print(table(candidates, hw, args.top))
     best = candidates[0]
     if best.rejected is not None:
@@ -85,6 +123,7 @@ def plan_command(args) -> int:
     config = deepspeed_config(best.layout, args.global_batch, args.precision)
     Path(args.out).write_text(json.dumps(config, indent=2) + "\n")
     from ..models.gpt import SIZES
+
     extra = f" --virtual-stages {best.layout.chunks}" if best.layout.chunks > 1 else ""
     if args.model in SIZES:
         how = f"zerotron train --model {args.model} --seq-len {args.seq} --config {args.out} --nproc {args.gpus}{extra}"

@@ -5,6 +5,7 @@ pipeline's micro-batches in flight and the buffers collectives need. Time is com
 hardware's calibrated efficiency, recomputation included) stretched by the pipeline bubble, plus
 the communication the engine cannot hide behind compute, from an alpha-beta model per link level.
 """
+
 from __future__ import annotations
 
 import functools
@@ -19,7 +20,6 @@ from .model import ModelShape
 from .overlap import added_time, grad_buckets, timeline, zero3_forward
 from .reuse import gathered
 
-
 STAGE3_MAX_REUSE_DISTANCE = ZeroConfig.stage3_max_reuse_distance  # the config's default, which zero/stage3.py applies
 CHECKPOINT_EVERY = 2  # the every_k policy's k: the config's checkpoint_every default
 
@@ -27,40 +27,46 @@ CHECKPOINT_EVERY = 2  # the every_k policy's k: the config's checkpoint_every de
 @dataclass(frozen=True)
 class Layout:
     """One training configuration: how the GPUs split the work, and the memory savers used."""
+
     dp: int
     tp: int = 1
     pp: int = 1
     zero: int = 1
     micro_batch: int = 1
-    grad_accum: int = 1              # micro-batches per step on each data-parallel rank
-    checkpoint: str = "none"         # none | selective | every_block | every_k | op_sac (torchtitan's)
-    offload: str = "none"            # none | optimizer | optimizer+param
-    schedule: str = "1f1b"           # gpipe | 1f1b | interleaved (pp > 1)
-    chunks: int = 1                  # virtual stages per rank (interleaved)
+    grad_accum: int = 1  # micro-batches per step on each data-parallel rank
+    checkpoint: str = "none"  # none | selective | every_block | every_k | op_sac (torchtitan's)
+    offload: str = "none"  # none | optimizer | optimizer+param
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (pp > 1)
+    chunks: int = 1  # virtual stages per rank (interleaved)
     sequence_parallel: bool = False
     overlap_param_gather: bool = False  # ZeRO-1/2: the step's all-gather hidden under the next forward
     # How the engine runs the layout (zerotron's engine is the default; published engines differ):
-    tp_overlap: bool = False         # TP collectives pipelined with the GEMMs (Megatron-Core, async TP)
-    flash_attention: bool = True     # False: the s x s attention scores go through device memory
-    zero3_regather: bool = False     # ZeRO-3 releases per sub-module (DeepSpeed, reuse.py): recomputation regathers
-    pooled_nics: bool = True         # False: each GPU's data-parallel traffic leaves through its own NIC
+    tp_overlap: bool = False  # TP collectives pipelined with the GEMMs (Megatron-Core, async TP)
+    flash_attention: bool = True  # False: the s x s attention scores go through device memory
+    zero3_regather: bool = False  # ZeRO-3 releases per sub-module (DeepSpeed, reuse.py): recomputation regathers
+    pooled_nics: bool = True  # False: each GPU's data-parallel traffic leaves through its own NIC
     # ZeRO-3's stage3_max_reuse_distance (elements): zerotron's engine measures it per layer, DeepSpeed's
     # (zero3_regather) per sub-module
     stage3_max_reuse_distance: float = STAGE3_MAX_REUSE_DISTANCE
     # zerotron's own options (overlap.py plays them out):
-    stage3_prefetch: int = 50_000_000   # ZeRO-3: elements gathered ahead of use (stage3_prefetch_bucket_size)
+    stage3_prefetch: int = 50_000_000  # ZeRO-3: elements gathered ahead of use (stage3_prefetch_bucket_size)
     # ZeRO-3's stage3_max_live_parameters: no cap by default (a config for the layout raises it until it does
     # not bind); 1e9, the config's default, stops prefetching where the root unit or a layer is that large
     stage3_max_live: float = float("inf")
-    tp_overlap_comm: bool = False       # tensor_parallel.tp_overlap_comm: each block in two halves of the batch
+    tp_overlap_comm: bool = False  # tensor_parallel.tp_overlap_comm: each block in two halves of the batch
 
     @property
     def gpus(self) -> int:
         return self.dp * self.tp * self.pp
 
     def describe(self) -> str:
-        parts = [f"dp{self.dp}", f"tp{self.tp}{'+sp' if self.sequence_parallel else ''}", f"pp{self.pp}",
-                 f"zero{self.zero}", f"mb{self.micro_batch}x{self.grad_accum}"]
+        parts = [
+            f"dp{self.dp}",
+            f"tp{self.tp}{'+sp' if self.sequence_parallel else ''}",
+            f"pp{self.pp}",
+            f"zero{self.zero}",
+            f"mb{self.micro_batch}x{self.grad_accum}",
+        ]
         if self.pp > 1:
             parts.append(self.schedule + (f"/{self.chunks}" if self.chunks > 1 else ""))
         if self.checkpoint != "none":
@@ -69,8 +75,16 @@ class Layout:
             parts.append(f"offload:{self.offload}")
         if self.overlap_param_gather:
             parts.append("overlap-gather")
-        parts += [name for name, on in (("tp-overlap", self.tp_overlap), ("scores-in-hbm", not self.flash_attention),
-                                        ("regather", self.zero3_regather), ("nic-per-gpu", not self.pooled_nics)) if on]
+        parts += [
+            name
+            for name, on in (
+                ("tp-overlap", self.tp_overlap),
+                ("scores-in-hbm", not self.flash_attention),
+                ("regather", self.zero3_regather),
+                ("nic-per-gpu", not self.pooled_nics),
+            )
+            if on
+        ]
         if self.tp_overlap_comm:
             parts.append("tp-halves")
         if self.zero == 3 and self.stage3_prefetch != 50_000_000:
@@ -94,14 +108,22 @@ def in_flight(schedule: str, stages: int, micro_batches: int, chunks: int) -> tu
     return tuple(peaks)
 
 
-def memory(shape: ModelShape, layout: Layout, seq: int, dtype: str = "bf16",
-           bucket_elements: int | None = None) -> dict[str, int]:
+def memory(
+    shape: ModelShape, layout: Layout, seq: int, dtype: str = "bf16", bucket_elements: int | None = None
+) -> dict[str, int]:
     """Bytes per GPU, by part, on the most loaded rank: model states, activations, buffers; and
     "host" for what offload puts in host memory (per GPU)."""
     L = layout
-    states = model_state_bytes(shape, dp=L.dp, tp=L.tp, pp=L.pp, stage=L.zero, dtype=dtype,
-                               offload_optimizer=L.offload != "none" and L.zero > 0,
-                               offload_param=L.offload == "optimizer+param" and L.zero == 3)
+    states = model_state_bytes(
+        shape,
+        dp=L.dp,
+        tp=L.tp,
+        pp=L.pp,
+        stage=L.zero,
+        dtype=dtype,
+        offload_optimizer=L.offload != "none" and L.zero > 0,
+        offload_param=L.offload == "optimizer+param" and L.zero == 3,
+    )
     host = states.pop("host", 0)
     states.pop("total")
     if host:  # what lives on the host is not GPU memory
@@ -134,8 +156,9 @@ def _activations(shape: ModelShape, L: Layout, seq: int, dtype: str) -> int:
         return activation_bytes(shape, L.micro_batch, seq, policy, **kw)
     chunk_layers = -(-shape.layers // (L.pp * L.chunks))
     flight = in_flight(L.schedule, L.pp, L.grad_accum, L.chunks)
-    per_chunk = activation_bytes(shape, L.micro_batch, seq, policy, layers=chunk_layers, first_stage=False,
-                                 last_stage=False, **kw)
+    per_chunk = activation_bytes(
+        shape, L.micro_batch, seq, policy, layers=chunk_layers, first_stage=False, last_stage=False, **kw
+    )
     embedding = activation_bytes(shape, L.micro_batch, seq, policy, layers=0, last_stage=False, **kw)
     head = activation_bytes(shape, L.micro_batch, seq, policy, layers=0, first_stage=False, **kw)
     first = flight[0] * (per_chunk + embedding)
@@ -192,8 +215,9 @@ def score_traffic_s(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, r
     return tokens * shape.layers / layout.pp * shape.heads / layout.tp * seq * per_score / (hw.hbm_gbps * 1e9)
 
 
-def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: str = "bf16",
-              bucket_elements: int | None = None) -> dict[str, float]:
+def step_time(
+    shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: str = "bf16", bucket_elements: int | None = None
+) -> dict[str, float]:
     """Seconds per optimizer step, by part; "total" is their sum (each part is what is not hidden).
     `bucket_elements`: reduce_bucket_size (None: unset, the engine's rule)."""
     L = layout
@@ -201,12 +225,19 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
     m = L.grad_accum
     tokens_micro = L.micro_batch * seq
     fpt = shape.flops_per_token(seq)
-    block_flops = 6 * (shape.parameters - shape.vocab * shape.hidden * (1 if shape.tied else 2)) \
+    block_flops = (
+        6 * (shape.parameters - shape.vocab * shape.hidden * (1 if shape.tied else 2))
         + 12 * shape.layers * shape.hidden * seq
+    )
     # every_k checkpoints one block in CHECKPOINT_EVERY (the config's default checkpoint_every, and
     # activation_bytes'): those blocks' forwards run again.
-    recomputed = {"none": 0.0, "every_block": 1.0, "selective": 0.0, "op_sac": 0.0,
-                  "every_k": -(-shape.layers // CHECKPOINT_EVERY) / shape.layers}[L.checkpoint]
+    recomputed = {
+        "none": 0.0,
+        "every_block": 1.0,
+        "selective": 0.0,
+        "op_sac": 0.0,
+        "every_k": -(-shape.layers // CHECKPOINT_EVERY) / shape.layers,
+    }[L.checkpoint]
     recompute = block_flops / 3 * recomputed
     if L.checkpoint == "selective":  # the attention's score and softmax recomputed: 4·L·d·s per token
         recompute = 4 * shape.layers * shape.hidden * seq
@@ -227,8 +258,12 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
     micro_stage = micro_compute + micro_scores + micro_tp
     # Pipeline: m micro-batches through p stages; idle fill and drain of (p - 1) / v stage-steps.
     pipeline = micro_stage * (m + (L.pp - 1) / L.chunks)
-    out = {"compute": micro_compute * m, "attention_scores": micro_scores * m, "tensor_parallel": micro_tp * m,
-           "bubble": pipeline - micro_stage * m}
+    out = {
+        "compute": micro_compute * m,
+        "attention_scores": micro_scores * m,
+        "tensor_parallel": micro_tp * m,
+        "bubble": pipeline - micro_stage * m,
+    }
     # Pipeline transfers during fill and drain sit on the critical path; in steady state they overlap.
     pp_bw, pp_lat = _group_link(hw, L.gpus, 1) if L.pp > 1 else (1.0, 0.0)
     p2p = a * tokens_micro * shape.hidden / (pp_bw * 1e9) + pp_lat * 1e-6
@@ -240,15 +275,15 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
     backward = micro_compute * 2 / 3
     buckets = grad_buckets(shape, L.tp, L.pp, seq, bucket_elements)
     flops = [f for _, f in buckets]
-    if L.zero <= 2:      # reduced bucket by bucket as backward fills them (overlap.py), at the boundary
+    if L.zero <= 2:  # reduced bucket by bucket as backward fills them (overlap.py), at the boundary
         costs = [_ring(b * n, L.dp, dp_bw, dp_lat, 2 if L.zero == 0 else 1) for n, _ in buckets]
         if L.pp > 1 and L.zero <= 1:  # a pipeline reduces after its last backward: nothing hides it
             exposed = sum(costs)
-        else:                         # (ZeRO-2: every micro-batch; stages 1-2: one bucket in flight)
+        else:  # (ZeRO-2: every micro-batch; stages 1-2: one bucket in flight)
             segments = [backward * f / (sum(flops) or 1.0) for f in flops]
             finish = timeline(segments, post=costs, in_flight=None if L.zero == 0 else 1)
             exposed = (m if L.zero == 2 else 1) * added_time(finish, backward, sum(costs), hw.overlap)
-    else:                # ZeRO-3: each layer gathered for its forward and its backward (prefetched), its
+    else:  # ZeRO-3: each layer gathered for its forward and its backward (prefetched), its
         # gradients reduce-scattered after its backward (overlap.py)
         exposed = m * _stage3(shape, L, seq, hw, b, tokens_micro, rate, recompute, dp_bw, dp_lat)
     gather_after_step = 0.0
@@ -275,12 +310,15 @@ def step_time(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: 
 def _block_flops(shape: ModelShape, seq: int) -> dict[str, float]:
     """Forward FLOPs per token of one layer's attention block (projections and attention) and MLP."""
     d, kv = shape.hidden, shape.hidden // shape.heads * shape.kv_heads
-    return {"attention": 2 * (2 * d * d + 2 * d * kv) + 4 * seq * d,
-            "mlp": 2 * (3 if shape.gated else 2) * d * shape.ffn}
+    return {
+        "attention": 2 * (2 * d * d + 2 * d * kv) + 4 * seq * d,
+        "mlp": 2 * (3 if shape.gated else 2) * d * shape.ffn,
+    }
 
 
-def _tensor_parallel(shape: ModelShape, L: Layout, seq: int, hw: Hardware, a: int, tokens: int, rate: float,
-                     recomputed: float) -> float:
+def _tensor_parallel(
+    shape: ModelShape, L: Layout, seq: int, hw: Hardware, a: int, tokens: int, rate: float, recomputed: float
+) -> float:
     """What the blocks' tensor-parallel collectives add to one micro-batch on one pipeline stage:
     per block and direction, the block as one segment, or with tp_overlap_comm two halves, each
     half's exit (forward) or entry (backward) collective issued as it ends and, with sequence
@@ -300,8 +338,18 @@ def _tensor_parallel(shape: ModelShape, L: Layout, seq: int, hw: Hardware, a: in
     return per_layer * shape.layers / L.pp
 
 
-def _stage3(shape: ModelShape, L: Layout, seq: int, hw: Hardware, b: int, tokens: int, rate: float,
-            recompute: float, bw: float, lat: float) -> float:
+def _stage3(
+    shape: ModelShape,
+    L: Layout,
+    seq: int,
+    hw: Hardware,
+    b: int,
+    tokens: int,
+    rate: float,
+    recompute: float,
+    bw: float,
+    lat: float,
+) -> float:
     """What ZeRO-3's collectives add to one micro-batch: the root unit (embedding, norm, head)
     gathered as forward starts, each layer's unit gathered `depth` units ahead
     (stage3_prefetch_bucket_size) for its forward and again for its backward unless it is kept
@@ -319,17 +367,22 @@ def _stage3(shape: ModelShape, L: Layout, seq: int, hw: Hardware, b: int, tokens
             return 0.0
         host = b * elements / L.dp / (hw.pcie_gbps * 1e9) if L.offload == "optimizer+param" else 0.0
         return _ring(b * elements, L.dp, bw, lat, 1) + host  # (offloaded: the shard first crosses PCIe)
+
     unit = gather(layer)
-    ahead, kept = zero3_forward(shape.layers, layer, root, L.stage3_prefetch, L.stage3_max_live,
-                                L.stage3_max_reuse_distance)
-    block = tokens * _block_flops(shape, seq)["attention"] / L.tp / rate + \
-        tokens * _block_flops(shape, seq)["mlp"] / L.tp / rate
+    ahead, kept = zero3_forward(
+        shape.layers, layer, root, L.stage3_prefetch, L.stage3_max_live, L.stage3_max_reuse_distance
+    )
+    block = (
+        tokens * _block_flops(shape, seq)["attention"] / L.tp / rate
+        + tokens * _block_flops(shape, seq)["mlp"] / L.tp / rate
+    )
     head = tokens * 2 * shape.vocab * shape.hidden / L.tp / rate
     again = tokens * recompute / shape.layers / L.tp / rate  # a checkpointed block's forward in backward
     n = shape.layers
     if L.zero3_regather:  # Megatron's blocks (query_key_value one linear), the engine published with it
-        ckpt = tuple(L.checkpoint == "every_block" or (L.checkpoint == "every_k" and i % CHECKPOINT_EVERY == 0)
-                     for i in range(n))
+        ckpt = tuple(
+            L.checkpoint == "every_block" or (L.checkpoint == "every_k" and i % CHECKPOINT_EVERY == 0) for i in range(n)
+        )
         linears = tuple(e // L.tp for e in shape.linears(fused_qkv=True))
         first, second = gathered(linears, n, ckpt, L.stage3_max_reuse_distance, root)
         forwards, gathers = [gather(e) for e in first], [gather(e) for e in reversed(second)]
@@ -337,8 +390,13 @@ def _stage3(shape: ModelShape, L: Layout, seq: int, hw: Hardware, b: int, tokens
         forwards, gathers = [unit] * n, [0.0 if i >= n - kept else unit for i in reversed(range(n))]
     forward = timeline([0.0] + [block] * n + [head], pre=[whole] + forwards + [0.0], ahead=ahead + [0])
     # (backward: as deep as the forward's start, where nothing is kept yet)
-    backward = timeline([2 * head] + [2 * block + again] * n + [0.0], pre=[0.0] + gathers + [0.0],
-                        post=[0.0] + [unit] * n + [whole], ahead=ahead[0], in_flight=1)
+    backward = timeline(
+        [2 * head] + [2 * block + again] * n + [0.0],
+        pre=[0.0] + gathers + [0.0],
+        post=[0.0] + [unit] * n + [whole],
+        ahead=ahead[0],
+        in_flight=1,
+    )
     compute = 3 * (n * block + head) + n * again
     comm = whole + sum(forwards) + sum(gathers) + n * unit + whole
     return added_time(forward + backward, compute, comm, hw.overlap)
@@ -349,8 +407,12 @@ def throughput(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype:
     t = step_time(shape, layout, seq, hw, dtype)
     tokens = layout.dp * layout.micro_batch * layout.grad_accum * seq
     tps = tokens / t["total"]
-    return {"step_s": t["total"], "tokens_per_s": tps,
-            "mfu": tps * shape.flops_per_token(seq) / (layout.gpus * hw.peak_flops), "time": t}
+    return {
+        "step_s": t["total"],
+        "tokens_per_s": tps,
+        "mfu": tps * shape.flops_per_token(seq) / (layout.gpus * hw.peak_flops),
+        "time": t,
+    }
 
 
 def fits(mem: dict[str, int], hw: Hardware, gpus_per_node: int | None = None) -> str | None:

@@ -8,32 +8,33 @@ layers, and `knee` the width (hidden / tp) at which that halves. The GPU efficie
 once, before comparing with published runs, and not tuned to them (docs/planner.md has the
 comparison); the CPU row is measured. Host CPU Adam throughput per GPU is an assumption.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-GIB = 2 ** 30
+GIB = 2**30
 
 
 @dataclass(frozen=True)
 class Hardware:
     name: str
-    memory_gib: float          # per GPU
-    peak_tflops: float         # dense bf16 (fp32 on CPUs)
-    hbm_gbps: float            # device memory bandwidth, GB/s (the optimizer step is bound by it)
-    intra_gbps: float          # collective bus bandwidth inside a node, per GPU
-    inter_gbps: float          # ... across nodes, per GPU (one NIC each)
-    intra_latency_us: float    # per ring step
+    memory_gib: float  # per GPU
+    peak_tflops: float  # dense bf16 (fp32 on CPUs)
+    hbm_gbps: float  # device memory bandwidth, GB/s (the optimizer step is bound by it)
+    intra_gbps: float  # collective bus bandwidth inside a node, per GPU
+    inter_gbps: float  # ... across nodes, per GPU (one NIC each)
+    intra_latency_us: float  # per ring step
     inter_latency_us: float
-    pcie_gbps: float           # host <-> device, per GPU (offload)
-    host_gib: float            # host memory per node
+    pcie_gbps: float  # host <-> device, per GPU (offload)
+    host_gib: float  # host memory per node
     gpus_per_node: int = 8
-    efficiency: float = 0.6    # fraction of peak the model's matmuls reach
-    knee: int = 128            # width (hidden / tp) at which that fraction halves
+    efficiency: float = 0.6  # fraction of peak the model's matmuls reach
+    knee: int = 128  # width (hidden / tp) at which that fraction halves
     host_adam_gparams: float = 1.0  # CPU Adam updates per second per GPU's share of the host, 1e9
-    reserve_gib: float = 2.0   # runtime, NCCL buffers, allocator slack
-    overlap: float = 1.0       # fraction of a collective's time that compute running beside it hides
-                               # (GPUs: NCCL has SMs of its own; a CPU's gloo takes cores from compute)
+    reserve_gib: float = 2.0  # runtime, NCCL buffers, allocator slack
+    overlap: float = 1.0  # fraction of a collective's time that compute running beside it hides
+    # (GPUs: NCCL has SMs of its own; a CPU's gloo takes cores from compute)
 
     @property
     def peak_flops(self) -> float:
@@ -56,14 +57,35 @@ PRESETS = {
     # The build machine (2 cores, gloo over loopback; one core per rank), as bench/planner.py and
     # bench/cpu_adam.py measured it: "GPU memory" is the host's.
     # overlap: the median of 11 calibrations on the shared machine, which ranged from 0 to 1 (noise)
-    "cpu": Hardware("cpu", 24, 0.061, 16, 0.65, 0.65, 1255, 1255, 1000, 24, gpus_per_node=2, efficiency=0.65,
-                    knee=1, host_adam_gparams=0.47, reserve_gib=1.0, overlap=0.1),
+    "cpu": Hardware(
+        "cpu",
+        24,
+        0.061,
+        16,
+        0.65,
+        0.65,
+        1255,
+        1255,
+        1000,
+        24,
+        gpus_per_node=2,
+        efficiency=0.65,
+        knee=1,
+        host_adam_gparams=0.47,
+        reserve_gib=1.0,
+        overlap=0.1,
+    ),
 }
 
 
 # Dense bf16 peak FLOP/s by the name CUDA reports, for MFU: the presets' figures, and GPUs without a preset.
-_PEAK_BY_DEVICE_NAME = {"H100": PRESETS["h100"].peak_flops, "H200": PRESETS["h200"].peak_flops,
-                        "A100": PRESETS["a100-80"].peak_flops, "L40S": 362e12, "A10G": 125e12}
+_PEAK_BY_DEVICE_NAME = {
+    "H100": PRESETS["h100"].peak_flops,
+    "H200": PRESETS["h200"].peak_flops,
+    "A100": PRESETS["a100-80"].peak_flops,
+    "L40S": 362e12,
+    "A10G": 125e12,
+}
 
 
 def peak_flops_of(device_name: str) -> float | None:

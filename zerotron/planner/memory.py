@@ -13,6 +13,7 @@ With optimizer offload the masters (also in fp32 training), their fp32 gradients
 in the model dtype and the optimizer states live in host memory instead. Stage 3 keeps parameters
 under `stage3_param_persistence_threshold` whole on every rank.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,23 +42,48 @@ def stage_tensors(shape: ModelShape, pp: int, stage: int) -> tuple[tuple[int, bo
     return tuple(tensors)
 
 
-def model_state_bytes(shape: ModelShape, *, dp: int = 1, tp: int = 1, pp: int = 1, stage: int = 0,
-                      dtype: str = "fp32", offload_optimizer: bool = False, offload_param: bool = False,
-                      persistence_threshold: int = 100_000, pipeline_stage: int | None = None) -> dict[str, int]:
+def model_state_bytes(
+    shape: ModelShape,
+    *,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    stage: int = 0,
+    dtype: str = "fp32",
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+    persistence_threshold: int = 100_000,
+    pipeline_stage: int | None = None,
+) -> dict[str, int]:
     """Bytes of params, grads, master_weights and optimizer states on one rank (the keys of
     engine.memory_report()), plus "host" for offloaded states. `pipeline_stage`: which stage (the
     largest one when None)."""
     stages = [pipeline_stage] if pipeline_stage is not None else range(pp)
-    reports = [rank_state_bytes([(math.ceil(n / tp) if split else n) for n, split in stage_tensors(shape, pp, s)],
-                                dp=dp, stage=stage, dtype=dtype, offload_optimizer=offload_optimizer,
-                                offload_param=offload_param, persistence_threshold=persistence_threshold)
-               for s in stages]
+    reports = [
+        rank_state_bytes(
+            [(math.ceil(n / tp) if split else n) for n, split in stage_tensors(shape, pp, s)],
+            dp=dp,
+            stage=stage,
+            dtype=dtype,
+            offload_optimizer=offload_optimizer,
+            offload_param=offload_param,
+            persistence_threshold=persistence_threshold,
+        )
+        for s in stages
+    ]
     return max(reports, key=lambda r: r["total"])
 
 
-def rank_state_bytes(tensors: list[int], *, dp: int = 1, stage: int = 0, dtype: str = "fp32",
-                     offload_optimizer: bool = False, offload_param: bool = False,
-                     persistence_threshold: int = 100_000) -> dict[str, int]:
+def rank_state_bytes(
+    tensors: list[int],
+    *,
+    dp: int = 1,
+    stage: int = 0,
+    dtype: str = "fp32",
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+    persistence_threshold: int = 100_000,
+) -> dict[str, int]:
     """The same for one rank from the element counts of the parameter tensors it trains (after
     tensor and pipeline parallelism): what the engine predicts for its own model at start-up."""
     if stage not in (0, 1, 2, 3):
@@ -94,28 +120,54 @@ def rank_state_bytes(tensors: list[int], *, dp: int = 1, stage: int = 0, dtype: 
     return out
 
 
-def estimate_table(shape: ModelShape, dp: int, tp: int, pp: int, dtype: str, offload_optimizer: bool = False,
-                   offload_param: bool = False, persistence_threshold: int = 100_000) -> str:
+def estimate_table(
+    shape: ModelShape,
+    dp: int,
+    tp: int,
+    pp: int,
+    dtype: str,
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+    persistence_threshold: int = 100_000,
+) -> str:
     """Model-state memory per rank for each ZeRO stage, as text (`zerotron estimate`)."""
-    gib = 2 ** 30
-    lines = [f"{shape.parameters / 1e6:,.1f}M parameters, dp {dp} x tp {tp} x pp {pp}, {dtype}"
-             f"{', optimizer offload' if offload_optimizer else ''}{', parameter offload' if offload_param else ''}",
-             f"{'ZeRO':>4}  {'params':>9}  {'grads':>9}  {'masters':>9}  {'optimizer':>9}  {'device GiB':>10}  {'host GiB':>8}"]
+    gib = 2**30
+    lines = [
+        f"{shape.parameters / 1e6:,.1f}M parameters, dp {dp} x tp {tp} x pp {pp}, {dtype}"
+        f"{', optimizer offload' if offload_optimizer else ''}{', parameter offload' if offload_param else ''}",
+        f"{'ZeRO':>4}  {'params':>9}  {'grads':>9}  {'masters':>9}  {'optimizer':>9}  {'device GiB':>10}  "
+        f"{'host GiB':>8}",
+    ]
     for stage in range(4):
-        r = model_state_bytes(shape, dp=dp, tp=tp, pp=pp, stage=stage, dtype=dtype,
-                              offload_optimizer=offload_optimizer and stage > 0,
-                              offload_param=offload_param and stage == 3, persistence_threshold=persistence_threshold)
+        r = model_state_bytes(
+            shape,
+            dp=dp,
+            tp=tp,
+            pp=pp,
+            stage=stage,
+            dtype=dtype,
+            offload_optimizer=offload_optimizer and stage > 0,
+            offload_param=offload_param and stage == 3,
+            persistence_threshold=persistence_threshold,
+        )
         device = r["total"] - r.get("host", 0)
-        lines.append(f"{stage:>4}  {r['params'] / gib:>9.2f}  {r['grads'] / gib:>9.2f}  {r['master_weights'] / gib:>9.2f}"
-                     f"  {r['optimizer'] / gib:>9.2f}  {device / gib:>10.2f}  {r.get('host', 0) / gib:>8.2f}")
-    lines.append("per rank, largest pipeline stage; model states only (--seq adds activations; "
-                 "`zerotron plan` costs everything)")
+        lines.append(
+            f"{stage:>4}  {r['params'] / gib:>9.2f}  {r['grads'] / gib:>9.2f}  {r['master_weights'] / gib:>9.2f}"
+            f"  {r['optimizer'] / gib:>9.2f}  {device / gib:>10.2f}  {r.get('host', 0) / gib:>8.2f}"
+        )
+    lines.append(
+        "per rank, largest pipeline stage; model states only (--seq adds activations; `zerotron plan` costs everything)"
+    )
     if dtype != "fp32":
         b = 2
-        lines.append(f"ZeRO 0 grads: the model's {dtype} gradients ({b} B/param) and the fp32 gradients of the fp32 "
-                     f"masters they are copied into for the step (4 B/param)")
+        lines.append(
+            f"ZeRO 0 grads: the model's {dtype} gradients ({b} B/param) and the fp32 gradients of the fp32 "
+            f"masters they are copied into for the step (4 B/param)"
+        )
         if not (offload_optimizer or offload_param):
-            lines.append(f"ZeRO 3 params: only those under the persistence threshold ({persistence_threshold:,} "
-                         f"elements) stay whole; the others have no {dtype} shard: each gather casts the fp32 "
-                         f"master shard (under masters)")
+            lines.append(
+                f"ZeRO 3 params: only those under the persistence threshold ({persistence_threshold:,} "
+                f"elements) stay whole; the others have no {dtype} shard: each gather casts the fp32 "
+                f"master shard (under masters)"
+            )
     return "\n".join(lines)

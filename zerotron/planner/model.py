@@ -3,6 +3,7 @@
 From a zerotron size (`1.3b`), a named public architecture (`llama3-8b`), a Hugging Face
 `config.json`, or a shape written out (`layers=32,hidden=4096,heads=32,vocab=32000`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,14 +22,15 @@ class ModelShape:
     ffn: int
     vocab: int
     tied: bool = False
-    gated: bool = True   # SwiGLU-style MLP with three matrices (False: two, as in GPT-2/GPT-3)
+    gated: bool = True  # SwiGLU-style MLP with three matrices (False: two, as in GPT-2/GPT-3)
 
     def __post_init__(self):
         if min(self.layers, self.hidden, self.heads, self.kv_heads, self.ffn, self.vocab) < 1:
             raise ValueError(f"every model dimension must be positive: {self}")
         if self.hidden % self.heads or self.heads % self.kv_heads:
-            raise ValueError(f"hidden ({self.hidden}) must divide by heads ({self.heads}), "
-                             f"and heads by kv_heads ({self.kv_heads})")
+            raise ValueError(
+                f"hidden ({self.hidden}) must divide by heads ({self.heads}), and heads by kv_heads ({self.kv_heads})"
+            )
 
     @classmethod
     def of_gpt(cls, cfg) -> "ModelShape":
@@ -37,6 +39,7 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelShape":
         """From a Hugging Face config.json (Llama/Mistral/Qwen-style or GPT-2-style keys)."""
+
         def key(*names, default=None):
             for n in names:
                 if config.get(n) is not None:
@@ -44,19 +47,27 @@ class ModelShape:
             if default is None:
                 raise ValueError(f"the model config has none of {', '.join(names)}")
             return default
+
         hidden = key("hidden_size", "n_embd", "d_model")
         heads = key("num_attention_heads", "n_head")
         gated = "intermediate_size" in config
-        return cls(layers=key("num_hidden_layers", "n_layer"), hidden=hidden, heads=heads,
-                   kv_heads=key("num_key_value_heads", default=heads),
-                   ffn=key("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden), vocab=key("vocab_size"),
-                   tied=bool(config.get("tie_word_embeddings", not gated)), gated=gated)
+        return cls(
+            layers=key("num_hidden_layers", "n_layer"),
+            hidden=hidden,
+            heads=heads,
+            kv_heads=key("num_key_value_heads", default=heads),
+            ffn=key("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden),
+            vocab=key("vocab_size"),
+            tied=bool(config.get("tie_word_embeddings", not gated)),
+            gated=gated,
+        )
 
     @classmethod
     def parse(cls, spec: str) -> "ModelShape":
         """A zerotron size, a named architecture, a path to a config.json (or its directory), or
         `layers=..,hidden=..,heads=..,vocab=..[,kv_heads=..][,ffn=..][,tied=1][,gated=0]`."""
         from ..models.gpt import SIZES, config_for
+
         if spec in SIZES:
             return cls.of_gpt(config_for(spec))
         if spec in ARCHITECTURES:
@@ -73,16 +84,22 @@ class ModelShape:
             values = dict(item.split("=", 1) for item in spec.split(","))
             unknown = set(values) - names
             if unknown:
-                raise ValueError(f"unknown model dimension(s) {', '.join(sorted(unknown))}; use {', '.join(sorted(names))}")
+                raise ValueError(
+                    f"unknown model dimension(s) {', '.join(sorted(unknown))}; use {', '.join(sorted(names))}"
+                )
             v = {k: int(x) for k, x in values.items()}
             v.setdefault("kv_heads", v.get("heads", 1))
-            v.setdefault("ffn", 32 * math.ceil(8 * v.get("hidden", 1) / 3 / 32) if v.get("gated", 1) else 4 * v.get("hidden", 1))
+            v.setdefault(
+                "ffn", 32 * math.ceil(8 * v.get("hidden", 1) / 3 / 32) if v.get("gated", 1) else 4 * v.get("hidden", 1)
+            )
             missing = {"layers", "hidden", "heads", "vocab"} - set(v)
             if missing:
                 raise ValueError(f"the model shape needs {', '.join(sorted(missing))}")
             return cls(**{k: (bool(x) if k in ("tied", "gated") else x) for k, x in v.items()})
-        raise ValueError(f"unknown model {spec!r}: give a zerotron size ({', '.join(SIZES)}), an architecture "
-                         f"({', '.join(ARCHITECTURES)}), a config.json path, or layers=..,hidden=..,heads=..,vocab=..")
+        raise ValueError(
+            f"unknown model {spec!r}: give a zerotron size ({', '.join(SIZES)}), an architecture "
+            f"({', '.join(ARCHITECTURES)}), a config.json path, or layers=..,hidden=..,heads=..,vocab=.."
+        )
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 (shapes are few, frozen and hashable)
     def tensors(self) -> tuple[tuple[str, int, bool], ...]:

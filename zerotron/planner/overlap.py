@@ -20,16 +20,21 @@ On a GPU a collective runs beside compute at little cost (NCCL has SMs of its ow
 collective's copies and sums take cores from the compute: `Hardware.overlap` is the fraction of a
 collective's time that compute running beside it hides (bench/planner.py measures it).
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 from ..zero.flat import bucket_numel, cut
 from ..zero.gather_rules import forward_plan
 from .model import ModelShape
 
 
-def timeline(compute: list[float], pre: list[float] | None = None, post: list[float] | None = None,
-             ahead: int | list[int] | None = 0, in_flight: int | None = None) -> float:
+def timeline(
+    compute: list[float],
+    pre: list[float] | None = None,
+    post: list[float] | None = None,
+    ahead: int | list[int] | None = 0,
+    in_flight: int | None = None,
+) -> float:
     """When the last segment's compute and the last collective are done. Segment i computes for
     compute[i] once its pre[i] collective is done and then issues post[i]. When segment i starts
     it issues the pre collectives of the `ahead` segments after it not issued yet (a list: ahead[i]
@@ -43,6 +48,7 @@ def timeline(compute: list[float], pre: list[float] | None = None, post: list[fl
         nonlocal link
         link = max(link, at) + cost
         return link
+
     if ahead is None:
         for j in range(n):
             if pre[j]:
@@ -95,8 +101,9 @@ def grad_buckets(shape: ModelShape, tp: int, pp: int, seq: int, configured: int 
     return [(sum(n for n, _ in b), sum(f for _, f in b)) for b in cut(tensors, lambda t: t[0], limit)]
 
 
-def zero3_forward(layers: int, unit: int, root: int, window: float, max_live: float,
-                  reuse: float) -> tuple[list[int], int]:
+def zero3_forward(
+    layers: int, unit: int, root: int, window: float, max_live: float, reuse: float
+) -> tuple[list[int], int]:
     """ZeRO-3's forward as the engine runs it (zero/gather_rules.py: the same rules, played over
     `layers` blocks of `unit` elements and a root of `root`): per segment (the root's, then each
     block's) how many segments after it have their gather issued when it starts, and how many

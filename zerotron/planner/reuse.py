@@ -26,14 +26,16 @@ biases are below `stage3_param_persistence_threshold` (1e5, both versions' defau
 recipes') and stay gathered. The root's parameters (embedding, final norm, head) count as one
 sub-module between the forward and the backward; cost.py gathers the root itself.
 """
+
 from __future__ import annotations
 
 import functools
 
 
 @functools.lru_cache(maxsize=256)
-def gathered(linears: tuple[int, ...], layers: int, recomputed: tuple[bool, ...], reuse: float,
-             root: int = 0) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def gathered(
+    linears: tuple[int, ...], layers: int, recomputed: tuple[bool, ...], reuse: float, root: int = 0
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Elements of each block gathered for its forward, and for its backward (its recomputed
     forward, when `recomputed[i]`, and its backward), under DeepSpeed's release rule above."""
     trace = []  # (sub-module, elements, block, 0 forward / 1 backward)

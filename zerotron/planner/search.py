@@ -4,6 +4,7 @@ Valid means what the engine runs: tensor parallelism inside a node and dividing 
 pipeline stages no more than layers (and without ZeRO-3 or sequence parallelism), the global
 batch split evenly over data-parallel ranks and micro-batches, offload only with ZeRO.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ class Candidate:
     layout: Layout
     memory: dict[str, int]
     speed: dict
-    rejected: str | None   # why it does not fit; None when it does
+    rejected: str | None  # why it does not fit; None when it does
 
     @property
     def tokens_per_s(self) -> float:
@@ -31,8 +32,15 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, global_batch: int, max_micro_batch: int = 16,
-            zero_stages=(0, 1, 2, 3), offload: bool = True):
+def layouts(
+    shape: ModelShape,
+    gpus: int,
+    gpus_per_node: int,
+    global_batch: int,
+    max_micro_batch: int = 16,
+    zero_stages=(0, 1, 2, 3),
+    offload: bool = True,
+):
     for tp in _divisors(min(gpus, gpus_per_node)):
         if gpus % tp or shape.heads % tp or shape.kv_heads % tp:
             continue
@@ -50,21 +58,46 @@ def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, global_batch: int,
                 for zero in zero_stages:
                     if (pp > 1 and zero == 3) or (dp == 1 and zero == 2):
                         continue  # (one data-parallel rank: stage 2's gradient shard is stage 1's whole gradient)
-                    offloads = ["none"] + (["optimizer"] if offload and zero > 0 else []) + \
-                               (["optimizer+param"] if offload and zero == 3 else [])
-                    schedules = [("1f1b", 1)] if pp == 1 else [("1f1b", 1)] + (
-                        [("interleaved", 2)] if accum % pp == 0 and shape.layers % (2 * pp) == 0 else [])
+                    offloads = (
+                        ["none"]
+                        + (["optimizer"] if offload and zero > 0 else [])
+                        + (["optimizer+param"] if offload and zero == 3 else [])
+                    )
+                    schedules = (
+                        [("1f1b", 1)]
+                        if pp == 1
+                        else [("1f1b", 1)]
+                        + ([("interleaved", 2)] if accum % pp == 0 and shape.layers % (2 * pp) == 0 else [])
+                    )
                     for ckpt in CHECKPOINTS:
                         for off in offloads:
                             for schedule, chunks in schedules:
-                                yield Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=micro, grad_accum=accum,
-                                             checkpoint=ckpt, offload=off, schedule=schedule, chunks=chunks,
-                                             sequence_parallel=tp > 1 and pp == 1,
-                                             overlap_param_gather=zero in (1, 2) and pp == 1 and dp > 1)
+                                yield Layout(
+                                    dp=dp,
+                                    tp=tp,
+                                    pp=pp,
+                                    zero=zero,
+                                    micro_batch=micro,
+                                    grad_accum=accum,
+                                    checkpoint=ckpt,
+                                    offload=off,
+                                    schedule=schedule,
+                                    chunks=chunks,
+                                    sequence_parallel=tp > 1 and pp == 1,
+                                    overlap_param_gather=zero in (1, 2) and pp == 1 and dp > 1,
+                                )
 
 
-def plan(shape: ModelShape, gpus: int, hw: Hardware, seq: int, global_batch: int, dtype: str = "bf16",
-         gpus_per_node: int | None = None, **options) -> list[Candidate]:
+def plan(
+    shape: ModelShape,
+    gpus: int,
+    hw: Hardware,
+    seq: int,
+    global_batch: int,
+    dtype: str = "bf16",
+    gpus_per_node: int | None = None,
+    **options,
+) -> list[Candidate]:
     """Every valid layout, costed: those that fit first (fastest first), then the rest (fastest first)."""
     if gpus < 1 or global_batch < 1 or seq < 1:
         raise ValueError("gpus, global batch and sequence length must be positive")
@@ -74,8 +107,10 @@ def plan(shape: ModelShape, gpus: int, hw: Hardware, seq: int, global_batch: int
         mem = memory(shape, layout, seq, dtype)
         out.append(Candidate(layout, mem, throughput(shape, layout, seq, hw, dtype), fits(mem, hw, per_node)))
     if not out:
-        raise ValueError(f"no layout splits a global batch of {global_batch} over {gpus} GPUs with this model "
-                         f"({shape.heads} heads, {shape.layers} layers); choose a batch divisible by the GPU count")
+        raise ValueError(
+            f"no layout splits a global batch of {global_batch} over {gpus} GPUs with this model "
+            f"({shape.heads} heads, {shape.layers} layers); choose a batch divisible by the GPU count"
+        )
     out.sort(key=lambda c: (c.rejected is not None, -c.tokens_per_s, c.memory["total"]))
     return out
 

@@ -12,6 +12,7 @@ Each pair is data (`Conjugates`: two `Collective`s, each started without waiting
 waiting on its `Pending`), run by one autograd function; the two-halves overlap (overlap.py) runs
 the same pairs with the start and the wait at two points of the graph.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -115,6 +116,7 @@ def _check_splits(n: int, comm: Comm):
 @dataclass(frozen=True)
 class Conjugates:
     """A forward collective and the one backward runs on its gradient."""
+
     forward: Collective
     backward: Collective
 
@@ -123,7 +125,7 @@ AS_IS, ALL_REDUCE = _AsIs(), _AllReduce()
 COPY_IN = Conjugates(AS_IS, ALL_REDUCE)
 REDUCE_OUT = Conjugates(ALL_REDUCE, AS_IS)
 GATHER_LAST_DIM = Conjugates(_AllGather(-1), _OwnPart(-1))
-GATHER_SEQUENCE = Conjugates(_AllGather(1), _ReduceScatter(1))   # (the sequence dimension of (batch, seq, ...))
+GATHER_SEQUENCE = Conjugates(_AllGather(1), _ReduceScatter(1))  # (the sequence dimension of (batch, seq, ...))
 SCATTER_SEQUENCE = Conjugates(_ReduceScatter(1), _AllGather(1))
 
 

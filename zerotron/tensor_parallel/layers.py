@@ -6,6 +6,7 @@ parallelism the activations between the pairs (norms, residuals) are split along
 and every all-reduce becomes an all-gather before a column layer plus a reduce-scatter after a
 row layer: the same bytes, with 1/tp of the activation memory in those regions.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +17,17 @@ import torch.nn.functional as F
 
 from ..comm import Comm
 from ..errors import ConfigError
-from .collectives import (COPY_IN, GATHER_SEQUENCE, REDUCE_OUT, SCATTER_SEQUENCE, Conjugates, all_reduce_max,
-                          conjugate, gather_last_dim, split_sequence)
+from .collectives import (
+    COPY_IN,
+    GATHER_SEQUENCE,
+    REDUCE_OUT,
+    SCATTER_SEQUENCE,
+    Conjugates,
+    all_reduce_max,
+    conjugate,
+    gather_last_dim,
+    split_sequence,
+)
 from .split import local_part
 
 
@@ -28,9 +38,12 @@ def shard_parameter(param: nn.Parameter, dim: int, comm: Comm, stride: int = 1) 
     dim = dim % param.dim()
     if hasattr(param, "tp_split_dim"):
         if (param.tp_split_dim, param.tp_stride) != (dim, stride):
-            raise ConfigError("tensor-parallel plan", f"a weight of shape {tuple(param.shape)} shared by two modules",
-                              f"one splits it along dim {param.tp_split_dim}, the other along dim {dim}; untie it "
-                              "or give both modules styles that split it alike")
+            raise ConfigError(
+                "tensor-parallel plan",
+                f"a weight of shape {tuple(param.shape)} shared by two modules",
+                f"one splits it along dim {param.tp_split_dim}, the other along dim {dim}; untie it "
+                "or give both modules styles that split it alike",
+            )
         return param
     check_divisible(param.shape[dim], comm.size * stride, f"dimension {dim} of a {tuple(param.shape)} weight")
     param.data = local_part(param.detach(), dim, comm.rank, comm.size, stride).clone()
@@ -42,7 +55,9 @@ def shard_parameter(param: nn.Parameter, dim: int, comm: Comm, stride: int = 1) 
 
 def check_divisible(n: int, tp: int, what: str):
     if n % tp:
-        raise ConfigError("tensor_parallel.autotp_size", tp, f"it must divide the {what} ({n}); choose a size that does")
+        raise ConfigError(
+            "tensor_parallel.autotp_size", tp, f"it must divide the {what} ({n}); choose a size that does"
+        )
 
 
 class Region:

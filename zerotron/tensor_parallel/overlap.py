@@ -31,6 +31,7 @@ output unchanged (a bias added after the sum would be added per half before it),
 arguments are the same for every row of the batch (the reference GPT's rotary tables). A collective
 in flight is waited on only by the point that receives its result.
 """
+
 from __future__ import annotations
 
 import torch
@@ -115,9 +116,11 @@ def split_batch(module: nn.Module, region, comm: Comm, name: str) -> None:
             with region.collectives_outside(lambda y: _Start.apply((exits[i],), y)[0]):
                 y = forward(_Finish.apply((entries[i],), part)[0], *args, **kwargs)
             if not exits[i].started(y):
-                raise RuntimeError(f"tensor_parallel.tp_overlap_comm: {name} ({type(module).__name__}) must return its "
-                                   "row-parallel layer's output unchanged to run in two halves; leave it out of the "
-                                   "plan's \"region\" entries")
+                raise RuntimeError(
+                    f"tensor_parallel.tp_overlap_comm: {name} ({type(module).__name__}) must return its "
+                    "row-parallel layer's output unchanged to run in two halves; leave it out of the "
+                    'plan\'s "region" entries'
+                )
             outs.append(y)
         return torch.cat(_Finish.apply(exits, *outs), dim=0)
 
@@ -126,12 +129,21 @@ def split_batch(module: nn.Module, region, comm: Comm, name: str) -> None:
 
 def _check_region(module: nn.Module, name: str) -> None:
     from .layers import ColumnParallelLinear, RowParallelLinear
+
     rows = [m for m in module.modules() if isinstance(m, RowParallelLinear)]
     columns = [m for m in module.modules() if isinstance(m, ColumnParallelLinear)]
-    if len(rows) != 1 or not columns or rows[0].bias is not None or rows[0].split_input or \
-            any(c.gather_output for c in columns):
-        raise ConfigError("tensor_parallel.tp_overlap_comm", True,
-                          f"the plan's \"region\" {name} ({type(module).__name__}) must hold column-parallel layers "
-                          f"and exactly one row-parallel layer without a bias (it has {len(columns)} and {len(rows)}"
-                          f"{', the row layer with a bias' if len(rows) == 1 and rows[0].bias is not None else ''}); "
-                          "mark only attention and MLP blocks as regions, or turn tp_overlap_comm off")
+    if (
+        len(rows) != 1
+        or not columns
+        or rows[0].bias is not None
+        or rows[0].split_input
+        or any(c.gather_output for c in columns)
+    ):
+        raise ConfigError(
+            "tensor_parallel.tp_overlap_comm",
+            True,
+            f'the plan\'s "region" {name} ({type(module).__name__}) must hold column-parallel layers '
+            f"and exactly one row-parallel layer without a bias (it has {len(columns)} and {len(rows)}"
+            f"{', the row layer with a bias' if len(rows) == 1 and rows[0].bias is not None else ''}); "
+            "mark only attention and MLP blocks as regions, or turn tp_overlap_comm off",
+        )

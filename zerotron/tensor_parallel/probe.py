@@ -9,6 +9,7 @@ rank's part of the data and the plan is missing a style for it. The first differ
 ConfigError naming the module or parameter. The cost is one forward of the whole model and one
 forward and backward of the parallel model on `tokens` tokens, at start-up.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -68,7 +69,9 @@ class PlanProbe:
             def hook(module, args, out):
                 if name not in outputs:  # a module called twice: its first call
                     outputs[name] = _first_tensor(out)
+
             return hook
+
         for name, module in self.model.named_modules():
             handles.append(module.register_forward_hook(record(name)))
         try:
@@ -84,24 +87,33 @@ class PlanProbe:
             try:
                 split, loss = self._run(grad=True)
             except Exception as e:  # noqa: BLE001 - the split model cannot run: name where
-                raise ConfigError("tensor_parallel.autotp_size", self.comm.size,
-                                  f"the model fails to run split by its tensor-parallel plan ({type(e).__name__}: "
-                                  f"{e}); use autotp_size 1 for this model") from e
+                raise ConfigError(
+                    "tensor_parallel.autotp_size",
+                    self.comm.size,
+                    f"the model fails to run split by its tensor-parallel plan ({type(e).__name__}: "
+                    f"{e}); use autotp_size 1 for this model",
+                ) from e
             names = list(self.whole)
             partial = {n for n, m in self.model.named_modules() if getattr(m, "tp_partial_output", False)}
-            differs = [i for i, name in enumerate(names)
-                       if name not in partial and _differs(split.get(name), self.whole[name], self.tol)]
+            differs = [
+                i
+                for i, name in enumerate(names)
+                if name not in partial and _differs(split.get(name), self.whole[name], self.tol)
+            ]
             # Every rank names the same module (the first any rank saw differ), so all of them stop.
             device = next(self.model.parameters()).device
             mine = torch.tensor([differs[0] if differs else len(names)], device=device)
             first = min(int(t.item()) for t in self.comm.all_gather_list(mine))
             if first < len(names):
                 name = names[first]
-                raise ConfigError("tensor_parallel.autotp_size", self.comm.size,
-                                  f"split by its tensor-parallel plan the model computes something else: the output "
-                                  f"of {name or 'the model'} ({type(self.model.get_submodule(name)).__name__}) differs "
-                                  "from the unsplit model's. The plan does not fit this module; use autotp_size 1 "
-                                  "for this model")
+                raise ConfigError(
+                    "tensor_parallel.autotp_size",
+                    self.comm.size,
+                    f"split by its tensor-parallel plan the model computes something else: the output "
+                    f"of {name or 'the model'} ({type(self.model.get_submodule(name)).__name__}) differs "
+                    "from the unsplit model's. The plan does not fit this module; use autotp_size 1 "
+                    "for this model",
+                )
             loss.backward()
             self._check_replicated_gradients()
 
@@ -109,26 +121,38 @@ class PlanProbe:
         named = [(n, p) for n, p in self.model.named_parameters() if not hasattr(p, "tp_split_dim") and p.requires_grad]
         if not named:
             return
-        sums = torch.stack([torch.stack([p.grad.float().sum(), p.grad.float().square().sum()]) if p.grad is not None
-                            else torch.zeros(2, device=p.device) for _, p in named])
+        sums = torch.stack(
+            [
+                torch.stack([p.grad.float().sum(), p.grad.float().square().sum()])
+                if p.grad is not None
+                else torch.zeros(2, device=p.device)
+                for _, p in named
+            ]
+        )
         every = self.comm.all_gather_list(sums)
         for i, (name, _) in enumerate(named):
             values = torch.stack([e[i] for e in every])
             spread = (values - values[0]).abs().max().item()
             if spread > self.tol * (values[0].abs().max().item() + 1e-12):
-                raise ConfigError("tensor_parallel.autotp_size", self.comm.size,
-                                  f"parameter {name} is kept whole but gets a different gradient on each tensor-"
-                                  "parallel rank: it sees only this rank's part of the data, and the plan has no "
-                                  "style that sums its gradient; use autotp_size 1 for this model")
+                raise ConfigError(
+                    "tensor_parallel.autotp_size",
+                    self.comm.size,
+                    f"parameter {name} is kept whole but gets a different gradient on each tensor-"
+                    "parallel rank: it sees only this rank's part of the data, and the plan has no "
+                    "style that sums its gradient; use autotp_size 1 for this model",
+                )
 
 
 def _differs(got, want, tol: float) -> bool:
     """Outputs whole on this rank that disagree (split outputs have other shapes: not compared)."""
     if want is None or got is None or got.shape != want.shape or want.numel() == 0:
         return False
-    return (got.float().to(want.device) - want.float()).abs().max().item() > tol * (want.float().abs().max().item() + 1e-6)
+    return (got.float().to(want.device) - want.float()).abs().max().item() > tol * (
+        want.float().abs().max().item() + 1e-6
+    )
 
 
 def _first_tensor(out):
     from ..nested import tensors_in
+
     return next((t.detach().clone() for t in tensors_in(out) if t.is_floating_point()), None)

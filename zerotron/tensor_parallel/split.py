@@ -4,6 +4,7 @@ A parameter split along `dim` over `size` ranks gives rank r the r-th of `size` 
 fused parameter (GPT-2's q|k|v projection) is split with `stride` 3: each of its 3 blocks along
 `dim` is cut separately and rank r holds [q_r | k_r | v_r], so its local q/k/v stay contiguous.
 """
+
 from __future__ import annotations
 
 import torch

@@ -40,6 +40,7 @@ Every rank must start from the same full weights (same seed); each keeps only it
 parameter that is split must be used only by modules a style prepared for it: anything else is an
 error naming the module, never a silently wrong result.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -52,12 +53,36 @@ import torch.nn as nn
 from ..comm import Comm
 from ..errors import ConfigError
 from .collectives import copy_to_region, gather_last_dim, reduce_from_region
-from .layers import (ColumnParallelLinear, Region, RowParallelLinear, VocabParallelLoss, check_divisible,
-                     shard_parameter, sum_grad_over, transposed)
+from .layers import (
+    ColumnParallelLinear,
+    Region,
+    RowParallelLinear,
+    VocabParallelLoss,
+    check_divisible,
+    shard_parameter,
+    sum_grad_over,
+    transposed,
+)
 
-MODULE_STYLES = ("column", "column_qkv", "column_packed", "column_gathered", "head", "row", "row_split_input",
-                 "vocab", "embedding_column", "norm", "sum_grad", "experts", "reduce_output", "rope_tail",
-                 "scale_input", "region", "keep")
+MODULE_STYLES = (
+    "column",
+    "column_qkv",
+    "column_packed",
+    "column_gathered",
+    "head",
+    "row",
+    "row_split_input",
+    "vocab",
+    "embedding_column",
+    "norm",
+    "sum_grad",
+    "experts",
+    "reduce_output",
+    "rope_tail",
+    "scale_input",
+    "region",
+    "keep",
+)
 PARAMETER_STYLES = {"column": (-2, 1), "column_packed": (-2, 2), "row": (-1, 1), "row_packed": (-1, 2)}
 
 
@@ -65,6 +90,7 @@ PARAMETER_STYLES = {"column": (-2, 1), "column_packed": (-2, 2), "row": (-1, 1),
 class SplitHead:
     """What a model whose head the plan split by vocabulary ("head" style) must compute with: the
     loss over split logits, and the gather that makes returned logits whole."""
+
     loss_fn: Callable
     output_fn: Callable
 
@@ -80,8 +106,9 @@ class _Plan:
         self.regions: list[tuple[str, nn.Module]] = []  # "region" entries (overlapped once all are split)
 
 
-def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], comm: Comm, sequence_parallel: bool = False,
-                          overlap: bool = False) -> SplitHead | None:
+def apply_tensor_parallel(
+    model: nn.Module, plan: dict[str, str], comm: Comm, sequence_parallel: bool = False, overlap: bool = False
+) -> SplitHead | None:
     """Apply `plan` to `model` in place (see the module docstring). When the plan splits the head
     by vocabulary, returns the loss and output functions the model must use from now on.
     `overlap` (tensor_parallel.tp_overlap_comm): the plan's regions run their batch in two halves."""
@@ -111,10 +138,15 @@ def apply_tensor_parallel(model: nn.Module, plan: dict[str, str], comm: Comm, se
     _check_split_parameters_are_prepared(model, ctx)
     if overlap:
         from .overlap import split_batch
+
         if not ctx.regions:
-            raise ConfigError("tensor_parallel.tp_overlap_comm", True, "the model's tensor-parallel plan marks no "
-                              "\"region\" (an attention or MLP block) to run in two overlapped halves (the reference "
-                              "GPT's plan does); turn tp_overlap_comm off for this model")
+            raise ConfigError(
+                "tensor_parallel.tp_overlap_comm",
+                True,
+                "the model's tensor-parallel plan marks no "
+                '"region" (an attention or MLP block) to run in two overlapped halves (the reference '
+                "GPT's plan does); turn tp_overlap_comm off for this model",
+            )
         for name, module in ctx.regions:
             split_batch(module, ctx.region, comm, name)
     for p in model.parameters():
@@ -131,8 +163,11 @@ def _split_parameter(name: str, param: nn.Parameter, style: str, comm: Comm):
     if style == "keep":
         return
     if style not in PARAMETER_STYLES:
-        raise ConfigError("tensor-parallel plan", f"{name}: {style}", "a parameter entry takes one of "
-                          f"{', '.join(PARAMETER_STYLES)} or keep")
+        raise ConfigError(
+            "tensor-parallel plan",
+            f"{name}: {style}",
+            f"a parameter entry takes one of {', '.join(PARAMETER_STYLES)} or keep",
+        )
     dim, stride = PARAMETER_STYLES[style]
     if param.dim() == 1:  # a bias: split with the output features, whole with the input features
         if dim == -1:
@@ -144,19 +179,26 @@ def _split_parameter(name: str, param: nn.Parameter, style: str, comm: Comm):
 def _apply_style(name: str, module: nn.Module, style: str, ctx: _Plan) -> nn.Module:
     comm, region = ctx.comm, ctx.region
     if style not in MODULE_STYLES:
-        raise ConfigError("tensor-parallel plan", f"{name}: {style}", f"'{style}' splits a parameter, and {name} is "
-                          f"a module ({type(module).__name__}); use one of {', '.join(MODULE_STYLES)}")
+        raise ConfigError(
+            "tensor-parallel plan",
+            f"{name}: {style}",
+            f"'{style}' splits a parameter, and {name} is "
+            f"a module ({type(module).__name__}); use one of {', '.join(MODULE_STYLES)}",
+        )
     if style in ("column", "column_qkv", "column_packed", "column_gathered", "head"):
         stride = {"column_qkv": 3, "column_packed": 2}.get(style, 1)
-        new = ColumnParallelLinear(_expect_linear(module, name, style), comm, region,
-                                   gather_output=style == "column_gathered", stride=stride)
+        new = ColumnParallelLinear(
+            _expect_linear(module, name, style), comm, region, gather_output=style == "column_gathered", stride=stride
+        )
         if style == "head":  # training reads split logits; anything else gets them whole
-            ctx.head = SplitHead(VocabParallelLoss(comm, new.weight.shape[0]),
-                                 lambda logits, c=comm: gather_last_dim(logits, c))
+            ctx.head = SplitHead(
+                VocabParallelLoss(comm, new.weight.shape[0]), lambda logits, c=comm: gather_last_dim(logits, c)
+            )
         return new
     if style in ("row", "row_split_input"):
-        return RowParallelLinear(_expect_linear(module, name, style), comm, region,
-                                 split_input=style == "row_split_input")
+        return RowParallelLinear(
+            _expect_linear(module, name, style), comm, region, split_input=style == "row_split_input"
+        )
     if style == "vocab":
         return _vocab_parallel(_expect(module, nn.Embedding, name, style), ctx)
     if style == "embedding_column":
@@ -218,6 +260,7 @@ def _vocab_parallel(emb: nn.Embedding, ctx: _Plan) -> nn.Embedding:
 def _experts_inputs(comm: Comm):
     """hidden_states and the routing weights (positional or keyword, as Transformers' experts take
     them): copied in, so backward sums the partial gradients each rank's slice of every expert gives."""
+
     def hook(module, args, kwargs):
         args = list(args)
         for i, keys in ((0, ("hidden_states",)), (2, ("top_k_weights", "routing_weights"))):
@@ -227,6 +270,7 @@ def _experts_inputs(comm: Comm):
                 if key in kwargs:
                     kwargs[key] = copy_to_region(kwargs[key], comm)
         return tuple(args), kwargs
+
     return hook
 
 
@@ -243,6 +287,7 @@ def _rope_tail(dim: int, comm: Comm):
     def hook(module, args, out):
         head, tail = out.split([out.shape[-1] - dim, dim], dim=-1)
         return torch.cat([head, copy_to_region(tail, comm)], dim=-1)
+
     return hook
 
 
@@ -252,10 +297,13 @@ def _check_split_parameters_are_prepared(model: nn.Module, ctx: _Plan):
             continue
         split = [n for n, p in module.named_parameters(recurse=False) if hasattr(p, "tp_split_dim")]
         if split:
-            raise ConfigError("tensor-parallel plan", name or "(root)",
-                              f"its parameter(s) {', '.join(split)} are split but no style prepares the module "
-                              "that uses them (a weight tied to a split one, or a parameter entry without an "
-                              "entry for its module): add one to the plan, or leave the parameter whole")
+            raise ConfigError(
+                "tensor-parallel plan",
+                name or "(root)",
+                f"its parameter(s) {', '.join(split)} are split but no style prepares the module "
+                "that uses them (a weight tied to a split one, or a parameter entry without an "
+                "entry for its module): add one to the plan, or leave the parameter whole",
+            )
 
 
 def _expect_linear(module, name, style):
@@ -266,15 +314,21 @@ def _expect_linear(module, name, style):
     _expect(module, nn.Linear, name, style)
     extra = sorted(set(dict(module.named_parameters())) - {"weight", "bias"})
     if type(module).forward is not nn.Linear.forward or extra:
-        raise ConfigError("tensor-parallel plan", f"{name}: {style}",
-                          f"{name} is a {type(module).__name__}, a linear layer with its own forward"
-                          f"{' and parameters ' + ', '.join(extra) if extra else ''}; '{style}' splits plain "
-                          "nn.Linear layers only: leave it out of the plan")
+        raise ConfigError(
+            "tensor-parallel plan",
+            f"{name}: {style}",
+            f"{name} is a {type(module).__name__}, a linear layer with its own forward"
+            f"{' and parameters ' + ', '.join(extra) if extra else ''}; '{style}' splits plain "
+            "nn.Linear layers only: leave it out of the plan",
+        )
     return module
 
 
 def _expect(module, cls, name, style):
     if not isinstance(module, cls):
-        raise ConfigError("tensor-parallel plan", f"{name}: {style}",
-                          f"'{style}' applies to {cls.__name__} modules, and {name} is a {type(module).__name__}")
+        raise ConfigError(
+            "tensor-parallel plan",
+            f"{name}: {style}",
+            f"'{style}' applies to {cls.__name__} modules, and {name} is a {type(module).__name__}",
+        )
     return module

@@ -1,47 +1,69 @@
 """ZeRO: the model states of each stage: replicated with all-reduced gradients (stage 0,
 replicated.py), sharded over the data-parallel ranks (stages 1-2, sharded.py; stage 3, stage3.py)."""
-from __future__ import annotations
 
-from .partition_api import GatheredParameters, Init, consolidated_state_dict
+from __future__ import annotations
 
 import torch
 
 from ..comm import Comm
 from ..config import Config
 from ..precision import DTYPES
+from .partition_api import GatheredParameters, Init, consolidated_state_dict
 from .strategy import ModelStates
 
 
-def make_model_states(module: torch.nn.Module, optimizer: torch.optim.Optimizer, config: Config, comm: Comm,
-                      gather_comm: Comm, isolate: list[list[torch.nn.Parameter]] = ()) -> ModelStates:
+def make_model_states(
+    module: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: Config,
+    comm: Comm,
+    gather_comm: Comm,
+    isolate: list[list[torch.nn.Parameter]] = (),
+) -> ModelStates:
     """The object that reduces gradients (over `comm`), owns master weights and publishes updated
     parameters (gathering over `gather_comm`, the same ranks in a second process group), for the
     configured ZeRO stage; it takes over the optimizer's param groups. Each list in `isolate` gets
     buckets of its own, laid out alike on every rank holding it (weights tied across pipeline
     stages, whose reduced gradients are then summed between those stages)."""
     zero = config.zero_optimization
-    offload = zero.offload_optimizer if zero.offload_optimizer is not None and \
-        zero.offload_optimizer.device == "cpu" else None
+    offload = (
+        zero.offload_optimizer
+        if zero.offload_optimizer is not None and zero.offload_optimizer.device == "cpu"
+        else None
+    )
     reduce_dtype = DTYPES[config.communication_data_type] if config.communication_data_type else None
     group_of = optimizer_groups(module, optimizer)
     # Module order, reversed below: roughly the order backward produces the gradients.
     params = [p for p in module.parameters() if id(p) in group_of]
     from .flat import bucket_numel
+
     bucket = bucket_numel(zero.reduce_bucket_size, sum(p.numel() for p in params))
     if zero.stage == 0:
         from .replicated import ReplicatedStates
+
         states = ReplicatedStates(_bucketed(params, bucket, isolate), comm, reduce_dtype)
     elif zero.stage == 3:
         from .stage3 import Stage3States
+
         states = Stage3States(module, params, group_of, comm, gather_comm, zero, reduce_dtype, offload=offload)
     else:
         from .sharded import ShardedStates
         from .sharded_bucket import ShardedBucket
-        buckets = [ShardedBucket(ps, comm.size, comm.rank)
-                   for ps in _bucketed(params, bucket, isolate)]
-        states = ShardedStates(buckets, set(), group_of, comm, gather_comm, zero.stage, zero.allgather_bucket_size,
-                               reduce_dtype, offload=offload, reshard=zero.reshard_after_backward,
-                               overlap_gather=zero.overlap_param_gather)
+
+        buckets = [ShardedBucket(ps, comm.size, comm.rank) for ps in _bucketed(params, bucket, isolate)]
+        states = ShardedStates(
+            buckets,
+            set(),
+            group_of,
+            comm,
+            gather_comm,
+            zero.stage,
+            zero.allgather_bucket_size,
+            reduce_dtype,
+            offload=offload,
+            reshard=zero.reshard_after_backward,
+            overlap_gather=zero.overlap_param_gather,
+        )
         if zero.overlap_param_gather:
             states.params.watch(module, states.bucket_of)
     states.adopt(optimizer, allow_untested=config.zero_allow_untested_optimizer)
@@ -58,17 +80,21 @@ def optimizer_groups(module: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if id(p) not in names:
-                raise ValueError(f"optimizer group {gi} holds a tensor of shape {tuple(p.shape)} that is not a "
-                                 "parameter of the model: build the optimizer (or model_parameters) from this "
-                                 "model's parameters")
+                raise ValueError(
+                    f"optimizer group {gi} holds a tensor of shape {tuple(p.shape)} that is not a "
+                    "parameter of the model: build the optimizer (or model_parameters) from this "
+                    "model's parameters"
+                )
             if p.requires_grad:
                 group_of[id(p)] = gi
     missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in group_of]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"{len(missing)} parameter(s) require gradients but are in no optimizer group, so they "
-                         f"would never be updated: {shown}. Pass all of them (model_parameters=model.parameters()), "
-                         "or set requires_grad=False on those that should stay frozen")
+        raise ValueError(
+            f"{len(missing)} parameter(s) require gradients but are in no optimizer group, so they "
+            f"would never be updated: {shown}. Pass all of them (model_parameters=model.parameters()), "
+            "or set requires_grad=False on those that should stay frozen"
+        )
     return group_of
 
 
@@ -76,6 +102,7 @@ def _bucketed(params, max_numel, isolate=()):
     """Parameters in reverse module order (roughly when backward produces their gradients) cut
     into buckets; each isolated list forms buckets of its own, after the others."""
     from .flat import split_into_buckets
+
     present = {id(p) for p in params}
     isolated = [[p for p in group if id(p) in present] for group in isolate]
     apart = {id(p) for group in isolated for p in group}

@@ -4,10 +4,10 @@ The bucket's length is padded to a multiple of the data-parallel size so every r
 contiguous shard of `shard_numel` elements: rank r owns [r * shard_numel, (r + 1) * shard_numel).
 Parameters become views into the full buffer while it exists. One bucket is one collective.
 """
+
 from __future__ import annotations
 
 import torch
-
 
 DEEPSPEED_BUCKET_NUMEL = 500_000_000  # DeepSpeed's default reduce_bucket_size
 OVERLAP_BUCKETS = 8
@@ -74,11 +74,11 @@ class FlatBucket:
         """Copy the parameters' current values into a new padded flat buffer."""
         full = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
         for p, off in zip(self.params, self.offsets):
-            full[off:off + p.numel()].copy_(p.detach().reshape(-1))
+            full[off : off + p.numel()].copy_(p.detach().reshape(-1))
         return full
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[off:off + n].view(shape) for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
+        return [flat[off : off + n].view(shape) for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
 
     def point_params_at(self, flat: torch.Tensor) -> None:
         """Make every parameter a view into `flat` (same storage, no copy)."""

@@ -12,6 +12,7 @@ DeepSpeed's three knobs, as zerotron reads them:
   this many elements are gathered before its next use (its backward: every later unit's forward
   and backward gather).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Sequence
@@ -41,11 +42,12 @@ def reused_soon(later: Sequence[int], max_reuse: float) -> bool:
 
 class ForwardStep(NamedTuple):
     started: list[int]  # units (block indices) whose gather starts at this step
-    kept: bool          # the block stays gathered after its forward
+    kept: bool  # the block stays gathered after its forward
 
 
-def forward_plan(blocks: Sequence[int], root: int, window: float, max_live: float,
-                 max_reuse: float) -> list[ForwardStep]:
+def forward_plan(
+    blocks: Sequence[int], root: int, window: float, max_live: float, max_reuse: float
+) -> list[ForwardStep]:
     """The rules played over one training forward (after the first, which records the order): the
     root's start, then each block's, with `blocks` the elements of each block's unit in execution
     order and `root` those of the root unit (gathered from the forward's start to the backward's
@@ -68,7 +70,7 @@ def forward_plan(blocks: Sequence[int], root: int, window: float, max_live: floa
         ahead.discard(i)  # in use now (gathered here if no prefetch did)
         gathered[i] = True
         started = start_from(i + 1)
-        kept = reused_soon(blocks[i + 1:], max_reuse)
+        kept = reused_soon(blocks[i + 1 :], max_reuse)
         gathered[i] = kept
         plan.append(ForwardStep(started, kept))
     return plan

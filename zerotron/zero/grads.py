@@ -3,6 +3,7 @@ in full buckets and reduce-scatters once at the boundary (AccumulatedGrads); sta
 each backward's gradients at once into shards (StreamedGrads). Either keeps the reduced shard
 of a bucket until the step, and holds nothing between a step and the next
 backward. ShardedStates (sharded.py) drives either through the same methods."""
+
 from __future__ import annotations
 
 import torch
@@ -38,12 +39,13 @@ class AccumulatedGrads(_ShardHolder):
     reduce-scattered once, its own slice becomes the reduced shard and the full bucket is freed.
     The buckets are made again by the first gradient after the step, so between a step and the
     next backward no gradient memory is held."""
+
     accumulates = True  # nothing is reduced before the boundary (pipelines: reduce_accumulated)
 
     def __init__(self):
         super().__init__()
         self._reduced = False
-        self.full: dict[int, torch.Tensor] = {}         # bucket index -> its accumulating full bucket
+        self.full: dict[int, torch.Tensor] = {}  # bucket index -> its accumulating full bucket
         self.views: dict[int, list[torch.Tensor]] = {}  # ... and each parameter's .grad, a view of it
 
     def take(self, b: FlatBucket, i: int, param, sync: bool) -> bool:
@@ -73,8 +75,10 @@ class AccumulatedGrads(_ShardHolder):
         if not sync:
             return False
         if self._reduced:  # the bucket of an earlier micro-batch is reduced already
-            raise RuntimeError("ZeRO stage 1 reduces the accumulated gradients once, at the boundary "
-                               "backward; call engine.step() after it before another backward")
+            raise RuntimeError(
+                "ZeRO stage 1 reduces the accumulated gradients once, at the boundary "
+                "backward; call engine.step() after it before another backward"
+            )
         self._reduced = True
         return True
 
@@ -97,6 +101,7 @@ class StreamedGrads(_ShardHolder):
     kept (added into under accumulation). A bucket's shard exists from its first reduction to
     the step, as DeepSpeed's and FSDP2's gradients do: between a step and the next backward no
     gradient memory is held."""
+
     accumulates = False
 
     def __init__(self):
@@ -107,7 +112,7 @@ class StreamedGrads(_ShardHolder):
         if b.index not in self.staging:
             self.staging[b.index] = torch.zeros(b.padded_numel, dtype=b.dtype, device=b.device)
         off = b.offsets[i]
-        self.staging[b.index][off:off + b.numels[i]].add_(param.grad.reshape(-1))
+        self.staging[b.index][off : off + b.numels[i]].add_(param.grad.reshape(-1))
         param.grad = None
         return True
 

@@ -4,10 +4,12 @@ Reduced gradient shards leave for the host as each bucket's reduction completes 
 goes on), in the model dtype (half the bytes in bf16); the optimizer steps on the host
 (zerotron.ops.adam.CPUAdam by default, which reads the gradients where they arrived, chunk by
 chunk, and writes the updated weights in their place); the updated weights come back in the
-model dtype through that one host staging buffer. On a GPU the transfers run on a side stream, ordered against the compute stream by
+model dtype through that one host staging buffer. On a GPU the transfers run on a side stream,
+ordered against the compute stream by
 events, into pinned buffers of exactly the size needed. On a CPU-only machine "host" and
 "device" are the same memory, and the same code runs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,8 +35,10 @@ def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     try:  # torch's allocator: pinned, rounded up
         return host_buffer(torch.zeros(numel, dtype=dtype, device=HOST, pin_memory=True))
     except RuntimeError as e:  # page-locked memory refused (a memlock limit): slower copies, still correct
-        logger.warning(f"offload: {nbytes / 2**30:.2f} GiB of page-locked host memory refused ({e}); this buffer "
-                       "is pageable, so copies into it wait for the GPU")
+        logger.warning(
+            f"offload: {nbytes / 2**30:.2f} GiB of page-locked host memory refused ({e}); this buffer "
+            "is pageable, so copies into it wait for the GPU"
+        )
         return host_buffer(torch.zeros(numel, dtype=dtype, device=HOST))
 
 
@@ -95,8 +99,10 @@ class HostBuffers:
         # pageable memory makes the autograd thread wait for the GPU to drain, in the middle of backward.
         self.pin = can_pin()
         if self.pin and not pin_memory:
-            logger.info("offload_optimizer.pin_memory is false; zerotron page-locks its host buffers on GPUs anyway "
-                        "(copies into pageable memory would stall backward): see docs/offload.md")
+            logger.info(
+                "offload_optimizer.pin_memory is false; zerotron page-locks its host buffers on GPUs anyway "
+                "(copies into pageable memory would stall backward): see docs/offload.md"
+            )
         self.masters = host_empty(numel, torch.float32, self.pin)
         self.staging = host_empty(numel, model_dtype, self.pin)
         # Gradients arrive in the model dtype, into the staging buffer: the weights it brought to
@@ -107,8 +113,8 @@ class HostBuffers:
         self.grads = host_empty(numel, torch.float32, self.pin) if model_dtype == torch.float32 else None
         self.incoming = self.grads if model_dtype == torch.float32 else self.staging
         self.staging_has_weights = True  # False while gradients sit where the weights go back from
-        self.copied_out = set()        # buckets whose gradient shard is on its way to the host
-        self.on_gradient_out = None    # called with (bucket, device shard) as each shard leaves
+        self.copied_out = set()  # buckets whose gradient shard is on its way to the host
+        self.on_gradient_out = None  # called with (bucket, device shard) as each shard leaves
         self.optimizer_copies_out = False  # the optimizer fills `staging` during its step
         self.stream = torch.cuda.Stream() if self.cuda else None
 
@@ -121,7 +127,7 @@ class HostBuffers:
         """Send a bucket's reduced gradient shard to the host, asynchronously on a GPU."""
         if self.on_gradient_out is not None:
             self.on_gradient_out(bucket, shard)
-        target = self.incoming[bucket.offset:bucket.offset + bucket.shard_numel]
+        target = self.incoming[bucket.offset : bucket.offset + bucket.shard_numel]
         if self.stream is None:
             target.copy_(shard)
         else:
@@ -170,7 +176,7 @@ class HostBuffers:
         if not self.staging_has_weights:  # a skipped step left gradients there
             self._cast_masters()
             self.staging_has_weights = True
-        source = self.staging[bucket.offset:bucket.offset + bucket.shard_numel]
+        source = self.staging[bucket.offset : bucket.offset + bucket.shard_numel]
         if self.stream is None:
             destination.copy_(source)
             return
@@ -192,8 +198,9 @@ class FusedHostStep:
     over an fp32 copy, bit for bit (a loss scale that is not a power of two can move a norm by
     an ulp)."""
 
-    def __init__(self, host: HostBuffers, optimizer, masters: list, bounds: list[tuple[int, int]],
-                 run_in_bucket: list[tuple]):
+    def __init__(
+        self, host: HostBuffers, optimizer, masters: list, bounds: list[tuple[int, int]], run_in_bucket: list[tuple]
+    ):
         """`masters[i]` is the master run at `bounds[i]` of the flat host buffers and at
         `run_in_bucket[i]` = (bucket, start, end) of that bucket's shard."""
         self.optimizer, self.masters = optimizer, masters

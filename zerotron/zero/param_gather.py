@@ -13,6 +13,7 @@ from it and all-gathered (`gather`). Two options of zero_optimization change whe
   parameters, so the gathers overlap the next forward. Reading the parameters any other way
   before that forward needs `settle()` first; the model's state_dict() does it.
 """
+
 from __future__ import annotations
 
 import torch

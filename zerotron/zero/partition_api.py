@@ -1,5 +1,6 @@
 """The user-facing side of ZeRO-3: build a model partitioned (`Init`, zero/partitioned_init.py),
 look at full weights (`GatheredParameters`, `consolidated_state_dict`), as DeepSpeed scripts call them."""
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,10 @@ class GatheredParameters:
         if not self.enabled:  # DeepSpeed's scripts pass enabled=(stage == 3): a plain block then
             return self
         if any(p.is_meta for p in self.params):
-            raise RuntimeError("these parameters are on the meta device (not built under zerotron.zero.Init, "
-                               "which gives every parameter real values): they have nothing to gather")
+            raise RuntimeError(
+                "these parameters are on the meta device (not built under zerotron.zero.Init, "
+                "which gives every parameter real values): they have nothing to gather"
+            )
         holders = {id(h): h for h in map(holder_of, self.params) if h is not None}
         self.holders = sorted(holders.values(), key=lambda h: h.order)  # the same collectives on every rank
         for h in self.holders:
@@ -83,4 +86,5 @@ def consolidated_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def _gather_tensor_parallel(shard: torch.Tensor, dim: int, comm, stride: int = 1) -> torch.Tensor:
     from ..tensor_parallel.split import join_parts
+
     return join_parts(comm.all_gather_list(shard), dim, stride)

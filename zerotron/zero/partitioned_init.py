@@ -1,6 +1,7 @@
 """zero.Init: build a model partitioned over the data-parallel ranks as it is built (DeepSpeed's
 scheme), each parameter a placeholder plus this rank's flat piece; and the per-parameter status
 DeepSpeed scripts read (ds_status)."""
+
 from __future__ import annotations
 
 import enum
@@ -15,9 +16,10 @@ from .residency import Residency, State, holder_of, set_holder
 
 class ZeroParamStatus(enum.Enum):
     """Where a ZeRO-3 parameter's values are, as DeepSpeed's `param.ds_status` says it."""
-    AVAILABLE = 1      # whole on this rank
+
+    AVAILABLE = 1  # whole on this rank
     NOT_AVAILABLE = 2  # only this rank's shard exists; the parameter reads as an empty placeholder
-    INFLIGHT = 3       # being gathered
+    INFLIGHT = 3  # being gathered
 
 
 _ds_ids = itertools.count()  # DeepSpeed's ds_id: construction order, the same on every rank
@@ -28,22 +30,28 @@ def built_under_init(p: torch.Tensor) -> bool:
     return isinstance(holder_of(p), InitPiece)
 
 
-_STATUS = {State.RELEASED: ZeroParamStatus.NOT_AVAILABLE, State.GATHERING: ZeroParamStatus.INFLIGHT,
-           State.GATHERED: ZeroParamStatus.AVAILABLE}
+_STATUS = {
+    State.RELEASED: ZeroParamStatus.NOT_AVAILABLE,
+    State.GATHERING: ZeroParamStatus.INFLIGHT,
+    State.GATHERED: ZeroParamStatus.AVAILABLE,
+}
 
 
 def mark_status(params):
     """An on_change for a Residency: DeepSpeed's ds_status of `params` follows the buffer's state."""
+
     def on_change(state: State):
         status = _STATUS[state]
         for p in params:
             p.ds_status = status
+
     return on_change
 
 
 class InitPiece:
     """A parameter built under zero.Init: this rank keeps its flat piece (DeepSpeed's ds_tensor);
     holding it gathers the whole value from every rank's piece (nested holds count)."""
+
     order_kind = 0  # GatheredParameters: zero.Init pieces first, in ds_id order
 
     def __init__(self, p: nn.Parameter, comm, full: torch.Tensor):
@@ -117,9 +125,20 @@ class Init:
 
     _active = 0  # nested Init blocks: only the outermost one patches
 
-    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
-                 pin_memory=False, config_dict_or_path=None, config=None, enabled: bool = True, dtype=None,
-                 mpu=None, **kwargs):
+    def __init__(
+        self,
+        module=None,
+        data_parallel_group=None,
+        mem_efficient_linear=True,
+        remote_device=None,
+        pin_memory=False,
+        config_dict_or_path=None,
+        config=None,
+        enabled: bool = True,
+        dtype=None,
+        mpu=None,
+        **kwargs,
+    ):
         self.enabled = enabled
         self.group = data_parallel_group
         self.dtype = dtype if dtype is not None else _config_dtype(config_dict_or_path if config is None else config)
@@ -133,7 +152,9 @@ class Init:
     def comm(self):
         if self._comm is None:
             import torch.distributed as dist
+
             from ..comm import Comm, init_distributed
+
             if not dist.is_initialized():
                 init_distributed()
             self._comm = Comm(self.group, "dp")
@@ -155,6 +176,7 @@ class Init:
         def wrap_new_class(cls, **kwargs):  # classes defined inside the block
             super(nn.Module, cls).__init_subclass__(**kwargs)
             owner._wrap(cls)
+
         self._init_subclass = init_subclass
         nn.Module.__init_subclass__ = classmethod(wrap_new_class)
         return self
@@ -182,6 +204,7 @@ class Init:
                 owner._partition_module(module)
                 if owner._depth == 0:
                     owner._reinit_root(module)
+
         __init__.__wrapped__ = original
         self._patched[cls] = original
         cls.__init__ = __init__
@@ -222,6 +245,7 @@ class Init:
 
 def _takes_a_module(fn) -> bool:
     import inspect
+
     try:
         return len(inspect.signature(fn).parameters) >= 1
     except (TypeError, ValueError):
@@ -247,6 +271,7 @@ def _module_classes():
 
 def _is_hf_model(module) -> bool:
     import sys
+
     mu = sys.modules.get("transformers.modeling_utils")
     return mu is not None and isinstance(module, mu.PreTrainedModel)
 
@@ -255,6 +280,7 @@ def _config_dtype(config):
     """DeepSpeed's Init keeps parameters in the config's half type when it enables one."""
     if isinstance(config, str):
         import json
+
         with open(config) as f:
             config = json.load(f)
     if not isinstance(config, dict):
@@ -284,6 +310,7 @@ def _piece(numel: int, world: int) -> int:
 def _partition_param(p: nn.Parameter, comm, dtype=None) -> None:
     """Keep this rank's flat piece of `p` (DeepSpeed's ds_tensor); `p` becomes a placeholder."""
     from ..comm import local_device
+
     device = local_device()
     value = p.data
     if dtype is not None and value.is_floating_point():
@@ -320,8 +347,9 @@ def materialize(unit_module: nn.Module, root: nn.Module, params: list[nn.Paramet
     ids = {id(p) for p in params}
     for p in params:
         if p.is_meta:  # swap, not .data=: a meta tensor cannot take real storage in place
-            torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
-                                                     requires_grad=p.requires_grad))
+            torch.utils.swap_tensors(
+                p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+            )
     fork_devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork_devices):
         torch.manual_seed(seed)
@@ -333,5 +361,3 @@ def materialize(unit_module: nn.Module, root: nn.Module, params: list[nn.Paramet
                 m.reset_parameters()
             if init is not None:
                 init(m)
-
-

@@ -8,6 +8,7 @@ in, the bucket's all-reduce is launched asynchronously while backward carries on
 always launched in index order, so every rank issues the same collectives in the same order
 even when hooks fire in a different order.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,7 +24,7 @@ class Bucket:
         self.grads = torch.zeros(numel, dtype=dtype, device=device)
         self.views, offset = [], 0
         for p in params:
-            self.views.append(self.grads[offset:offset + p.numel()].view_as(p))
+            self.views.append(self.grads[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         self.ready: set[int] = set()
         self.expected = len(params)  # gradients to wait for before reducing
@@ -46,7 +47,8 @@ class InOrderReduction:
             raise RuntimeError(
                 f"gradient of a parameter of shape {tuple(param.shape)} arrived after its bucket was reduced: "
                 "the parameter was used again after backward reached it (reentrant checkpointing or a "
-                "second backward before engine.step()); use torch.utils.checkpoint(use_reentrant=False)")
+                "second backward before engine.step()); use torch.utils.checkpoint(use_reentrant=False)"
+            )
         bucket.ready.add(i)
         self._launch_ready(in_backward=True)
 
@@ -66,7 +68,7 @@ class GradBuckets(InOrderReduction):
         self.comm = comm
         self.reduce_dtype = reduce_dtype
         self.buckets: list[Bucket] = []
-        self.sync = True            # reduce in this backward? (False inside gradient accumulation)
+        self.sync = True  # reduce in this backward? (False inside gradient accumulation)
         self._next_launch = 0
         self._bucket_of: dict[int, tuple[Bucket, int]] = {}
         for params in buckets:
@@ -137,10 +139,11 @@ class ReplicatedStates:
     full gradients all-reduced in buckets, full fp32 masters (separate only in bf16/fp16)."""
 
     norm_group = None  # gradients are identical on every rank after the all-reduce
-    host = None        # stage 0 never offloads
+    host = None  # stage 0 never offloads
 
     def __init__(self, buckets: list[list[torch.nn.Parameter]], comm: Comm, reduce_dtype: torch.dtype | None = None):
         from ..precision import MasterWeights
+
         params = [p for ps in buckets for p in ps]
         self.grad_buckets = GradBuckets(buckets, comm, reduce_dtype)
         self.buckets = self.grad_buckets.buckets
@@ -173,6 +176,7 @@ class ReplicatedStates:
 
     def norm_weights(self, tp: int) -> list[float] | None:
         from ..precision import norm_share
+
         weights = [norm_share(p, tp) for p in self.master.model_params]
         return None if all(w == 1.0 for w in weights) else weights
 
@@ -221,5 +225,7 @@ class ReplicatedStates:
         grads = sum(g.numel() * g.element_size() for g in self.grad_buckets.flat_grads())
         if self.master.separate:
             grads += sum(m.numel() * 4 for m in self.master.masters)
-        return {"grads": grads, "master_weights": sum(m.numel() * 4 for m in self.master.masters)
-                if self.master.separate else 0}
+        return {
+            "grads": grads,
+            "master_weights": sum(m.numel() * 4 for m in self.master.masters) if self.master.separate else 0,
+        }

@@ -21,6 +21,7 @@ rank: holders are gathered in that order), `hold()` (gather and pin) and `let_go
 (with a rank, that rank's values become everyone's, in the shards and fp32 masters too; then
 unpin and release unless something else still holds it).
 """
+
 from __future__ import annotations
 
 import enum
@@ -31,9 +32,9 @@ from .flat import FlatBucket
 
 
 class State(enum.Enum):
-    RELEASED = "released"    # only this rank's part exists; the parameters are placeholders
+    RELEASED = "released"  # only this rank's part exists; the parameters are placeholders
     GATHERING = "gathering"  # an all-gather is in flight into the buffer
-    GATHERED = "gathered"    # the buffer holds every rank's part; the parameters are views of it
+    GATHERED = "gathered"  # the buffer holds every rank's part; the parameters are views of it
 
 
 class Residency:

@@ -17,6 +17,7 @@ After the optimizer updates the master shard, each rank writes it (in the model 
 parameter shard; buckets whose parameters are replicated (stages 1, 2, and small parameters in
 stage 3) are then all-gathered, while stage 3's partitioned units are gathered on their next use.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -24,9 +25,9 @@ from collections import deque
 import torch
 
 from ..comm import Comm
+from .grads import AccumulatedGrads, StreamedGrads
 from .replicated import InOrderReduction
 from .sharded_bucket import ShardedBucket
-from .grads import AccumulatedGrads, StreamedGrads
 from .steps import HostStep, SubGroupStep, WholeShardStep
 
 _MAX_REDUCTIONS_IN_FLIGHT = 1
@@ -35,12 +36,24 @@ _MAX_REDUCTIONS_IN_FLIGHT = 1
 class ShardedStates(InOrderReduction):
     """Owns gradient reduction, master shards and parameter publishing for `buckets`."""
 
-    def __init__(self, buckets: list[ShardedBucket], partitioned: set[int], group_of: dict[int, int], comm: Comm,
-                 gather_comm: Comm, stage: int, allgather_numel: int, reduce_dtype: torch.dtype | None = None,
-                 on_grads_done=None, offload=None, sub_group_numel: int | None = None, reshard: bool = False,
-                 overlap_gather: bool = False):
+    def __init__(
+        self,
+        buckets: list[ShardedBucket],
+        partitioned: set[int],
+        group_of: dict[int, int],
+        comm: Comm,
+        gather_comm: Comm,
+        stage: int,
+        allgather_numel: int,
+        reduce_dtype: torch.dtype | None = None,
+        on_grads_done=None,
+        offload=None,
+        sub_group_numel: int | None = None,
+        reshard: bool = False,
+        overlap_gather: bool = False,
+    ):
         self.buckets = buckets
-        self.partitioned = partitioned      # indices of buckets whose full parameters are not kept
+        self.partitioned = partitioned  # indices of buckets whose full parameters are not kept
         # Gradient reductions start from backward hooks, whose timing can differ between ranks
         # (a parameter unused on one rank); parameter gathers start from forward/backward order.
         # Each kind gets its own process group, so only the order within a kind must agree.
@@ -48,8 +61,8 @@ class ShardedStates(InOrderReduction):
         self.allgather_numel = allgather_numel
         self.reduce_dtype = reduce_dtype
         self.on_grads_done = on_grads_done  # stage 3: release a unit once its gradients are in
-        self.offload = offload              # OffloadConfig of offload_optimizer, or None
-        self.host = None                    # HostBuffers when offloading
+        self.offload = offload  # OffloadConfig of offload_optimizer, or None
+        self.host = None  # HostBuffers when offloading
         self.sync = True
         self.grads = AccumulatedGrads() if stage == 1 else StreamedGrads()
         self._next_launch = 0
@@ -57,8 +70,14 @@ class ShardedStates(InOrderReduction):
         self._where: dict[int, tuple[ShardedBucket, int]] = {}
         self._build_masters(group_of, own_master_storage=reshard)
         from .param_gather import ReplicatedParams
-        self.params = ReplicatedParams([b for i, b in enumerate(buckets) if i not in partitioned], gather_comm,
-                                       allgather_numel, reshard, overlap_gather)
+
+        self.params = ReplicatedParams(
+            [b for i, b in enumerate(buckets) if i not in partitioned],
+            gather_comm,
+            allgather_numel,
+            reshard,
+            overlap_gather,
+        )
         # DeepSpeed's sub_group_size (stage 3): the fp32 gradient copy is made, and the optimizer
         # steps, one sub-group of master runs at a time instead of the whole shard at once.
         groups = self._cut_sub_groups(sub_group_numel)
@@ -67,8 +86,12 @@ class ShardedStates(InOrderReduction):
         for b in buckets:
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                       for b in buckets for p in b.params if p.requires_grad]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            for b in buckets
+            for p in b.params
+            if p.requires_grad
+        ]
 
     # ---- masters --------------------------------------------------------------------------
     def _build_masters(self, group_of: dict[int, int], own_master_storage: bool = False):
@@ -85,11 +108,13 @@ class ShardedStates(InOrderReduction):
         self.masters_are_params = dtype == torch.float32 and self.offload is None
         if self.offload is not None:
             from .offload import HostBuffers
+
             self.host = HostBuffers(total, dtype, self.offload.pin_memory)
             self.master_flat = self.host.masters
         else:
-            self.master_flat = None if self.masters_are_params else torch.zeros(total, dtype=torch.float32,
-                                                                                device=device)
+            self.master_flat = (
+                None if self.masters_are_params else torch.zeros(total, dtype=torch.float32, device=device)
+            )
         self.master_grad_flat = None  # fp32 gradients, during the step only
         self.runs: list[tuple[int | None, torch.nn.Parameter]] = []  # (optimizer group, master tensor)
         self._run_bounds: list[tuple[int, int]] = []
@@ -104,7 +129,7 @@ class ShardedStates(InOrderReduction):
                     b.shard = b.shard.clone()
                 b.master = b.shard
             else:
-                b.master = self.master_flat[offset:offset + b.shard_numel]
+                b.master = self.master_flat[offset : offset + b.shard_numel]
                 b.master.copy_(b.shard.float())
             # [(optimizer group, norm share), start in shard, a parameter of the run]; padding
             # joins the last run
@@ -132,8 +157,13 @@ class ShardedStates(InOrderReduction):
         # classes pass, known non-elementwise ones are refused, any other is probed first.
         # `allow_untested`: DeepSpeed's "zero_allow_untested_optimizer" key.
         from ..optim import check_shardable
-        check_shardable(optimizer, stage=self.stage, device=self.runs[0][1].device if self.runs else None,
-                        allow_untested=allow_untested)
+
+        check_shardable(
+            optimizer,
+            stage=self.stage,
+            device=self.runs[0][1].device if self.runs else None,
+            allow_untested=allow_untested,
+        )
         if optimizer.state:
             raise ValueError("the optimizer already has state; pass a fresh optimizer to zerotron.initialize")
         for gi, group in enumerate(optimizer.param_groups):
@@ -144,8 +174,11 @@ class ShardedStates(InOrderReduction):
             self.host.optimizer_copies_out = True
         if self.host is not None and hasattr(optimizer, "grad_in"):  # ... and reads the gradients itself
             from .offload import FusedHostStep
-            self._step = HostStep(self, FusedHostStep(self.host, optimizer, [m for _, m in self.runs],
-                                                      self._run_bounds, self.run_in_bucket))
+
+            self._step = HostStep(
+                self,
+                FusedHostStep(self.host, optimizer, [m for _, m in self.runs], self._run_bounds, self.run_in_bucket),
+            )
 
     def _cut_sub_groups(self, limit: int | None) -> list[list[int]] | None:
         """Runs of masters, each group at most `limit` elements (a larger run alone); None when the
@@ -172,6 +205,7 @@ class ShardedStates(InOrderReduction):
 
     def norm_weights(self, tp: int) -> list[float] | None:
         from ..precision import norm_share
+
         weights = [norm_share(p, tp) for p in self.run_norm_param]
         return None if all(w == 1.0 for w in weights) else weights
 
@@ -333,7 +367,10 @@ class ShardedStates(InOrderReduction):
         self.grads.zero(self.buckets)
 
     def memory(self) -> dict[str, int]:
-        out = {"grads": self.grads.nbytes(self.buckets), "master_weights": 0 if self.master_flat is None else self.master_flat.numel() * 4}
+        out = {
+            "grads": self.grads.nbytes(self.buckets),
+            "master_weights": 0 if self.master_flat is None else self.master_flat.numel() * 4,
+        }
         if self.host is not None:  # in host memory: masters, the staging buffer, fp32 gradients if any
             out["grads"] += 0 if self.host.grads is None else self.host.grads.numel() * 4
             out["host"] = self.host.nbytes()
@@ -346,8 +383,9 @@ class ShardedStates(InOrderReduction):
 
     def grad_pieces(self, param):
         b, i = self._where[id(param)]
-        return [(start, length, self.reduced_shard(b), at)
-                for j, start, at, length in b.param_slices_in_shard() if j == i]
+        return [
+            (start, length, self.reduced_shard(b), at) for j, start, at, length in b.param_slices_in_shard() if j == i
+        ]
 
     def grads_changed(self, params) -> None:
         if self.host is not None:
@@ -358,11 +396,12 @@ class ShardedStates(InOrderReduction):
     def republish(self, params, comm: Comm | None = None) -> None:
         """publish(from_masters=True) for the buckets of `params` only."""
         from ..comm import to_device
+
         comm = comm or self.gather_comm
         replicated = []
         for b in sorted({id(b): b for b in map(self.bucket_of, params)}.values(), key=lambda b: b.index):
             if self.host is not None:
-                self.host.staging[b.offset:b.offset + b.shard_numel].copy_(b.master)
+                self.host.staging[b.offset : b.offset + b.shard_numel].copy_(b.master)
             if b.index not in self.partitioned:
                 replicated.append(b)
                 continue

@@ -1,5 +1,6 @@
 """The state stages 1-3 keep for each flat bucket: where its full buffer is (a Residency), this
 rank's shard of the parameters, its fp32 master, and its place in the reductions."""
+
 from __future__ import annotations
 
 import torch
@@ -20,7 +21,7 @@ class ShardedBucket(FlatBucket):
         own = self.own_slice(full)
         self.shard: torch.Tensor | None = own if keep is None else keep(own)
         self.master: torch.Tensor | None = None  # fp32 view into the stage's master buffer
-        self.index = 0   # place among the stage's buckets: reductions and gathers go in this order
+        self.index = 0  # place among the stage's buckets: reductions and gathers go in this order
         self.offset = 0  # where its shard starts in the stage's flat master (and host) buffers
         self.ready: set[int] = set()  # parameters whose gradient arrived in this backward
         self.expected = sum(p.requires_grad for p in params)

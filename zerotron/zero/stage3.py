@@ -24,6 +24,7 @@ never whole on a rank. Inside `GatheredParameters` the units it gathered are pin
 leave them gathered until the outermost block ends (ranks may then run different numbers of
 forwards, e.g. generation of different lengths).
 """
+
 from __future__ import annotations
 
 import torch
@@ -56,8 +57,12 @@ def find_units(module: nn.Module, unit_classes: list[str] | None = None) -> list
         if unit_classes is not None:
             if type(m).__name__ in unit_classes and m is not module:
                 found.append((name, m))
-        elif isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1 and \
-                len({type(c) for c in m}) == 1 and any(True for _ in m[0].parameters()):
+        elif (
+            isinstance(m, (nn.ModuleList, nn.Sequential))
+            and len(m) > 1
+            and len({type(c) for c in m}) == 1
+            and any(True for _ in m[0].parameters())
+        ):
             found.extend((f"{name}.{i}" if name else str(i), c) for i, c in enumerate(m))
     return found
 
@@ -70,10 +75,18 @@ def _recomputing() -> bool:
 class Unit:
     """One gather/release unit: a module and the partitioned bucket of its own parameters (None:
     all of them kept whole), gathered and released through the bucket's Residency."""
+
     order_kind = 2  # GatheredParameters holds zero.Init pieces, then buckets kept whole, then units
 
-    def __init__(self, index: int, name: str, module: nn.Module, bucket: ShardedBucket | None, comm: Comm,
-                 uploads: Uploads | None = None):
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        module: nn.Module,
+        bucket: ShardedBucket | None,
+        comm: Comm,
+        uploads: Uploads | None = None,
+    ):
         self.index, self.name, self.module, self.bucket, self.comm = index, name, module, bucket, comm
         self.uploads = uploads  # the shard is in host memory (offload_param): see offload.Uploads
         self._held: list[bool] = []  # per GatheredParameters block: was it gathered before?
@@ -143,6 +156,7 @@ class Unit:
 class KeptWhole:
     """GatheredParameters' view of a stage-3 bucket kept whole on every rank (parameters under
     stage3_param_persistence_threshold): nothing to gather; a modifier's values reach the masters."""
+
     order_kind = 1
 
     def __init__(self, index: int, bucket: ShardedBucket, comm: Comm):
@@ -165,8 +179,18 @@ class KeptWhole:
 class Stage3States(ShardedStates):
     """Stage 3: ShardedStates over partitioned unit buckets plus the hooks that gather them."""
 
-    def __init__(self, module: nn.Module, params: list[nn.Parameter], group_of: dict[int, int], comm: Comm,
-                 gather_comm: Comm, zero, reduce_dtype=None, unit_classes: list[str] | None = None, offload=None):
+    def __init__(
+        self,
+        module: nn.Module,
+        params: list[nn.Parameter],
+        group_of: dict[int, int],
+        comm: Comm,
+        gather_comm: Comm,
+        zero,
+        reduce_dtype=None,
+        unit_classes: list[str] | None = None,
+        offload=None,
+    ):
         self.root = module
         # offload_param: partitioned shards wait in host memory; a gather brings them to the device.
         op = zero.offload_param
@@ -180,13 +204,24 @@ class Stage3States(ShardedStates):
         # their use, how many units found their gather already issued when their turn came.
         self.peak_live_numel = self.peak_ahead_numel = self.prefetch_hits = 0
         self.ahead: set[Unit] = set()  # units prefetched and not yet used
-        self.units, buckets = self._build_units(module, {id(p) for p in params}, comm, gather_comm,
-                                                zero.stage3_param_persistence_threshold, unit_classes)
+        self.units, buckets = self._build_units(
+            module, {id(p) for p in params}, comm, gather_comm, zero.stage3_param_persistence_threshold, unit_classes
+        )
         self.root_unit = self.units[-1]
         self.partitioned_buckets = {id(u.bucket) for u in self.units if u.bucket is not None}
-        super().__init__(buckets, {i for i, b in enumerate(buckets) if id(b) in self.partitioned_buckets}, group_of,
-                         comm, gather_comm, zero.stage, zero.allgather_bucket_size, reduce_dtype,
-                         on_grads_done=self._grads_done, offload=offload, sub_group_numel=zero.sub_group_size)
+        super().__init__(
+            buckets,
+            {i for i, b in enumerate(buckets) if id(b) in self.partitioned_buckets},
+            group_of,
+            comm,
+            gather_comm,
+            zero.stage,
+            zero.allgather_bucket_size,
+            reduce_dtype,
+            on_grads_done=self._grads_done,
+            offload=offload,
+            sub_group_numel=zero.sub_group_size,
+        )
         self._unit_of = {id(u.bucket): u for u in self.units if u.bucket is not None}
         # bf16/fp16 without offload: the fp32 master is the only copy of a partitioned shard, and
         # each gather casts it (FSDP2 keeps no low-precision shard either); saves 2 bytes/element
@@ -197,12 +232,18 @@ class Stage3States(ShardedStates):
                 _point_pieces(b, b.master)
         self.trace: list[Unit] = []
         self.tracing = True
-        self._forward_hooks = [h for u in self.units for h in (
-            u.module.register_forward_pre_hook(self._make_pre_forward(u)),
-            u.module.register_forward_hook(self._make_post_forward(u)))]
+        self._forward_hooks = [
+            h
+            for u in self.units
+            for h in (
+                u.module.register_forward_pre_hook(self._make_pre_forward(u)),
+                u.module.register_forward_hook(self._make_post_forward(u)),
+            )
+        ]
 
-    def _build_units(self, module, trainable: set[int], comm: Comm, gather_comm: Comm, threshold: int,
-                     unit_classes) -> tuple[list[Unit], list[ShardedBucket]]:
+    def _build_units(
+        self, module, trainable: set[int], comm: Comm, gather_comm: Comm, threshold: int, unit_classes
+    ) -> tuple[list[Unit], list[ShardedBucket]]:
         """Cut the model into units (the root last), one at a time: each unit's own parameters are
         materialized (meta device) or gathered from their zero.Init pieces, partitioned into its
         bucket (those under `threshold` into a bucket kept whole) and released, so only one unit is
@@ -245,6 +286,7 @@ class Stage3States(ShardedStates):
             if not self.param_host:
                 return own.clone()
             return host_empty(own.numel(), own.dtype, self.pin).copy_(own)
+
         return ShardedBucket(params, comm.size, comm.rank, keep=keep)
 
     # ---- hooks ------------------------------------------------------------------------------
@@ -259,6 +301,7 @@ class Stage3States(ShardedStates):
                 self.tracing = False  # one full forward recorded the execution order
             self._use(unit)
             self._prefetch(unit, step=+1)
+
         return hook
 
     def _live_numel(self) -> int:
@@ -278,6 +321,7 @@ class Stage3States(ShardedStates):
             if unit is self.root_unit and not training:
                 self.release_all()
             return output
+
         return hook
 
     def _pre_backward(self, unit: Unit):
@@ -295,7 +339,7 @@ class Stage3States(ShardedStates):
         """stage3_max_reuse_distance (gather_rules.reused_soon) at the end of a unit's forward."""
         if self.tracing or unit not in self.trace:
             return False  # the first step records the order: everything is released
-        later = [u.numel for u in self.trace[self.trace.index(unit) + 1:]]
+        later = [u.numel for u in self.trace[self.trace.index(unit) + 1 :]]
         return gather_rules.reused_soon(later, self.max_reuse_numel)
 
     def _prefetch(self, unit: Unit, step: int):
@@ -308,11 +352,16 @@ class Stage3States(ShardedStates):
             order = self.trace if step > 0 else self.trace[::-1]
         elif unit in self.trace:
             i = self.trace.index(unit)
-            order = self.trace[i + 1:] if step > 0 else self.trace[:i][::-1]
+            order = self.trace[i + 1 :] if step > 0 else self.trace[:i][::-1]
         else:
             return
-        chosen = gather_rules.prefetch([(u.numel, u.released) for u in order], sum(u.numel for u in self.ahead),
-                                       self._live_numel(), self.prefetch_numel, self.max_live_numel)
+        chosen = gather_rules.prefetch(
+            [(u.numel, u.released) for u in order],
+            sum(u.numel for u in self.ahead),
+            self._live_numel(),
+            self.prefetch_numel,
+            self.max_live_numel,
+        )
         for k in chosen:
             order[k].start_gather()
             self.ahead.add(order[k])
@@ -325,6 +374,7 @@ class Stage3States(ShardedStates):
         unit = self._unit_of.get(id(bucket))
         if unit is not None and unit is not self.root_unit and all(p.requires_grad for p in bucket.params):
             unit.release()
+
     def end_backward(self):
         super().end_backward()
         self.release_all()
@@ -343,10 +393,14 @@ class Stage3States(ShardedStates):
     # ---- bookkeeping ------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
         out = super().memory()
-        shards = sum(b.shard.numel() * b.shard.element_size() for i, b in enumerate(self.buckets)
-                     if i in self.partitioned and b.shard is not None)
-        out["params"] = shards + sum(b.full.numel() * b.full.element_size() for i, b in enumerate(self.buckets)
-                                     if i not in self.partitioned)
+        shards = sum(
+            b.shard.numel() * b.shard.element_size()
+            for i, b in enumerate(self.buckets)
+            if i in self.partitioned and b.shard is not None
+        )
+        out["params"] = shards + sum(
+            b.full.numel() * b.full.element_size() for i, b in enumerate(self.buckets) if i not in self.partitioned
+        )
         if self.param_host:
             out["host"] = out.get("host", 0) + shards
         return out
@@ -372,12 +426,12 @@ def _point_pieces(bucket: ShardedBucket, flat: torch.Tensor) -> None:
     pieces = {i: (start_in_shard, length) for i, _, start_in_shard, length in bucket.param_slices_in_shard()}
     for i, p in enumerate(bucket.params):
         start, length = pieces.get(i, (0, 0))
-        p.ds_tensor = flat[start:start + length]
+        p.ds_tensor = flat[start : start + length]
 
 
 def _agreed_seed(comm: Comm) -> int:
     """A seed every rank agrees on (rank 0's), for initializing units built under zero.Init."""
-    seed = torch.tensor([torch.initial_seed() % (2 ** 31)], dtype=torch.int64, device=local_device())
+    seed = torch.tensor([torch.initial_seed() % (2**31)], dtype=torch.int64, device=local_device())
     if comm.size > 1:
         comm.broadcast(seed, src_group_rank=0)
     return int(seed.item())

@@ -12,6 +12,7 @@ optimizer.
   the gradients are measured as they leave for the host, and the host makes one fused pass
   (offload.FusedHostStep).
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,6 +24,7 @@ class WholeShardStep:
 
     def inspect(self, inv_scale: float | None) -> torch.Tensor | None:
         from ..precision import nonfinite_and_unscale
+
         self.states.make_master_grads()
         return None if inv_scale is None else nonfinite_and_unscale(self.states.master_grads(), inv_scale)
 

@@ -5,6 +5,7 @@ stage 3 (zero/stage3.py: Stage3States) implement it; zero.make_model_states pick
 the pipeline engine and checkpoint/ call only these members (tests/test_layering.py holds each
 class to them).
 """
+
 from __future__ import annotations
 
 from typing import Iterator, Protocol
@@ -86,7 +87,27 @@ class ModelStates(Protocol):
         """Remove the hooks this object put on the model."""
 
 
-MEMBERS = ("replicated", "norm_group", "host", "adopt", "begin_backward", "end_backward", "reduce_accumulated",
-           "reduced_grads", "unscale_and_check", "master_grads", "grad_norms", "apply_update", "norm_weights",
-           "publish", "zero_grads", "param_shape", "grad_pieces", "grads_changed", "republish", "pieces", "memory",
-           "destroy")
+MEMBERS = (
+    "replicated",
+    "norm_group",
+    "host",
+    "adopt",
+    "begin_backward",
+    "end_backward",
+    "reduce_accumulated",
+    "reduced_grads",
+    "unscale_and_check",
+    "master_grads",
+    "grad_norms",
+    "apply_update",
+    "norm_weights",
+    "publish",
+    "zero_grads",
+    "param_shape",
+    "grad_pieces",
+    "grads_changed",
+    "republish",
+    "pieces",
+    "memory",
+    "destroy",
+)

@@ -10,7 +10,8 @@ class MoE:
         raise NotImplementedError(
             "deepspeed.moe.layer.MoE is not supported by zerotron: it has no expert parallelism or gating "
             "kernels. Build the experts as ordinary modules (they train under data, tensor and pipeline "
-            "parallelism and ZeRO like any other; see zerotron.compat.utils.set_z3_leaf_modules for ZeRO-3)")
+            "parallelism and ZeRO like any other; see zerotron.compat.utils.set_z3_leaf_modules for ZeRO-3)"
+        )
 
 
 __all__ = ["MoE"]

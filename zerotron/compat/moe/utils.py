@@ -2,6 +2,7 @@
 DeepSpeed's MoE wants. As in DeepSpeed, an expert parameter is one with `allreduce = False`
 (and a `group_name`); zerotron builds no such parameters, so for its models every group comes back
 unchanged (as a list, DeepSpeed's output type)."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -98,7 +99,9 @@ def configure_moe_param_groups(model_parameters: list):
             raise TypeError(f"optimizer parameters must be tensors or dicts, not {type(p).__name__}")
     first = model_parameters[0]
     if isinstance(first, torch.nn.Parameter):
-        return split_params_into_different_moe_groups_for_optimizer({"params": model_parameters, "name": "dense-params"})
+        return split_params_into_different_moe_groups_for_optimizer(
+            {"params": model_parameters, "name": "dense-params"}
+        )
     if isinstance(first, dict) and not any("moe" in g for g in model_parameters):
         return split_params_into_different_moe_groups_for_optimizer(model_parameters)
     return model_parameters

@@ -1,5 +1,6 @@
 """`deepspeed.runtime.config`: DeepSpeedConfig (a view of zerotron.Config with DeepSpeed's
 attribute names), DeepSpeedConfigError (= zerotron.ConfigError) and the optimizer name constants."""
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,20 @@ MUADAMW_OPTIMIZER = "muadamw"
 MUSGD_OPTIMIZER = "musgd"
 LION_OPTIMIZER = "lion"
 MUON_OPTIMIZER = "muon"
-DEEPSPEED_OPTIMIZERS = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, ONEBIT_ADAM_OPTIMIZER,
-                        ONEBIT_LAMB_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, MUADAM_OPTIMIZER, MUADAMW_OPTIMIZER,
-                        MUSGD_OPTIMIZER, LION_OPTIMIZER, MUON_OPTIMIZER]
+DEEPSPEED_OPTIMIZERS = [
+    ADAGRAD_OPTIMIZER,
+    ADAM_OPTIMIZER,
+    ADAMW_OPTIMIZER,
+    LAMB_OPTIMIZER,
+    ONEBIT_ADAM_OPTIMIZER,
+    ONEBIT_LAMB_OPTIMIZER,
+    ZERO_ONE_ADAM_OPTIMIZER,
+    MUADAM_OPTIMIZER,
+    MUADAMW_OPTIMIZER,
+    MUSGD_OPTIMIZER,
+    LION_OPTIMIZER,
+    MUON_OPTIMIZER,
+]
 TORCH_ADAM_PARAM = "torch_adam"
 ADAM_W_MODE = "adam_w_mode"
 ADAM_W_MODE_DEFAULT = True
@@ -40,8 +52,10 @@ class DeepSpeedConfig:
 
     def __init__(self, config, mpu=None, mesh_device=None):
         if mpu is not None or mesh_device is not None:
-            raise ValueError("mpu= and mesh_device= are Megatron/DeepSpeed hooks zerotron does not take; set "
-                             "tensor_parallel.autotp_size and pipeline.stages in the config instead")
+            raise ValueError(
+                "mpu= and mesh_device= are Megatron/DeepSpeed hooks zerotron does not take; set "
+                "tensor_parallel.autotp_size and pipeline.stages in the config instead"
+            )
         initialized = dist.is_initialized()
         self.config = Config.load(config, world_size=dist.get_world_size() if initialized else 1)
         c = self.config

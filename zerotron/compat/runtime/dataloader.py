@@ -4,6 +4,7 @@ zerotron's engine builds its own loader for `training_data` (a torch DataLoader 
 zerotron.data.ResumableDistributedSampler); DeepSpeedDataLoader is for scripts that build one
 themselves the DeepSpeed way.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,19 +36,34 @@ class DeepSpeedDataLoader:
     its share through a DistributedSampler (the sizes default to the current engine's
     data-parallel group), or all of the data through a RandomSampler when local_rank < 0."""
 
-    def __init__(self, dataset, batch_size, pin_memory, local_rank, tput_timer, collate_fn=None,
-                 num_local_io_workers=None, data_sampler=None, data_parallel_world_size=None,
-                 data_parallel_rank=None, dataloader_drop_last=False, deepspeed_dataloader_config=None):
+    def __init__(
+        self,
+        dataset,
+        batch_size,
+        pin_memory,
+        local_rank,
+        tput_timer,
+        collate_fn=None,
+        num_local_io_workers=None,
+        data_sampler=None,
+        data_parallel_world_size=None,
+        data_parallel_rank=None,
+        dataloader_drop_last=False,
+        deepspeed_dataloader_config=None,
+    ):
         if (deepspeed_dataloader_config or {}).get("curriculum_learning"):
             raise ValueError("curriculum learning (DeepSpeed's data efficiency library) is not supported by zerotron")
         from ..utils import groups
+
         if data_sampler is None:
             if local_rank >= 0:
                 data_sampler = DistributedSampler(
                     dataset,
-                    num_replicas=groups._get_data_parallel_world_size() if data_parallel_world_size is None
+                    num_replicas=groups._get_data_parallel_world_size()
+                    if data_parallel_world_size is None
                     else data_parallel_world_size,
-                    rank=groups._get_data_parallel_rank() if data_parallel_rank is None else data_parallel_rank)
+                    rank=groups._get_data_parallel_rank() if data_parallel_rank is None else data_parallel_rank,
+                )
             else:
                 data_sampler = RandomSampler(dataset)
         self.dataset, self.batch_size, self.tput_timer = dataset, batch_size, tput_timer
@@ -55,9 +71,15 @@ class DeepSpeedDataLoader:
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self.collate_fn, self.num_local_io_workers = collate_fn, num_local_io_workers or 0
         self.dataloader_drop_last = dataloader_drop_last
-        self.dataloader = DataLoader(dataset, batch_size=batch_size, sampler=data_sampler, collate_fn=collate_fn,
-                                     pin_memory=self.pin_memory, num_workers=self.num_local_io_workers,
-                                     drop_last=dataloader_drop_last)
+        self.dataloader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=data_sampler,
+            collate_fn=collate_fn,
+            pin_memory=self.pin_memory,
+            num_workers=self.num_local_io_workers,
+            drop_last=dataloader_drop_last,
+        )
         self.len = len(self.dataloader)
         self.data = None
 

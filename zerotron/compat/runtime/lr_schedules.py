@@ -1,5 +1,6 @@
 """`deepspeed.runtime.lr_schedules`: the schedulers (zerotron/schedulers.py, plus LRRangeTest here),
 the parameter-name constants and DeepSpeed's command-line tuning arguments."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,8 +8,16 @@ import math
 
 import torch
 
-from ...schedulers import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR  # noqa: F401  (DeepSpeed's names)
-from ...schedulers import per_group, Scheduler, torch_optimizer, write_groups
+from ...schedulers import (  # noqa: F401  (DeepSpeed's names)
+    OneCycle,
+    Scheduler,
+    WarmupCosineLR,
+    WarmupDecayLR,
+    WarmupLR,
+    per_group,
+    torch_optimizer,
+    write_groups,
+)
 
 LR_SCHEDULE = "lr_schedule"
 LR_RANGE_TEST = "LRRangeTest"
@@ -55,12 +64,21 @@ class LRRangeTest(Scheduler):
     optimizer from construction on. Built directly in a script; zerotron's config "scheduler"
     section does not take this type."""
 
-    def __init__(self, optimizer, lr_range_test_min_lr=1e-3, lr_range_test_step_size: int = 2000,
-                 lr_range_test_step_rate: float = 1.0, lr_range_test_staircase: bool = False,
-                 last_batch_iteration: int = -1):
+    def __init__(
+        self,
+        optimizer,
+        lr_range_test_min_lr=1e-3,
+        lr_range_test_step_size: int = 2000,
+        lr_range_test_step_rate: float = 1.0,
+        lr_range_test_staircase: bool = False,
+        last_batch_iteration: int = -1,
+    ):
         super().__init__(optimizer, last_batch_iteration)
-        if isinstance(lr_range_test_step_size, bool) or not isinstance(lr_range_test_step_size, int) \
-                or lr_range_test_step_size <= 0:
+        if (
+            isinstance(lr_range_test_step_size, bool)
+            or not isinstance(lr_range_test_step_size, int)
+            or lr_range_test_step_size <= 0
+        ):
             raise ValueError(f"lr_range_test_step_size must be a positive integer, got {lr_range_test_step_size!r}")
         self.min_lr = per_group(self.optimizer, lr_range_test_min_lr, LR_RANGE_TEST_MIN_LR)
         self.step_size, self.step_rate = lr_range_test_step_size, lr_range_test_step_rate
@@ -104,12 +122,29 @@ def add_tuning_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--lr_range_test_min_lr", type=float, default=0.001, help="Starting lr value.")
     g.add_argument("--lr_range_test_step_rate", type=float, default=1.0, help="scaling rate for LR range test.")
     g.add_argument("--lr_range_test_step_size", type=int, default=1000, help="training steps per LR change.")
-    g.add_argument("--lr_range_test_staircase", type=_bool, default=False, help="use staircase scaling for LR range test.")
-    g.add_argument("--cycle_first_step_size", type=int, default=1000, help="size of first step of 1Cycle schedule (training steps).")
+    g.add_argument(
+        "--lr_range_test_staircase", type=_bool, default=False, help="use staircase scaling for LR range test."
+    )
+    g.add_argument(
+        "--cycle_first_step_size",
+        type=int,
+        default=1000,
+        help="size of first step of 1Cycle schedule (training steps).",
+    )
     g.add_argument("--cycle_first_stair_count", type=int, default=-1, help="first stair count for 1Cycle schedule.")
-    g.add_argument("--cycle_second_step_size", type=int, default=-1, help="size of second step of 1Cycle schedule (default first_step_size).")
+    g.add_argument(
+        "--cycle_second_step_size",
+        type=int,
+        default=-1,
+        help="size of second step of 1Cycle schedule (default first_step_size).",
+    )
     g.add_argument("--cycle_second_stair_count", type=int, default=-1, help="second stair count for 1Cycle schedule.")
-    g.add_argument("--decay_step_size", type=int, default=1000, help="size of intervals for applying post cycle decay (training steps).")
+    g.add_argument(
+        "--decay_step_size",
+        type=int,
+        default=1000,
+        help="size of intervals for applying post cycle decay (training steps).",
+    )
     g.add_argument("--cycle_min_lr", type=float, default=0.01, help="1Cycle LR lower bound.")
     g.add_argument("--cycle_max_lr", type=float, default=0.1, help="1Cycle LR upper bound.")
     g.add_argument("--decay_lr_rate", type=float, default=0.0, help="post cycle LR decay rate.")
@@ -120,7 +155,9 @@ def add_tuning_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     g.add_argument("--warmup_min_lr", type=float, default=0, help="WarmupLR minimum/initial LR value")
     g.add_argument("--warmup_max_lr", type=float, default=0.001, help="WarmupLR maximum LR value.")
     g.add_argument("--warmup_num_steps", type=int, default=1000, help="WarmupLR step count for LR warmup.")
-    g.add_argument("--warmup_type", type=str, default=WARMUP_LOG_RATE, help="WarmupLR increasing function during warmup")
+    g.add_argument(
+        "--warmup_type", type=str, default=WARMUP_LOG_RATE, help="WarmupLR increasing function during warmup"
+    )
     g.add_argument("--warmup_min_ratio", type=float, default=0.01, help="Cosine LR lower bound.")
     g.add_argument("--cos_min_ratio", type=float, default=0.01, help="Cosine LR lower bound.")
     return parser
@@ -131,9 +168,19 @@ def parse_arguments():
 
 
 _RANGE_TEST_KEYS = (LR_RANGE_TEST_MIN_LR, LR_RANGE_TEST_STEP_RATE, LR_RANGE_TEST_STEP_SIZE, LR_RANGE_TEST_STAIRCASE)
-_ONE_CYCLE_KEYS = (CYCLE_FIRST_STEP_SIZE, CYCLE_FIRST_STAIR_COUNT, CYCLE_SECOND_STEP_SIZE, CYCLE_SECOND_STAIR_COUNT,
-                   DECAY_STEP_SIZE, CYCLE_MIN_LR, CYCLE_MAX_LR, DECAY_LR_RATE, CYCLE_MIN_MOM, CYCLE_MAX_MOM,
-                   DECAY_MOM_RATE)
+_ONE_CYCLE_KEYS = (
+    CYCLE_FIRST_STEP_SIZE,
+    CYCLE_FIRST_STAIR_COUNT,
+    CYCLE_SECOND_STEP_SIZE,
+    CYCLE_SECOND_STAIR_COUNT,
+    DECAY_STEP_SIZE,
+    CYCLE_MIN_LR,
+    CYCLE_MAX_LR,
+    DECAY_LR_RATE,
+    CYCLE_MIN_MOM,
+    CYCLE_MAX_MOM,
+    DECAY_MOM_RATE,
+)
 _WARMUP_KEYS = (WARMUP_MIN_LR, WARMUP_MAX_LR, WARMUP_NUM_STEPS, WARMUP_TYPE)
 
 
@@ -184,4 +231,3 @@ def get_lr_from_config(config):
         return None, f"{schedule} is not a valid LR schedule"
     key = {LR_RANGE_TEST: LR_RANGE_TEST_MIN_LR, ONE_CYCLE: CYCLE_MAX_LR}.get(schedule, WARMUP_MAX_LR)
     return params[key], ""
-

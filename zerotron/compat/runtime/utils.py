@@ -1,4 +1,5 @@
 """`deepspeed.runtime.utils`: the helpers scripts import from it."""
+
 from __future__ import annotations
 
 import gc
@@ -20,8 +21,8 @@ def set_random_seed(seed: int):
     except ImportError:
         numpy = None
     if numpy is not None:
-        numpy.random.seed(seed % 2 ** 32)
-    torch.manual_seed(seed % 2 ** 63)
+        numpy.random.seed(seed % 2**32)
+    torch.manual_seed(seed % 2**63)
 
 
 def _host_memory_gb() -> tuple[float | None, float | None]:
@@ -30,7 +31,7 @@ def _host_memory_gb() -> tuple[float | None, float | None]:
         with open("/proc/meminfo") as f:
             info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
         total, available = info["MemTotal"], info.get("MemAvailable", info["MemFree"])
-        return round((total - available) / 2 ** 30, 2), round(100 * (total - available) / total, 1)
+        return round((total - available) / 2**30, 2), round(100 * (total - available) / total, 1)
     except (OSError, KeyError, ValueError, ZeroDivisionError):
         return None, None
 
@@ -42,10 +43,12 @@ def see_memory_usage(message, force: bool = False):
         return
     gc.collect()
     print(message)
-    gb = 2 ** 30
+    gb = 2**30
     if torch.cuda.is_available():
-        print(f"MA {torch.cuda.memory_allocated() / gb:.2f} GB  Max_MA {torch.cuda.max_memory_allocated() / gb:.2f} GB  "
-              f"CA {torch.cuda.memory_reserved() / gb:.2f} GB  Max_CA {torch.cuda.max_memory_reserved() / gb:.2f} GB")
+        print(
+            f"MA {torch.cuda.memory_allocated() / gb:.2f} GB  Max_MA {torch.cuda.max_memory_allocated() / gb:.2f} GB  "
+            f"CA {torch.cuda.memory_reserved() / gb:.2f} GB  Max_CA {torch.cuda.max_memory_reserved() / gb:.2f} GB"
+        )
         torch.cuda.reset_peak_memory_stats()
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)

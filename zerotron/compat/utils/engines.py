@@ -8,6 +8,7 @@ imported Transformers, so it runs only when an engine may have been built since 
 every Engine construction calls zerotron.checkpointing.reset(), which replaces that module's
 settings object, and a walk runs when that object has changed.
 """
+
 from __future__ import annotations
 
 import gc
@@ -21,6 +22,7 @@ _walked_at = None  # zerotron.checkpointing's settings object at the last walk
 
 def _engine_class():
     from ...engine import Engine
+
     return Engine
 
 
@@ -39,6 +41,7 @@ def _walk():
     for a new engine is the end of its construction."""
     global _walked_at
     from ... import activation_checkpointing as checkpointing
+
     settings = checkpointing._settings
     if settings is _walked_at:
         return

@@ -7,18 +7,21 @@ data-parallel group is the whole world and there is no model parallelism, as in 
 without an mpu. zerotron has no expert parallelism and no Ulysses sequence parallelism: those
 worlds have one rank, and asking for their groups is an error that says so.
 """
+
 from __future__ import annotations
 
 import torch.distributed as dist
 
 from .engines import current_engine
 
-mpu = None          # DeepSpeed's module attributes, read by some scripts
+mpu = None  # DeepSpeed's module attributes, read by some scripts
 mesh_device = None
 expert_tensor_parallel_world_size = 1
 
-_NO_EXPERTS = ("zerotron has no expert parallelism (Mixture-of-Experts layers are not supported), "
-               "so there is no expert-parallel group; the expert-parallel world is 1 rank")
+_NO_EXPERTS = (
+    "zerotron has no expert parallelism (Mixture-of-Experts layers are not supported), "
+    "so there is no expert-parallel group; the expert-parallel world is 1 rank"
+)
 _tp_world_size_override = None
 _tp_rank_override = None
 
@@ -34,8 +37,10 @@ def _topology():
 
 def _require_dist(what: str):
     if not dist.is_initialized():
-        raise RuntimeError(f"{what}: torch.distributed is not initialized; call zerotron.init_distributed() "
-                           "or zerotron.initialize(...) first")
+        raise RuntimeError(
+            f"{what}: torch.distributed is not initialized; call zerotron.init_distributed() "
+            "or zerotron.initialize(...) first"
+        )
 
 
 # ---- data parallel ---------------------------------------------------------------------------
@@ -86,8 +91,10 @@ def get_tensor_model_parallel_group():
     _require_dist("the tensor-parallel group")
     t = _topology()
     if t is None:
-        raise RuntimeError("the tensor-parallel group is not initialized: it exists once zerotron.initialize(...) "
-                           "has built an engine (tensor_parallel.autotp_size in the config)")
+        raise RuntimeError(
+            "the tensor-parallel group is not initialized: it exists once zerotron.initialize(...) "
+            "has built an engine (tensor_parallel.autotp_size in the config)"
+        )
     return t.group("tp")
 
 
@@ -160,8 +167,10 @@ def _get_sequence_parallel_rank() -> int:
 
 
 def _get_sequence_parallel_group():
-    raise KeyError("no sequence-parallel group: zerotron has no DeepSpeed-Ulysses sequence parallelism "
-                   "(zerotron.sequence_parallel is Megatron-style, inside the tensor-parallel group)")
+    raise KeyError(
+        "no sequence-parallel group: zerotron has no DeepSpeed-Ulysses sequence parallelism "
+        "(zerotron.sequence_parallel is Megatron-style, inside the tensor-parallel group)"
+    )
 
 
 def _get_sequence_data_parallel_world_size() -> int:
@@ -256,8 +265,10 @@ def _get_local_all_to_all_group():
 
 def initialize(ep_size=1, mpu=None):
     """DeepSpeed deprecated this and raises; so does zerotron (MoE's ep_size has no equivalent)."""
-    raise RuntimeError("groups.initialize() is deprecated in DeepSpeed and not available in zerotron: process "
-                       "groups come from zerotron.initialize(...) and the config's parallel sizes")
+    raise RuntimeError(
+        "groups.initialize() is deprecated in DeepSpeed and not available in zerotron: process "
+        "groups come from zerotron.initialize(...) and the config's parallel sizes"
+    )
 
 
 # ---- ZeRO++ hierarchical partitioning: not in zerotron ---------------------------------------------

@@ -1,8 +1,9 @@
 """DeepSpeed's `OnDevice`: build a model's tensors straight on a device and in a dtype.
 
-    with OnDevice(dtype=torch.bfloat16, device="meta"):
-        model = MyModel()        # every floating-point parameter: meta, bf16; nothing allocated
+with OnDevice(dtype=torch.bfloat16, device="meta"):
+    model = MyModel()        # every floating-point parameter: meta, bf16; nothing allocated
 """
+
 from __future__ import annotations
 
 import torch

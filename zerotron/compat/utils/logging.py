@@ -1,4 +1,5 @@
 """`deepspeed.utils.logging`: zerotron's logger and DeepSpeed's rank-filtered logging helpers."""
+
 from __future__ import annotations
 
 import functools
@@ -9,8 +10,13 @@ import torch.distributed as dist
 
 from ...log import logger
 
-LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-              "error": logging.ERROR, "critical": logging.CRITICAL}
+LOG_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
 log_levels = LOG_LEVELS  # DeepSpeed's name
 
 

@@ -1,4 +1,5 @@
 """`deepspeed.utils.nvtx`: a decorator that marks a function as an NVTX range on CUDA (for Nsight)."""
+
 import functools
 
 import torch
@@ -16,4 +17,5 @@ def instrument_w_nvtx(func):
             return func(*args, **kwargs)
         finally:
             torch.cuda.nvtx.range_pop()
+
     return wrapped

@@ -18,6 +18,7 @@ Differences from DeepSpeed, on purpose:
 Parameters no engine trains give None, as in DeepSpeed; frozen parameters give their value for
 the fp32 parameter and None for gradients and optimizer states.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -34,9 +35,10 @@ class _Layout:
 
     def __init__(self, engine):
         from ...comm import Comm
+
         states = engine.states
         self.engine, self.states = engine, states
-        self.masters: dict[int, list] = {}   # id(p) -> [(start in param, length, optimizer's master, offset)]
+        self.masters: dict[int, list] = {}  # id(p) -> [(start in param, length, optimizer's master, offset)]
         for p, start, length, master, offset in states.pieces():
             self.masters.setdefault(id(p), []).append((start, length, master, offset))
         # Sharded states: a Comm of its own (these collectives are not training traffic: engine.comm_stats())
@@ -50,13 +52,13 @@ class _Layout:
         """Every rank's `pieces` [(start, length, source tensor, offset in it)] summed into one tensor."""
         buffer = self.empty(param)
         for start, length, source, offset in pieces:
-            buffer[start:start + length].copy_(source.reshape(-1)[offset:offset + length])
+            buffer[start : start + length].copy_(source.reshape(-1)[offset : offset + length])
         if self.comm is not None and self.comm.size > 1:
             self.comm.all_reduce(buffer)
         return buffer.view(self.states.param_shape(param))
 
     def local(self, param, pieces) -> torch.Tensor:
-        parts = [source.reshape(-1)[offset:offset + length].float() for _, length, source, offset in pieces]
+        parts = [source.reshape(-1)[offset : offset + length].float() for _, length, source, offset in pieces]
         if not parts:
             return torch.zeros(0, dtype=torch.float32, device=self.engine.device)
         return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
@@ -68,8 +70,8 @@ class _Layout:
         at = 0
         with torch.no_grad():
             for start, length, target, offset in pieces:
-                src = flat[at:at + length] if local else flat[start:start + length]
-                target.reshape(-1)[offset:offset + length].copy_(src.to(target.device, target.dtype))
+                src = flat[at : at + length] if local else flat[start : start + length]
+                target.reshape(-1)[offset : offset + length].copy_(src.to(target.device, target.dtype))
                 at += length
 
     # ---- what is stored where -------------------------------------------------------------------
@@ -82,8 +84,11 @@ class _Layout:
         sample = next((s[key] for s in state.values() if key in s), None)
         if sample is None:
             return None
-        mine = [(start, length, master, offset) for start, length, master, offset in self.masters.get(id(param), [])
-                if key in state.get(master, {})]
+        mine = [
+            (start, length, master, offset)
+            for start, length, master, offset in self.masters.get(id(param), [])
+            if key in state.get(master, {})
+        ]
         if not torch.is_tensor(sample) or sample.dim() == 0:
             value = state[mine[0][2]][key] if mine else sample
             return value.clone() if torch.is_tensor(value) else value

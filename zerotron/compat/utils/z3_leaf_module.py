@@ -6,6 +6,7 @@ data-dependent order, or a module with many tiny submodules. The mark is DeepSpe
 boolean attribute `_z3_leaf` on the module, read by zerotron's ZeRO-3 when it chooses its
 units (zerotron/zero/stage3.py), so it must be set before `zerotron.initialize`.
 """
+
 from __future__ import annotations
 
 import torch.nn as nn
@@ -67,8 +68,9 @@ def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes, raise_if_not_fo
     return _mark_classes(model, leaf_module_classes, False, raise_if_not_found)
 
 
-def set_z3_leaf_modules_by_name(model: nn.Module, module_names, flag: bool = True,
-                                raise_if_not_found: bool = True) -> tuple[list[nn.Module], list[str]]:
+def set_z3_leaf_modules_by_name(
+    model: nn.Module, module_names, flag: bool = True, raise_if_not_found: bool = True
+) -> tuple[list[nn.Module], list[str]]:
     """Mark the modules with these names (as `named_modules()` gives them); returns (marked, missing)."""
     by_name = dict(model.named_modules())
     marked, missing = [], []
@@ -83,8 +85,9 @@ def set_z3_leaf_modules_by_name(model: nn.Module, module_names, flag: bool = Tru
     return marked, missing
 
 
-def set_z3_leaf_modules_by_suffix(model: nn.Module, module_name_suffixes, flag: bool = True,
-                                  raise_if_not_found: bool = True) -> tuple[list[nn.Module], list[str]]:
+def set_z3_leaf_modules_by_suffix(
+    model: nn.Module, module_name_suffixes, flag: bool = True, raise_if_not_found: bool = True
+) -> tuple[list[nn.Module], list[str]]:
     """Mark the modules whose names end with any of these suffixes; returns (marked, unmatched suffixes)."""
     modules = list(model.named_modules())
     marked, seen, missing = [], set(), []

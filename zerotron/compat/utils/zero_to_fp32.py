@@ -11,6 +11,7 @@ Also runnable: `python -m zerotron.compat.utils.zero_to_fp32 CHECKPOINT_DIR OUTP
 Weights tied to another parameter (an output head sharing the embedding) appear under the first
 name only, as the model's `named_parameters()` lists them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,18 @@ import torch
 
 from ...log import logger
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
-               "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 _FILE_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors")
 
 
@@ -56,6 +67,7 @@ class LazyTensor:
 def _lazy_state_dict(directory: Path, exclude_frozen_parameters: bool) -> dict[str, LazyTensor]:
     from ...checkpoint.files import read_meta
     from ...checkpoint.load import SavedPieces
+
     saved = SavedPieces(directory, read_meta(directory))
     state = {}
     for name in sorted(saved.by_name):  # trainable parameters: their fp32 masters
@@ -74,8 +86,9 @@ def _lazy_state_dict(directory: Path, exclude_frozen_parameters: bool) -> dict[s
     return state
 
 
-def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_frozen_parameters: bool = False,
-                                             lazy_mode: bool = False) -> dict:
+def get_fp32_state_dict_from_zero_checkpoint(
+    checkpoint_dir, tag=None, exclude_frozen_parameters: bool = False, lazy_mode: bool = False
+) -> dict:
     """The whole model's state dict in fp32 (buffers and frozen parameters as saved), on the CPU.
     `checkpoint_dir` holds the tag directories and `latest`; `tag` picks one (default: latest).
     With `lazy_mode` the values are LazyTensor objects: call `.contiguous()` to read each."""
@@ -109,14 +122,20 @@ def _shards(state: dict, max_bytes: int | None) -> list[list[str]]:
 def _write(tensors: dict, path: Path, safe_serialization: bool):
     if safe_serialization:
         from safetensors.torch import save_file
+
         save_file(tensors, str(path), metadata={"format": "pt"})
     else:
         torch.save(tensors, str(path))
 
 
-def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_shard_size="5GB",
-                                               safe_serialization: bool = False, tag=None,
-                                               exclude_frozen_parameters: bool = False):
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir,
+    output_dir,
+    max_shard_size="5GB",
+    safe_serialization: bool = False,
+    tag=None,
+    exclude_frozen_parameters: bool = False,
+):
     """Write the checkpoint's fp32 state dict into `output_dir`, as DeepSpeed does:
     `pytorch_model.bin` (torch.save), or `model.safetensors` with `safe_serialization`; past
     `max_shard_size` in shards `pytorch_model-00001-of-0000N.bin` (or `model-...safetensors`) with
@@ -133,14 +152,18 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_s
     if safe_serialization and not exclude_frozen_parameters:
         # zerotron's own export streams one tensor at a time into the same files and index
         from ...checkpoint.export import convert
-        convert(directory, out, dtype="fp32", max_shard_size=max_bytes if max_bytes is not None else 2 ** 62)
+
+        convert(directory, out, dtype="fp32", max_shard_size=max_bytes if max_bytes is not None else 2**62)
         return
     state = _lazy_state_dict(directory, exclude_frozen_parameters)
     shards = _shards(state, max_bytes)
     base = "model.safetensors" if safe_serialization else "pytorch_model.bin"
     stem, ext = base.rsplit(".", 1)
-    names = [base] if len(shards) == 1 else [f"{stem}-{i:05d}-of-{len(shards):05d}.{ext}"
-                                             for i in range(1, len(shards) + 1)]
+    names = (
+        [base]
+        if len(shards) == 1
+        else [f"{stem}-{i:05d}-of-{len(shards):05d}.{ext}" for i in range(1, len(shards) + 1)]
+    )
     out.mkdir(parents=True, exist_ok=True)
     total = 0
     for file, shard in zip(names, shards):
@@ -150,8 +173,9 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_s
         del tensors
     if len(shards) > 1:
         weight_map = {name: file for file, shard in zip(names, shards) for name in shard}
-        (out / f"{base}.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                            "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
+        (out / f"{base}.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n"
+        )
 
 
 def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir, tag=None) -> torch.nn.Module:
@@ -174,8 +198,14 @@ def main(argv=None):
     parser.add_argument("--exclude_frozen_parameters", action="store_true", help="leave frozen parameters out")
     parser.add_argument("-d", "--debug", action="store_true", help="accepted for DeepSpeed's command line")
     args = parser.parse_args(argv)
-    convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_dir, args.max_shard_size,
-                                               args.safe_serialization, args.tag, args.exclude_frozen_parameters)
+    convert_zero_checkpoint_to_fp32_state_dict(
+        args.checkpoint_dir,
+        args.output_dir,
+        args.max_shard_size,
+        args.safe_serialization,
+        args.tag,
+        args.exclude_frozen_parameters,
+    )
 
 
 if __name__ == "__main__":

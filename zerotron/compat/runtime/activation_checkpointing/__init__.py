@@ -1,5 +1,6 @@
 """`deepspeed.runtime.activation_checkpointing`: `checkpointing` is zerotron.checkpointing itself
 (one module object, so its configure() settings are the engine's)."""
+
 import sys
 
 from .... import activation_checkpointing as checkpointing

@@ -1,5 +1,6 @@
 """`deepspeed.runtime.fp16.loss_scaler`: DeepSpeed's constructors and attribute names over
 zerotron's loss scaler (zerotron/precision.py), which implements DeepSpeed's algorithm."""
+
 from __future__ import annotations
 
 import math
@@ -72,12 +73,28 @@ class DynamicLossScaler(LossScalerBase):
     """DeepSpeed's dynamic scaler: halve on overflow (after `delayed_shift` overflows, the
     hysteresis), double after `scale_window` clean steps, never below `min_scale`."""
 
-    def __init__(self, init_scale=2 ** 32, scale_window=1000, min_scale=1, delayed_shift=1,
-                 consecutive_hysteresis=False, raise_error_at_min_scale=True, dtype=torch.half):
+    def __init__(
+        self,
+        init_scale=2**32,
+        scale_window=1000,
+        min_scale=1,
+        delayed_shift=1,
+        consecutive_hysteresis=False,
+        raise_error_at_min_scale=True,
+        dtype=torch.half,
+    ):
         power = math.log2(init_scale) if init_scale > 0 else 0
-        super().__init__(FP16Config(enabled=True, loss_scale=0.0, initial_scale_power=int(power),
-                                    loss_scale_window=scale_window, hysteresis=delayed_shift,
-                                    consecutive_hysteresis=consecutive_hysteresis, min_loss_scale=min_scale))
+        super().__init__(
+            FP16Config(
+                enabled=True,
+                loss_scale=0.0,
+                initial_scale_power=int(power),
+                loss_scale_window=scale_window,
+                hysteresis=delayed_shift,
+                consecutive_hysteresis=consecutive_hysteresis,
+                min_loss_scale=min_scale,
+            )
+        )
         self.scale = float(init_scale)
         self.scale_factor = 2.0  # zerotron's scaler halves and doubles
         self.raise_error_at_min_scale = raise_error_at_min_scale

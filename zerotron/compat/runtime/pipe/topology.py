@@ -6,6 +6,7 @@ layout (zerotron/topology.py: pipeline outermost, tensor innermost), so the rank
 the ranks zerotron puts there when the config's tensor_parallel.autotp_size is num_mp and the
 PipelineModule has num_pp stages. A PipelineModule takes such a topology for its stage count.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -20,8 +21,10 @@ class ProcessTopology:
             raise ValueError(f"every dimension must be positive, got {dims}")
         self.axes, self.dims = list(axes), [int(d) for d in dims]
         self.ProcessCoord = namedtuple("ProcessCoord", self.axes)
-        self.mapping = {self.ProcessCoord(*coord): rank
-                        for rank, coord in enumerate(itertools.product(*(range(d) for d in self.dims)))}
+        self.mapping = {
+            self.ProcessCoord(*coord): rank
+            for rank, coord in enumerate(itertools.product(*(range(d) for d in self.dims)))
+        }
         self._coords = {rank: coord for coord, rank in self.mapping.items()}
 
     def get_rank(self, **coord_kwargs) -> int:
@@ -39,8 +42,9 @@ class ProcessTopology:
     def get_rank_repr(self, rank, omit_axes=("data", "pipe"), inner_sep="_", outer_sep="-") -> str:
         """e.g. 'model_01' for rank 1 of a pipe x data x model grid (the axes not omitted)."""
         coord = self.get_coord(rank)
-        return outer_sep.join(f"{axis}{inner_sep}{getattr(coord, axis):02d}"
-                              for axis in self.axes if axis not in set(omit_axes))
+        return outer_sep.join(
+            f"{axis}{inner_sep}{getattr(coord, axis):02d}" for axis in self.axes if axis not in set(omit_axes)
+        )
 
     def get_dim(self, axis) -> int:
         """The number of ranks along `axis` (0 for an axis the topology does not have)."""
@@ -64,8 +68,11 @@ class ProcessTopology:
 
     def filter_match(self, **filter_kwargs) -> list[int]:
         """The ranks whose coordinates equal the given ones, in rank order."""
-        return [rank for coord, rank in self.mapping.items()
-                if all(getattr(coord, k) == v for k, v in filter_kwargs.items())]
+        return [
+            rank
+            for coord, rank in self.mapping.items()
+            if all(getattr(coord, k) == v for k, v in filter_kwargs.items())
+        ]
 
     def get_axis_list(self, axis, idx) -> list[int]:
         """The ranks whose coordinate along `axis` is `idx`."""

@@ -1,5 +1,6 @@
 """`deepspeed.runtime.zero.partition_parameters`: Init, GatheredParameters (zerotron.zero),
 ZeroParamStatus / ZeroParamType, and register_external_parameter."""
+
 from __future__ import annotations
 
 import enum
@@ -8,7 +9,6 @@ import torch
 
 from ....zero import GatheredParameters, Init
 from ....zero.partitioned_init import ZeroParamStatus  # the enum stage 3 sets on each parameter's ds_status
-
 
 # DeepSpeed's zero.Init swaps torch's tensor constructors for wrappers that cast floating-point
 # results to the Init dtype (and place them on the device); Transformers' `prevent_arange_dtype_change`
@@ -27,18 +27,20 @@ def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype, target_device=No
     """DeepSpeed's factory: `fn` with floating-point results cast to `target_fp_dtype` on
     `target_device`. zerotron's zero.Init never calls it (see above); provided for code that
     reads, wraps or calls it."""
+
     def wrapped_fn(*args, **kwargs):
         if kwargs.get("device") is None and target_device is not None:
             kwargs["device"] = target_device
         tensor = fn(*args, **kwargs)
         return tensor.to(target_fp_dtype) if tensor.is_floating_point() else tensor
+
     return wrapped_fn
 
 
 class ZeroParamType(enum.Enum):
-    NORMAL = 1       # an ordinary parameter
+    NORMAL = 1  # an ordinary parameter
     PARTITIONED = 2  # partitioned over the data-parallel ranks
-    REMOTE = 3       # held by one rank only
+    REMOTE = 3  # held by one rank only
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter):
@@ -61,5 +63,12 @@ def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.P
     del module._external_params[id(parameter)]
 
 
-__all__ = ["zero_wrapper_for_fp_tensor_constructor", "Init", "GatheredParameters", "ZeroParamStatus", "ZeroParamType", "register_external_parameter",
-           "unregister_external_parameter"]
+__all__ = [
+    "zero_wrapper_for_fp_tensor_constructor",
+    "Init",
+    "GatheredParameters",
+    "ZeroParamStatus",
+    "ZeroParamType",
+    "register_external_parameter",
+    "unregister_external_parameter",
+]

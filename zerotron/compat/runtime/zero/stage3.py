@@ -1,5 +1,6 @@
 """`deepspeed.runtime.zero.stage3`: `isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3)`
 is true exactly when a zerotron engine with ZeRO stage 3 drives that optimizer."""
+
 from ._optimizer_class import ZeroOptimizerMeta, refuse
 
 
