@@ -1,8 +1,8 @@
 """The package's structure, held to what docs/design.md says: imports run one way (config ->
 topology/comm -> parallelize -> engine -> integrations) with no circles between its files and
 folders, the DeepSpeed/Hugging Face compatibility surface (zerotron/compat) is imported by no
-core module, every ZeRO stage's model states present the ModelStates interface, and no file of
-the package is much over 400 lines. Around the package: bench/ holds side-by-side comparisons only
+core module, every ZeRO stage's model states present the ModelStates interface, and no Python file
+of the repository is over 400 lines. Around the package: bench/ holds side-by-side comparisons only
 (no test and no tool imports it, and it stays a small part of the code), tools/ and tests/ hold the
 rest."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "zerotron"
 REPO = PACKAGE.parent
-MAX_LINES = 420
+MAX_LINES = 400
 BENCH_SHARE = 0.15  # bench/'s lines over the non-test code's (zerotron, examples, bench, tools)
 
 
@@ -156,12 +156,11 @@ def test_every_stage_presents_the_model_states_interface():
         assert not missing, f"{cls.__name__} lacks {missing}"
 
 
-def test_no_file_is_much_over_400_lines():
-    long = {
-        str(p.relative_to(PACKAGE.parent)): n
-        for p in PACKAGE.rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > MAX_LINES
-    }
+def test_no_file_is_over_400_lines():
+    """Every Python file of the repository: the package, its tests, benchmarks, tools and examples."""
+    root = PACKAGE.parent
+    files = [p for top in ("zerotron", "tests", "bench", "tools", "examples") for p in (root / top).rglob("*.py")]
+    long = {str(p.relative_to(root)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"split these files: {long}"
 
 

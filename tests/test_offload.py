@@ -397,10 +397,10 @@ def _uploads_of_offloaded_parameters():
 
     import torch.distributed as dist
 
-    from zerotron.zero import offload, stage3
+    from zerotron.zero import offload, units
 
     inside, calls = [False], []
-    real_issue, real_to_device = offload.Uploads.issue, stage3.to_device
+    real_issue, real_to_device = offload.Uploads.issue, units.to_device
 
     @contextlib.contextmanager
     def issue(self):
@@ -412,7 +412,7 @@ def _uploads_of_offloaded_parameters():
                 inside[0] = False
 
     offload.Uploads.issue = issue
-    stage3.to_device = lambda t, device=None: (calls.append(inside[0]), real_to_device(t, device))[1]
+    units.to_device = lambda t, device=None: (calls.append(inside[0]), real_to_device(t, device))[1]
     zero = {
         "stage": 3,
         "stage3_param_persistence_threshold": 0,

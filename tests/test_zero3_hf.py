@@ -48,7 +48,7 @@ def _weights(seed):
 def _init_write_train(target):
     import torch.distributed as dist
 
-    from zerotron.zero import partitioned_init, stage3
+    from zerotron.zero import partitioned_init, units
 
     rank, dp = dist.get_rank(), dist.get_world_size()
     peaks = {"init": 0, "write": 0, "units": 0}
@@ -80,19 +80,19 @@ def _init_write_train(target):
                 with torch.no_grad():
                     for k, p in own.items():
                         p.copy_(target[k])
-    original_release = stage3.Unit.release
+    original_release = units.Unit.release
 
     def release(unit):
         peaks["units"] = max(peaks["units"], _whole_bytes(model.parameters()))
         original_release(unit)
 
-    stage3.Unit.release = release
+    units.Unit.release = release
     try:
         engine, *_ = zerotron.initialize(
             model=model, config=ds_config(2, 1, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0})
         )
     finally:
-        stage3.Unit.release = original_release
+        units.Unit.release = original_release
     initial = zerotron.zero.consolidated_state_dict(engine.module)
     losses = [engine.train_batch(iter(micro_batches(b, rank, dp, 1))).item() for b in global_batches(STEPS, 2 * dp)]
     final = zerotron.zero.consolidated_state_dict(engine.module)

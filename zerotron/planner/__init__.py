@@ -3,8 +3,9 @@ hardware presets, the search behind `zerotron plan`)."""
 
 from . import cost, hardware
 from .activations import activation_bytes
-from .cost import Layout, memory, step_time, throughput
+from .cost import memory, step_time, throughput
 from .hardware import Hardware
+from .layout import Layout
 from .memory import model_state_bytes, rank_state_bytes
 from .model import ModelShape
 from .search import deepspeed_config, plan

@@ -9,89 +9,15 @@ the communication the engine cannot hide behind compute, from an alpha-beta mode
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
-from ..config import ZeroConfig
 from ..pipe.schedule import build_schedule, splits_backward
 from .activations import activation_bytes, bytes_per_activation
 from .hardware import GIB, Hardware
+from .layout import CHECKPOINT_EVERY, Layout
 from .memory import model_state_bytes
 from .model import ModelShape
 from .overlap import added_time, grad_buckets, timeline, zero3_forward
 from .reuse import gathered
-
-STAGE3_MAX_REUSE_DISTANCE = ZeroConfig.stage3_max_reuse_distance  # the config's default, which zero/stage3.py applies
-CHECKPOINT_EVERY = 2  # the every_k policy's k: the config's checkpoint_every default
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One training configuration: how the GPUs split the work, and the memory savers used."""
-
-    dp: int
-    tp: int = 1
-    pp: int = 1
-    zero: int = 1
-    micro_batch: int = 1
-    grad_accum: int = 1  # micro-batches per step on each data-parallel rank
-    checkpoint: str = "none"  # none | selective | every_block | every_k | op_sac (torchtitan's)
-    offload: str = "none"  # none | optimizer | optimizer+param
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (pp > 1)
-    chunks: int = 1  # virtual stages per rank (interleaved)
-    sequence_parallel: bool = False
-    overlap_param_gather: bool = False  # ZeRO-1/2: the step's all-gather hidden under the next forward
-    # How the engine runs the layout (zerotron's engine is the default; published engines differ):
-    tp_overlap: bool = False  # TP collectives pipelined with the GEMMs (Megatron-Core, async TP)
-    flash_attention: bool = True  # False: the s x s attention scores go through device memory
-    zero3_regather: bool = False  # ZeRO-3 releases per sub-module (DeepSpeed, reuse.py): recomputation regathers
-    pooled_nics: bool = True  # False: each GPU's data-parallel traffic leaves through its own NIC
-    # ZeRO-3's stage3_max_reuse_distance (elements): zerotron's engine measures it per layer, DeepSpeed's
-    # (zero3_regather) per sub-module
-    stage3_max_reuse_distance: float = STAGE3_MAX_REUSE_DISTANCE
-    # zerotron's own options (overlap.py plays them out):
-    stage3_prefetch: int = 50_000_000  # ZeRO-3: elements gathered ahead of use (stage3_prefetch_bucket_size)
-    # ZeRO-3's stage3_max_live_parameters: no cap by default (a config for the layout raises it until it does
-    # not bind); 1e9, the config's default, stops prefetching where the root unit or a layer is that large
-    stage3_max_live: float = float("inf")
-    tp_overlap_comm: bool = False  # tensor_parallel.tp_overlap_comm: each block in two halves of the batch
-
-    @property
-    def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    def describe(self) -> str:
-        parts = [
-            f"dp{self.dp}",
-            f"tp{self.tp}{'+sp' if self.sequence_parallel else ''}",
-            f"pp{self.pp}",
-            f"zero{self.zero}",
-            f"mb{self.micro_batch}x{self.grad_accum}",
-        ]
-        if self.pp > 1:
-            parts.append(self.schedule + (f"/{self.chunks}" if self.chunks > 1 else ""))
-        if self.checkpoint != "none":
-            parts.append(f"ckpt:{self.checkpoint}")
-        if self.offload != "none":
-            parts.append(f"offload:{self.offload}")
-        if self.overlap_param_gather:
-            parts.append("overlap-gather")
-        parts += [
-            name
-            for name, on in (
-                ("tp-overlap", self.tp_overlap),
-                ("scores-in-hbm", not self.flash_attention),
-                ("regather", self.zero3_regather),
-                ("nic-per-gpu", not self.pooled_nics),
-            )
-            if on
-        ]
-        if self.tp_overlap_comm:
-            parts.append("tp-halves")
-        if self.zero == 3 and self.stage3_prefetch != 50_000_000:
-            parts.append(f"prefetch:{self.stage3_prefetch:g}")
-        if self.zero == 3 and self.stage3_max_reuse_distance != STAGE3_MAX_REUSE_DISTANCE:
-            parts.append(f"reuse:{self.stage3_max_reuse_distance:g}")
-        return " ".join(parts)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost import Layout, fits, memory, throughput
+from .cost import fits, memory, throughput
 from .hardware import Hardware
+from .layout import Layout
 from .model import ModelShape
 
 CHECKPOINTS = ("none", "selective", "every_block")

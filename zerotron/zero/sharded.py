@@ -28,7 +28,7 @@ from ..comm import Comm
 from .grads import AccumulatedGrads, StreamedGrads
 from .replicated import InOrderReduction
 from .sharded_bucket import ShardedBucket
-from .steps import HostStep, SubGroupStep, WholeShardStep
+from .steps import HostStep, step_for
 
 _MAX_REDUCTIONS_IN_FLIGHT = 1
 
@@ -78,10 +78,7 @@ class ShardedStates(InOrderReduction):
             reshard,
             overlap_gather,
         )
-        # DeepSpeed's sub_group_size (stage 3): the fp32 gradient copy is made, and the optimizer
-        # steps, one sub-group of master runs at a time instead of the whole shard at once.
-        groups = self._cut_sub_groups(sub_group_numel)
-        self._step = WholeShardStep(self) if groups is None else SubGroupStep(self, groups)  # adopt may change it
+        self._step = step_for(self, sub_group_numel)  # adopt may change it (the fused host step)
         self.peak_fp32_grad_numel = 0  # the most fp32 gradient elements held at once (a measurement)
         for b in buckets:
             for i, p in enumerate(b.params):
@@ -179,20 +176,6 @@ class ShardedStates(InOrderReduction):
                 self,
                 FusedHostStep(self.host, optimizer, [m for _, m in self.runs], self._run_bounds, self.run_in_bucket),
             )
-
-    def _cut_sub_groups(self, limit: int | None) -> list[list[int]] | None:
-        """Runs of masters, each group at most `limit` elements (a larger run alone); None when the
-        step needs no sub-groups: one group, fp32 masters that are the parameters, or offload."""
-        if limit is None or self.masters_are_params or self.host is not None:
-            return None
-        groups, size = [[]], 0
-        for i, (lo, hi) in enumerate(self._run_bounds):
-            if groups[-1] and size + (hi - lo) > limit:
-                groups.append([])
-                size = 0
-            groups[-1].append(i)
-            size += hi - lo
-        return groups if len(groups) > 1 else None
 
     def grad_norms(self) -> list[torch.Tensor]:
         return self._step.norms()

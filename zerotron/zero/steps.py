@@ -98,3 +98,20 @@ class HostStep:
 
     def apply(self, optimizer, clip_coef: torch.Tensor | None) -> None:
         self.fused.apply(clip_coef)
+
+
+def step_for(states, sub_group_numel: int | None):
+    """The whole shard at once, or, with DeepSpeed's sub_group_size (stage 3), one sub-group of master
+    runs at a time (the fp32 gradient copy made and the optimizer stepped per group): runs of
+    masters, each group at most `sub_group_numel` elements (a larger run alone). Fp32 masters that
+    are the parameters, and offload, need no sub-groups."""
+    if sub_group_numel is None or states.masters_are_params or states.host is not None:
+        return WholeShardStep(states)
+    groups, size = [[]], 0
+    for i, (lo, hi) in enumerate(states._run_bounds):
+        if groups[-1] and size + (hi - lo) > sub_group_numel:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += hi - lo
+    return SubGroupStep(states, groups) if len(groups) > 1 else WholeShardStep(states)
