@@ -1,5 +1,5 @@
 """`deepspeed.runtime.constants`: the config key names (and their DeepSpeed defaults) that scripts
-import to build or read a DeepSpeed JSON config. zerotron reads the same keys (zerotron/config.py)."""
+import to build or read a DeepSpeed JSON config. zerotron reads the same keys (zerotron/config/)."""
 
 ROUTE_TRAIN, ROUTE_EVAL, ROUTE_PREDICT, ROUTE_ENCODE = "train", "eval", "predict", "encode"
 
