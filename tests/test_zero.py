@@ -1,11 +1,14 @@
-"""ZeRO stages 1-3: same training as one process, model states at the paper's bytes, minimal traffic."""
+"""ZeRO stages 1-3 train as one process does: fp32 and bf16 parity, ZeRO-3's knobs, tied embeddings, a
+model with every awkward feature, clipping across shards, fp16 overflow on one rank, persistent small
+parameters, parameters unused on some ranks. (Bytes and traffic: test_zero_memory.py; zero.Init,
+GatheredParameters and misuse: test_zero_api.py.)"""
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from distributed import RankError, run_ranks
+from distributed import run_ranks
 from parity import (
     assert_losses_close,
     ds_config,
@@ -17,7 +20,6 @@ from parity import (
 )
 
 import zerotron
-from zerotron.zero.residency import holder_of
 
 STEPS = 4
 
@@ -167,161 +169,6 @@ def test_awkward_model(stage):
         assert partitioned == (stage == 3)
 
 
-# ---- zero.Init and GatheredParameters ---------------------------------------------------------
-def _init_and_gather():
-    dp, rank = dist.get_world_size(), dist.get_rank()
-    torch.manual_seed(1234)
-    with zerotron.zero.Init():
-        model = make_model()
-    built_on_meta = all(p.numel() == 0 and p.ds_tensor.numel() > 0 for p in model.parameters())  # pieces only
-    engine, *_ = zerotron.initialize(
-        model=model, config=ds_config(2, 1, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0})
-    )
-    held = engine.memory_report()["params"]
-    initial = zerotron.zero.consolidated_state_dict(engine.module)
-    losses = [engine.train_batch(iter(micro_batches(b, rank, dp, 1))).item() for b in global_batches(STEPS, 2 * dp)]
-    final = zerotron.zero.consolidated_state_dict(engine.module)
-    # rank 0 zeroes a weight; every rank must see it, in its shard and in its fp32 master
-    w = engine.module.layers[0].attn.wq.weight
-    with zerotron.zero.GatheredParameters([w], modifier_rank=0):
-        if rank == 0:
-            w.data.zero_()
-    with zerotron.zero.GatheredParameters([w]):
-        zeroed = bool((w == 0).all())
-    bucket = holder_of(w).bucket
-    index = next(i for i, p in enumerate(bucket.params) if p is w)
-    master_pieces = [bucket.master[s : s + n] for i, _, s, n in bucket.param_slices_in_shard() if i == index]
-    masters_zero = all(bool((m == 0).all()) for m in master_pieces)
-    return built_on_meta, held, initial, losses, final, zeroed and masters_zero, w.untyped_storage().size()
-
-
-def test_init_builds_partitioned_and_gathered_parameters_round_trip():
-    results = run_ranks(_init_and_gather, 2)
-    full_bytes = sum(p.numel() * 4 for p in make_model().parameters())
-    for built_on_meta, held, initial, losses, final, zeroed, storage_after in results:
-        assert built_on_meta
-        assert held <= full_bytes / 2 * 1.01  # each rank holds its half (plus padding)
-        assert zeroed and storage_after == 0  # visible when gathered and in the masters; freed after
-    # both ranks materialized the same initial model, and trained it identically
-    assert max_weight_diff(results[0][2], results[1][2]) == 0.0
-    assert max_weight_diff(results[0][4], results[1][4]) == 0.0
-    # the initial values match the model's own init scheme (std 0.02, scaled residual projections)
-    emb = results[0][2]["tok_emb.weight"]
-    assert abs(emb.std().item() - 0.02) < 2e-3
-    ref = make_model()
-    ref.load_state_dict(results[0][2])
-    ref_losses, _ = reference_training(global_batches(STEPS, 4), model=ref)
-    assert_losses_close(results[0][3], ref_losses, rtol=1e-5)
-
-
-def _meta_without_stage3():
-    with zerotron.zero.Init():
-        model = make_model()
-    zerotron.initialize(model=model, config=ds_config(2, 1, zero_optimization={"stage": 2}))
-
-
-def test_init_without_stage3_is_a_clear_error():
-    with pytest.raises(RankError, match="needs zero_optimization.stage 3"):
-        run_ranks(_meta_without_stage3, 1)
-
-
-def _lbfgs_with_stage(stage):
-    model = make_model()
-    zerotron.initialize(
-        model=model,
-        optimizer=torch.optim.LBFGS(model.parameters()),
-        config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}},
-    )
-
-
-def test_non_elementwise_optimizer_is_refused():
-    with pytest.raises(RankError, match="elementwise"):
-        run_ranks(_lbfgs_with_stage, 2, 2)
-
-
-# ---- memory and traffic against the ZeRO paper ------------------------------------------------
-def _state_bytes(stage):
-    """memory_report() after a bf16 step and the next backward (the gradients of the formula are
-    held until the step), an independent count of every tensor this rank holds, and the gradient
-    bytes held between a step and the next backward."""
-    import gc
-
-    dp, rank = dist.get_world_size(), dist.get_rank()
-    engine, *_ = zerotron.initialize(
-        model=make_model(),
-        config=ds_config(
-            2, 1, bf16={"enabled": True}, zero_optimization={"stage": stage, "stage3_param_persistence_threshold": 0}
-        ),
-    )
-    first, second = global_batches(2, 2 * dp)
-    engine.train_batch(iter(micro_batches(first, rank, dp, 1)))
-    between_steps = engine.memory_report()["grads"]
-    x, y = micro_batches(second, rank, dp, 1)[0]
-    engine.backward(engine(x, y))
-    report = engine.memory_report()
-    gc.collect()
-    storages = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.is_floating_point() and not obj.is_meta:
-            st = obj.untyped_storage()
-            storages[st.data_ptr()] = st.nbytes()
-    padding = [b.padded_numel - b.numel for b in engine.states.buckets]
-    return report, sum(storages.values()), padding, between_steps
-
-
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("world", [2, 4])
-def test_model_state_memory_matches_the_zero_formula(stage, world):
-    psi = sum(p.numel() for p in make_model().parameters())
-    k = 12  # fp32 master weights, Adam's m and v
-    # Stage 1 holds the paper's 2 x psi gradients while it accumulates; after the boundary
-    # backward has reduce-scattered them it keeps only its shard, as stage 2 does. Stage 3 in
-    # bf16 keeps no bf16 parameter shard beside the fp32 master (each gather casts the master):
-    # the paper's 16 x psi / N less 2.
-    expected = {1: 2 * psi + (2 + k) * psi / world, 2: 2 * psi + (2 + k) * psi / world, 3: (2 + k) * psi / world}[stage]
-    for report, counted, padding, between_steps in run_ranks(_state_bytes, world, stage):
-        # Padding: each bucket is rounded up to a multiple of the world size (< world elements
-        # per bucket), and those elements carry all 16 bytes of state in the sharded parts.
-        assert abs(report["total"] - expected) <= 0.10 * expected, (report, expected)
-        assert all(0 <= pad < world for pad in padding)
-        assert report["optimizer"] == pytest.approx(8 * psi / world, rel=0.02)
-        assert report["master_weights"] == pytest.approx(4 * psi / world, rel=0.02)
-        # every floating-point tensor alive in the process: model states plus a few small
-        # leftovers (the batch's activations are freed; rotary tables are computed per call)
-        assert report["total"] <= counted <= 1.10 * report["total"], (report, counted)
-        # the gradients are freed at the step, as DeepSpeed and FSDP2 free theirs
-        assert between_steps == 0
-
-
-def _traffic(stage, vocab, reuse):
-    dp, rank = dist.get_world_size(), dist.get_rank()
-    zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
-    if reuse is not None:
-        zero["stage3_max_reuse_distance"] = reuse
-    engine, *_ = zerotron.initialize(model=make_model(vocab_size=vocab), config=ds_config(2, 1, zero_optimization=zero))
-    batches = global_batches(3, 2 * dp, vocab=vocab)
-    engine.train_batch(iter(micro_batches(batches[0], rank, dp, 1)))  # stage 3 traces its order here
-    engine.reset_comm_stats()
-    for b in batches[1:]:
-        engine.train_batch(iter(micro_batches(b, rank, dp, 1)))
-    stats = engine.comm_stats()
-    return (stats["reduce_scatter"] + stats["all_gather"] + 2 * stats["all_reduce"]) / 2
-
-
-# Stage 3: the ZeRO paper's 3 x psi gathers every parameter again for backward (DeepSpeed's
-# stage3_max_reuse_distance 0); with DeepSpeed's default (1e9) a model this small keeps each unit
-# gathered from its forward to its backward: 2 x psi.
-@pytest.mark.parametrize("stage,factor,reuse", [(0, 2, None), (1, 2, None), (2, 2, None), (3, 3, 0), (3, 2, None)])
-def test_bytes_per_step_match_theory(stage, factor, reuse):
-    # A small vocabulary keeps the root unit (embedding, head), which stage 3 gathers once per
-    # step instead of twice, below 3% of the parameters.
-    vocab = 16
-    psi_bytes = sum(p.numel() for p in make_model(vocab_size=vocab).parameters()) * 4
-    # all-reduce counts as reduce-scatter + all-gather: 2 x the bytes it is handed
-    for per_step in run_ranks(_traffic, 2, stage, vocab, reuse):
-        assert per_step == pytest.approx(factor * psi_bytes, rel=0.05)
-
-
 def _clipped(stage, clip):
     dp, rank = dist.get_world_size(), dist.get_rank()
     engine, *_ = zerotron.initialize(
@@ -397,22 +244,6 @@ def test_small_parameters_persist_whole_in_stage3():
 
 
 # ---- regressions found in review ---------------------------------------------------------------
-def _freed_during_forward():
-    engine, *_ = zerotron.initialize(
-        model=make_model(),
-        config=ds_config(2, 1, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0}),
-    )
-    x, y = global_batches(1, 2)[0]
-    loss = engine(x, y)  # training forward: autograd saves views of the weights
-    held = [u.bucket.full.untyped_storage().size() for u in engine.states.units[:-1]]
-    engine.backward(loss)
-    engine.step()
-    return held
-
-
-def test_stage3_frees_block_memory_after_a_training_forward():
-    for held in run_ranks(_freed_during_forward, 2):
-        assert held == [0] * len(held)
 
 
 class TwoLayer(nn.Module):
@@ -461,39 +292,3 @@ def test_parameters_unused_on_some_ranks_only():
     expected = run_ranks(_branchy, 2, 0)[0]
     for state in run_ranks(_branchy, 2, 3, timeout=60):
         assert max_weight_diff(state, expected) < 1e-6
-
-
-def _modify_persistent():
-    engine, *_ = zerotron.initialize(
-        model=make_model(),
-        config=ds_config(2, 1, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 100}),
-    )
-    w = engine.module.norm.weight  # 64 elements: kept whole on every rank
-    with zerotron.zero.GatheredParameters([w], modifier_rank=0):
-        if dist.get_rank() == 0:
-            w.data.fill_(7.0)
-    seen = w.detach().clone()
-    b = holder_of(w).bucket
-    master_full = torch.zeros(b.padded_numel)
-    start, end = b.shard_range
-    master_full[start:end] = b.master
-    dist.all_reduce(master_full)
-    off = b.offsets[[id(p) for p in b.params].index(id(w))]
-    return seen, master_full[off : off + 64]
-
-
-def test_gathered_parameters_modifier_reaches_persistent_parameters():
-    for seen, master in run_ranks(_modify_persistent, 2):
-        assert bool((seen == 7).all()) and bool((master == 7).all())
-
-
-def _two_backwards_stage1():
-    engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(2, 1, zero_optimization={"stage": 1}))
-    x, y = global_batches(1, 2)[0]
-    engine.backward(engine(x, y))
-    engine.backward(engine(x, y))
-
-
-def test_stage1_second_boundary_backward_is_a_clear_error():
-    with pytest.raises(RankError, match="call engine.step"):
-        run_ranks(_two_backwards_stage1, 2)

@@ -1,6 +1,6 @@
 """SyncCounter: the calls that would make the host wait for a GPU, counted on any device.
 
-Tests (tests/test_gpu_semantics.py, tests/test_offload.py) and the GPU runbook's `correct` part
+Tests (tests/test_gpu_semantics.py, tests/test_offload_transfers.py) and the GPU runbook's `correct` part
 (tools/gpu/checks.py) count with it.
 """
 
