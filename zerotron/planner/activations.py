@@ -1,7 +1,7 @@
 """Activation memory: the bytes one micro-batch's forward keeps for backward, per rank.
 
 Counted as an inventory of what autograd saves, op by op, in the reference GPT as zerotron runs it
-(tests/test_planner.py checks each case against the tensors a real forward saves, on one process
+(tests/test_planner_memory.py checks each case against the tensors a real forward saves, on one process
 and under tensor / sequence parallelism). Per block and token, with hidden d, ffn f, h heads, a
 bytes per activation (4 in fp32, 2 in bf16/fp16) and tensor-parallel size t:
 
