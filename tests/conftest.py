@@ -1,7 +1,8 @@
 import os
 import sys
 
-# Tests import their helpers (distributed.py, parity.py, the faults/ and planner_published/ packages)
+# Tests import their helpers (distributed.py, parity.py, fuzz.py, hf_families.py, config_helpers.py,
+# scheduler_cases.py, fresh_interpreter.py, the faults/ and planner_published/ packages)
 # as top-level modules, and what they share with the GPU runbook (tools.sync_counter, tools.processes)
 # from the repository root, in this process and in the rank processes the fork server starts. No
 # test imports bench/ (tests/test_layering.py holds that).
