@@ -11,7 +11,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tools.gpu import parts  # noqa: E402
+from tools.gpu import device, sizing  # noqa: E402
 
 GiB = 1 << 30
 
@@ -73,14 +73,14 @@ def test_smoke_run_prints_and_writes_every_part(tmp_path):
 
 
 def test_offload_arithmetic():
-    assert parts.pinned_bytes(1) == 1 and parts.pinned_bytes(4096) == 4096 and parts.pinned_bytes(4097) == 8192
+    assert sizing.pinned_bytes(1) == 1 and sizing.pinned_bytes(4096) == 4096 and sizing.pinned_bytes(4097) == 8192
     psi = 10**9
-    assert parts.offload_host_bytes(psi) == 4 * GiB + 2 * GiB + 8 * psi  # 4e9 B -> 4 GiB, 2e9 B -> 2 GiB
-    assert parts.states_bytes_without_offload(psi) == (16 * psi, 20 * psi)
-    assert parts.choose_micro_batch(base=10 * GiB, per_sample=5 * GiB, capacity=100 * GiB, fraction=0.85, cap=32) == 15
-    assert parts.choose_micro_batch(base=10 * GiB, per_sample=5 * GiB, capacity=100 * GiB, fraction=0.85, cap=8) == 8
-    assert parts.choose_micro_batch(base=90 * GiB, per_sample=5 * GiB, capacity=100 * GiB, fraction=0.85, cap=8) == 1
-    assert parts.choose_micro_batch(base=1, per_sample=0, capacity=100, fraction=0.85, cap=8) is None
+    assert sizing.offload_host_bytes(psi) == 4 * GiB + 2 * GiB + 8 * psi  # 4e9 B -> 4 GiB, 2e9 B -> 2 GiB
+    assert sizing.states_bytes_without_offload(psi) == (16 * psi, 20 * psi)
+    assert sizing.choose_micro_batch(base=10 * GiB, per_sample=5 * GiB, capacity=100 * GiB, fraction=0.85, cap=32) == 15
+    assert sizing.choose_micro_batch(base=10 * GiB, per_sample=5 * GiB, capacity=100 * GiB, fraction=0.85, cap=8) == 8
+    assert sizing.choose_micro_batch(base=90 * GiB, per_sample=5 * GiB, capacity=100 * GiB, fraction=0.85, cap=8) == 1
+    assert sizing.choose_micro_batch(base=1, per_sample=0, capacity=100, fraction=0.85, cap=8) is None
 
 
 def test_parameter_count_matches_the_model():
@@ -97,9 +97,9 @@ def test_parameter_count_matches_the_model():
     for cfg in cases:
         with torch.device("meta"):
             model = GPT(cfg)
-        total, per_layer, fixed = parts.param_counts(cfg)
+        total, per_layer, fixed = device.param_counts(cfg)
         assert total == model.num_params() and fixed + cfg.n_layer * per_layer == total, cfg
-        assert parts.flops_per_token(cfg, 2048) == model.flops_per_token(2048), cfg
+        assert device.flops_per_token(cfg, 2048) == model.flops_per_token(2048), cfg
 
 
 def test_offload_plan_for_13b_on_the_h200_machine():
@@ -108,13 +108,13 @@ def test_offload_plan_for_13b_on_the_h200_machine():
     from zerotron.models.gpt import config_for
 
     cfg = config_for("13b", max_seq_len=2048)
-    psi, per_layer, fixed = parts.param_counts(cfg)
+    psi, per_layer, fixed = device.param_counts(cfg)
     assert 12.6e9 < psi < 12.8e9
-    assert parts.states_bytes_without_offload(psi)[0] > 139 * GiB
-    assert parts.offload_host_bytes(psi) > 128 * GiB
-    layers = parts.pick_layers(fixed, per_layer, cfg.n_layer, (128 - 16) * GiB)
+    assert sizing.states_bytes_without_offload(psi)[0] > 139 * GiB
+    assert sizing.offload_host_bytes(psi) > 128 * GiB
+    layers = sizing.pick_layers(fixed, per_layer, cfg.n_layer, (128 - 16) * GiB)
     assert layers == 27
-    assert parts.offload_host_bytes(fixed + layers * per_layer) < 112 * GiB
+    assert sizing.offload_host_bytes(fixed + layers * per_layer) < 112 * GiB
 
 
 def test_the_self_check_verdict_reads_every_nested_check():

@@ -30,10 +30,10 @@ for path in (os.path.dirname(TESTS), TESTS):  # run as a script: tools/ and zero
     if path not in sys.path:
         sys.path.insert(0, path)
 
+from planner_published.conventions import Run  # noqa: E402
 from planner_published.more_runs import wider  # noqa: E402
 from planner_published.runs import (  # noqa: E402
     SKIPPED,
-    Run,
     bloom,
     korthikanti,
     llama3,

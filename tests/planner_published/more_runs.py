@@ -1,6 +1,6 @@
 """The wider set of published runs (issue 19 §5): Narayanan et al.'s 530B rows of Table 2, the
 Megatron-Core H100 table, more of torchtitan's benchmarks, and DeepSpeed's ZeRO-3 runs on Azure.
-Conventions and helpers: runs.py. Every figure is quoted from the named file,
+Conventions and helpers: conventions.py. Every figure is quoted from the named file,
 and every layout detail the source does not give is stated as an assumption in the row's notes.
 
     C7  Megatron-Core r0.8.0's FLOP count (megatron/training/training.py, core_v0.8.0,
@@ -12,10 +12,9 @@ and every layout detail the source does not give is stated as an assumption in t
 
 from __future__ import annotations
 
-from planner_published.runs import (
+from planner_published.conventions import (
     DEEPSPEED_DEFAULT_REUSE,
     DEEPSPEED_ZERO3,
-    OP_SAC_NOTE,
     SCORES_IN_HBM,
     SEQ_GPT,
     Run,
@@ -24,6 +23,7 @@ from planner_published.runs import (
     layout,
     narayanan_chunks,
 )
+from planner_published.runs import OP_SAC_NOTE
 from zerotron.planner.model import ARCHITECTURES, ModelShape
 
 NARAYANAN_T2 = "Narayanan et al. SC21, arXiv:2104.04473, Table 2"

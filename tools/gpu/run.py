@@ -23,8 +23,9 @@ results print as they come, then a summary, and the JSON is rewritten after each
    (recomputation not counted), peak memory and its activation part.
 
 Models are built directly in bf16 on the device: no fp32 copy in host memory. This file is the command line and the
-parent; in the children parts.py runs `mfu`, `ckpt` and `offload`, checks.py `correct` and `sanitized`; summary.py
-writes the closing summary. Details: tools/README.md.
+parent; in the children parts.py runs each part: throughput.py `mfu` and `ckpt`, offload.py `offload`, checks.py
+`correct` and `sanitized` (device.py and sizing.py what they share); summary.py writes the closing summary. Details:
+tools/README.md.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # zerotron and tools/ from this checkout, installed or not
 from tools import processes, reporting  # noqa: E402
-from tools.gpu.parts import T0, child_main, log  # noqa: E402
+from tools.gpu.device import T0, log  # noqa: E402
+from tools.gpu.parts import child_main  # noqa: E402
 from tools.gpu.summary import summarize  # noqa: E402
 
 # Seconds each part may take on the GPU (capped by what is left of --time-budget).
