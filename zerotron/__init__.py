@@ -73,7 +73,7 @@ def initialize(
         raise ValueError(
             "mesh_param= is a DeepSpeed hook zerotron does not take; set tensor/pipeline sizes in the config instead"
         )
-    _check_mpu(mpu)
+    mpu_sp = _check_mpu(mpu)
     config = _config_source(args, config, config_params)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     from .pipe import PipelineModule
@@ -83,9 +83,12 @@ def initialize(
         config,
         world_size=world_size,
         pipeline_stages=model.num_stages if pipelined else None,
+        sequence_parallel_size=mpu_sp,
         **_auto_values(model, optimizer),
     )
-    topology = Topology(world_size, tp=cfg.tensor_parallel.autotp_size, pp=cfg.pipeline.stages)
+    topology = Topology(
+        world_size, tp=cfg.tensor_parallel.autotp_size, pp=cfg.pipeline.stages, sp=cfg.sequence_parallel_size
+    )
 
     init_distributed()
     topology.build_groups(local_device().type)
@@ -110,12 +113,13 @@ def initialize(
     return engine, optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def _check_mpu(mpu) -> None:
+def _check_mpu(mpu) -> int | None:
     """A Megatron-style model-parallel unit: accepted when it describes what zerotron builds
-    itself (model- and pipeline-parallel size 1: every rank is data-parallel). A model already
-    split by the script's own tensor-parallel layers is refused: zerotron splits models itself."""
+    itself (model- and pipeline-parallel size 1: every rank is data- or sequence-parallel). A model
+    already split by the script's own tensor-parallel layers is refused: zerotron splits models
+    itself. Returns the sequence-parallel size a sequence mpu (parallel_state_sp) set up, if any."""
     if mpu is None:
-        return
+        return None
     sizes = {}
     for what, names in (
         ("tensor", ("get_tensor_model_parallel_world_size", "get_model_parallel_world_size")),
@@ -129,6 +133,8 @@ def _check_mpu(mpu) -> None:
             f"{sizes['pipeline']} pipeline-parallel ranks; zerotron splits models itself: pass the "
             "unsplit model and set tensor_parallel.autotp_size / a PipelineModule's num_stages instead"
         )
+    getter = getattr(mpu, "get_sequence_parallel_world_size", None)
+    return int(getter()) if getter is not None else None
 
 
 def _config_source(args, config, config_params):

@@ -1,7 +1,13 @@
-"""Which rank does what: data x tensor x pipeline parallel sizes, coordinates and groups.
+"""Which rank does what: pipeline x data x sequence x tensor parallel sizes, coordinates and groups.
 
-Ranks are laid out pipeline-outermost and tensor-innermost (rank = (pp * dp + dp_idx) * tp + tp_idx),
-so the chattiest group, tensor parallel, is made of neighbouring ranks on one node.
+Ranks are laid out pipeline-outermost and tensor-innermost (rank = ((pp * dp + dp_idx) * sp + sp_idx) *
+tp + tp_idx), so the chattiest groups, tensor and then sequence parallel, are made of neighbouring
+ranks on one node (with tp 1 the sequence groups are DeepSpeed's: consecutive ranks).
+
+The ranks that hold the same parameters are the data x sequence ranks of one (pp, tp) place: ZeRO
+shards over them and gradients are reduced over them ("dp" and "dp_grad"; DeepSpeed's sequence-data-
+parallel group). The data sampler splits samples over the data ranks only ("data"): the sequence
+ranks of one data rank read the same samples, each its slice of the sequence.
 """
 
 from __future__ import annotations
@@ -15,50 +21,71 @@ from .comm import cached_groups
 from .errors import ConfigError
 from .timeouts import group_timeout
 
-DIMS = ("pp", "dp", "tp")
+DIMS = ("pp", "dp", "sp", "tp")
 
 
 @dataclass(frozen=True)
 class Coords:
     pp: int
     dp: int
+    sp: int
     tp: int
 
 
 class Topology:
     """Sizes and coordinates are pure arithmetic; `build_groups()` makes the process groups."""
 
-    def __init__(self, world_size: int, tp: int = 1, pp: int = 1):
-        for name, size in (("world size", world_size), ("tensor-parallel size", tp), ("pipeline-parallel size", pp)):
+    def __init__(self, world_size: int, tp: int = 1, pp: int = 1, sp: int = 1):
+        sizes = (
+            ("world size", world_size),
+            ("tensor-parallel size", tp),
+            ("pipeline-parallel size", pp),
+            ("sequence_parallel_size", sp),
+        )
+        for name, size in sizes:
             if size < 1:
                 raise ConfigError(name, size, "must be a positive integer")
-        if world_size % (tp * pp):
+        if world_size % (tp * pp * sp):
+            key, value = ("sequence_parallel_size", sp) if sp > 1 else ("tensor_parallel.autotp_size", tp)
             raise ConfigError(
-                "tensor_parallel.autotp_size",
-                tp,
-                f"tensor ({tp}) x pipeline ({pp}) parallel size must divide the world size "
+                key,
+                value,
+                f"tensor ({tp}) x pipeline ({pp}) x sequence ({sp}) parallel size must divide the world size "
                 f"({world_size}); change the sizes or the number of processes",
             )
-        self.world_size, self.tp, self.pp = world_size, tp, pp
-        self.dp = world_size // (tp * pp)
+        self.world_size, self.tp, self.pp, self.sp = world_size, tp, pp, sp
+        self.dp = world_size // (tp * pp * sp)
         self._groups: dict[str, Optional[dist.ProcessGroup]] = {}
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.pp, self.dp, self.tp)
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.pp, self.dp, self.sp, self.tp)
+
+    @property
+    def replicas(self) -> int:
+        """How many ranks hold the same parameters (ZeRO's and the gradient reduction's group size)."""
+        return self.dp * self.sp
 
     def coords(self, rank: int) -> Coords:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
-        return Coords(pp=rank // (self.dp * self.tp), dp=(rank // self.tp) % self.dp, tp=rank % self.tp)
+        return Coords(
+            pp=rank // (self.dp * self.sp * self.tp),
+            dp=(rank // (self.sp * self.tp)) % self.dp,
+            sp=(rank // self.tp) % self.sp,
+            tp=rank % self.tp,
+        )
 
-    def rank_of(self, pp: int, dp: int, tp: int) -> int:
-        return (pp * self.dp + dp) * self.tp + tp
+    def rank_of(self, pp: int, dp: int, tp: int, sp: int = 0) -> int:
+        return ((pp * self.dp + dp) * self.sp + sp) * self.tp + tp
 
     def group_ranks(self, dim: str, rank: int) -> list[int]:
-        """The ranks that share every coordinate with `rank` except `dim`, in order along `dim`."""
+        """The ranks that share every coordinate with `rank` except `dim` ("replicas": except dp and
+        sp), in order along `dim`."""
         c = self.coords(rank)
-        size = {"pp": self.pp, "dp": self.dp, "tp": self.tp}[dim]
+        if dim == "replicas":
+            return [self.rank_of(c.pp, d, c.tp, s) for d in range(self.dp) for s in range(self.sp)]
+        size = {"pp": self.pp, "dp": self.dp, "sp": self.sp, "tp": self.tp}[dim]
         return [self.rank_of(**{**c.__dict__, dim: i}) for i in range(size)]
 
     def build_groups(self, device_type: str = "cpu") -> "Topology":
@@ -73,14 +100,22 @@ class Topology:
         self._groups = cached_groups(("groups", self.shape), self._make_groups)
         return self
 
+    # The engine's groups: "dp" (ZeRO, parameter gathers, the start-up broadcast) and "dp_grad"
+    # (gradient reductions: see zero/sharded.py) span every replica, data and sequence ranks alike;
+    # "data" is the data ranks alone (samples), "sp" the sequence ranks (attention's all-to-all).
+    _ALONG = {"pp": "pp", "dp": "replicas", "sp": "sp", "tp": "tp", "data": "dp", "dp_grad": "replicas"}
+
     def _make_groups(self) -> dict:
         groups = {}
-        for dim in DIMS + ("dp_grad",):
-            along = "dp" if dim == "dp_grad" else dim
+        for name, along in self._ALONG.items():
+            if self.sp == 1 and name in ("sp", "data"):
+                continue  # without sequence parallelism: no "sp" group (ask topology.sp), and data is dp
             # every rank creates every group of the dimension, in one order
             slices = sorted({tuple(self.group_ranks(along, r)) for r in range(self.world_size)})
             mine, _ = dist.new_subgroups_by_enumeration([list(s) for s in slices], timeout=group_timeout())
-            groups[dim] = mine
+            groups[name] = mine
+        if self.sp == 1:
+            groups["data"] = groups["dp"]
         return groups
 
     def group(self, dim: str) -> dist.ProcessGroup:
@@ -89,4 +124,5 @@ class Topology:
         return self._groups[dim]
 
     def __repr__(self):
-        return f"Topology(world={self.world_size}, pp={self.pp}, dp={self.dp}, tp={self.tp})"
+        sp = f", sp={self.sp}" if self.sp > 1 else ""
+        return f"Topology(world={self.world_size}, pp={self.pp}, dp={self.dp}{sp}, tp={self.tp})"

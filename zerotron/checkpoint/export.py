@@ -124,7 +124,7 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
         return False
     state = consolidated_state_dict(engine.module)
     if engine.topology.pp > 1:  # each stage holds its own layers (in host memory): collect them on rank 0
-        if engine.coords.dp == 0 and engine.coords.tp == 0:
+        if engine.dp_comm.rank == 0 and engine.coords.tp == 0:
             parts = comm_for(engine.topology.group("pp"), "pp").gather_object(state)
             if engine.global_rank == 0:
                 state = {k: v for part in parts for k, v in part.items()}

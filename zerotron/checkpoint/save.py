@@ -93,7 +93,8 @@ def _rank_tensors(engine):
     """This rank's tensors for its file, with a JSON description of each piece."""
     tensors, pieces, scalars = {}, {}, {}
     states = engine.states
-    if not states.replicated or engine.coords.dp == 0:
+    first_replica = engine.dp_comm.rank == 0  # of the ranks holding the same parameters (data x sequence)
+    if not states.replicated or first_replica:
         for piece, _, master, offset in rank_pieces(engine):
             key = f"{piece.name}@{piece.tp_rank}:{piece.lo}"
             n = piece.hi - piece.lo
@@ -104,7 +105,7 @@ def _rank_tensors(engine):
                     tensors[f"state.{name}/{key}"] = _host(value.reshape(-1)[offset : offset + n])
                 else:  # per-tensor scalars (Adam's step): equal for every piece of one optimizer
                     scalars[name] = value.item() if torch.is_tensor(value) else value
-        if engine.coords.dp == 0:
+        if first_replica:
             for name, p in engine.module.named_parameters():
                 # (frozen parameters in ZeRO-3's partitioned units are in the master pieces already)
                 if not p.requires_grad and not hasattr(p, "zt_unit"):

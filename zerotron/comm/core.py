@@ -79,7 +79,7 @@ class Comm:
     """Collectives on one process group, counting the bytes of the full tensor each one moves.
     `name` (dp, tp, pp, ...) is how the watchdog's messages call the group."""
 
-    KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "p2p")
+    KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "p2p")
 
     def __init__(self, group: dist.ProcessGroup | None = None, name: str | None = None):
         self.group = group
@@ -175,6 +175,18 @@ class Comm:
             lambda out: _reduce_scatter_flat(out[0], full, op=op, group=self.group, async_op=async_op),
             (full, shard),
             (shard,),
+            async_op,
+        )
+
+    def all_to_all_single(self, output, tensor, async_op=False):
+        """Equal blocks along dim 0: block i of `tensor` goes to group rank i, block j of `output`
+        comes from group rank j. Counted as the bytes this rank sends to the others."""
+        self.bytes["all_to_all"] += tensor.numel() * tensor.element_size() * (self.size - 1) // self.size
+        return self._issue(
+            "all_to_all",
+            lambda out: dist.all_to_all_single(out[0], tensor, group=self.group, async_op=async_op),
+            (tensor, output),
+            (output,),
             async_op,
         )
 

@@ -53,6 +53,8 @@ class Config(Mapping):
     wall_clock_breakdown: bool = False  # time the pipeline stages (pipeline_bubble); synchronizes the device
     communication_data_type: Optional[str] = None
     zero_allow_untested_optimizer: bool = False  # ZeRO 1-3: run an optimizer the elementwise probe could not clear
+    # Ulysses: each sample's sequence split over this many ranks (DeepSpeed's key; docs/parallelism.md)
+    sequence_parallel_size: int = 1
     optimizer: Optional[OptimizerConfig] = None
     scheduler: Optional[SchedulerConfig] = None
     fp16: FP16Config = field(default_factory=FP16Config)
@@ -70,11 +72,29 @@ class Config(Mapping):
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
-    def load(cls, source, *, world_size: int = 1, pipeline_stages: int | None = None, **auto_values) -> "Config":
+    def load(
+        cls,
+        source,
+        *,
+        world_size: int = 1,
+        pipeline_stages: int | None = None,
+        sequence_parallel_size: int | None = None,
+        **auto_values,
+    ) -> "Config":
         """Parse a path, dict or Config for `world_size` processes; resolve "auto" from
         `auto_values` (see `resolve_auto`); validate everything. `pipeline_stages`: the stages of
-        the PipelineModule being trained, which the config's pipeline.stages must agree with."""
+        the PipelineModule being trained, which the config's pipeline.stages must agree with;
+        `sequence_parallel_size`: the one a sequence-parallel mpu set up (parallel_state_sp)."""
         raw = read_raw(source)
+        if sequence_parallel_size is not None:
+            given = raw.get("sequence_parallel_size", sequence_parallel_size)
+            if given != sequence_parallel_size:
+                raise ConfigError(
+                    "sequence_parallel_size",
+                    given,
+                    f"initialize(mpu=...) set up {sequence_parallel_size} sequence-parallel ranks; make them agree",
+                )
+            raw = {**raw, "sequence_parallel_size": sequence_parallel_size}
         if pipeline_stages is not None:
             raw = copy.deepcopy(raw)
             section = raw.setdefault("pipeline", {})
@@ -102,8 +122,12 @@ class Config(Mapping):
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel size: the world divided by the model-parallel sizes."""
-        return self.world_size // (self.tensor_parallel.autotp_size * self.pipeline.stages)
+        """Data-parallel size: the world divided by the model- and sequence-parallel sizes (the
+        ranks that read different samples; DeepSpeed's batch arithmetic divides by the sequence
+        size too)."""
+        return self.world_size // (
+            self.tensor_parallel.autotp_size * self.pipeline.stages * self.sequence_parallel_size
+        )
 
     # ---- convenience -----------------------------------------------------------------------
     @property
@@ -153,6 +177,7 @@ class Config(Mapping):
         self.pipeline.validate("pipeline")
         self.zerotron.validate("zerotron")
         tp, pp = self.tensor_parallel.autotp_size, self.pipeline.stages
+        self._validate_sequence_parallel(tp, pp)
         if self.world_size % (tp * pp):
             # blame the size the user set (the pipeline's when both are)
             key, value = ("tensor_parallel.autotp_size", tp) if pp == 1 else ("pipeline.stages", pp)
@@ -214,6 +239,32 @@ class Config(Mapping):
             f"it splits each micro-batch in two halves, and "
             f"train_micro_batch_size_per_gpu is {self.train_micro_batch_size_per_gpu}; use 2 or more, or remove it",
         )
+
+    def _validate_sequence_parallel(self, tp: int, pp: int):
+        sp = self.sequence_parallel_size
+        check(
+            isinstance(sp, int) and not isinstance(sp, bool) and sp >= 1,
+            "sequence_parallel_size",
+            sp,
+            "use a positive integer (1: no sequence parallelism)",
+        )
+        if sp == 1:
+            return
+        check(
+            self.world_size % sp == 0 and self.world_size % (sp * tp * pp) == 0,
+            "sequence_parallel_size",
+            sp,
+            f"it must divide the number of processes ({self.world_size}) together with the tensor ({tp}) and "
+            f"pipeline ({pp}) sizes; use a divisor of {self.world_size // (tp * pp)} or launch a multiple of "
+            f"{sp * tp * pp} processes",
+        )
+        for size, what, key in ((tp, "tensor", "tensor_parallel.autotp_size"), (pp, "pipeline", "pipeline.stages")):
+            check(
+                size == 1,
+                "sequence_parallel_size",
+                sp,
+                f"sequence parallelism with {what} parallelism ({key} {size}) is not supported yet: use one of them",
+            )
 
     def _resolve_batch(self):
         """train_batch_size = micro x accumulation x data-parallel size; any two give the third.

@@ -240,12 +240,6 @@ def deepspeed_features(raw: dict) -> dict:
             "and set train_batch_size / train_micro_batch_size_per_gpu yourself",
         ),
         (
-            "sequence_parallel_size",
-            isinstance(raw.get("sequence_parallel_size"), (int, float)) and raw.get("sequence_parallel_size", 1) > 1,
-            "DeepSpeed-Ulysses sequence parallelism (which divides the data-parallel size) is not implemented by "
-            "zerotron; remove the key (or use tensor_parallel with zerotron.sequence_parallel)",
-        ),
-        (
             "gradient_allreduce_op",
             raw.get("gradient_allreduce_op", "mean") != "mean",
             'zerotron averages gradients over the data-parallel ranks; use "mean" (the default)',
@@ -270,7 +264,7 @@ def deepspeed_features(raw: dict) -> dict:
             del out[key]
         elif key in ("progressive_layer_drop", "curriculum_learning", "elasticity"):  # present but disabled
             del out[key]
-        elif key in ("sequence_parallel_size", "gradient_allreduce_op", "managed_gradient_accumulation"):
+        elif key in ("gradient_allreduce_op", "managed_gradient_accumulation"):
             del out[key]  # the default values, checked above
     for path, keys in _NOT_IMPLEMENTED_IN.items():
         section = _copied_section(out, path)

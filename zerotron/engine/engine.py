@@ -149,8 +149,8 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         )
 
     def _broadcast_module(self):
-        """Start every data-parallel replica from dp-rank 0's weights, seeded or not."""
-        if self.topology.dp > 1:
+        """Start every replica (data and sequence ranks) from the first one's weights, seeded or not."""
+        if self.dp_comm.size > 1:
             for t in list(self.module.parameters()) + list(self.module.buffers()):
                 if not t.is_meta and not built_under_init(t):  # zero.Init pieces agree already
                     self.dp_comm.broadcast(t.data, src_group_rank=0)
@@ -345,10 +345,11 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         raise ValueError("the model's output has no loss: return the loss tensor (or an object with .loss)")
 
     def _mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
-        if self.topology.dp > 1:
+        """The mean over the replicas (a sequence rank's loss is the full sequence's: the same)."""
+        if self.dp_comm.size > 1:
             value = value.clone()
             self.dp_comm.all_reduce(value)
-            value /= self.topology.dp
+            value /= self.dp_comm.size
         return value
 
     def zero_grad(self, set_to_none: bool = True):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Comm
+from ..comm import Comm, comm_for
 from ..parallelize.hf import is_hf_model
 
 
@@ -62,7 +62,12 @@ class EngineState:
         """What a checkpoint keeps of this engine besides the tensors: layout, counters, loss
         scaler, scheduler, optimizer hyperparameters, data position and the model's metadata."""
         return {
-            "topology": {"dp": self.topology.dp, "tp": self.topology.tp, "pp": self.topology.pp},
+            "topology": {
+                "dp": self.topology.dp,
+                "sp": self.topology.sp,
+                "tp": self.topology.tp,
+                "pp": self.topology.pp,
+            },
             "zero_stage": self.zero_optimization_stage(),
             "dtype": self.config.model_dtype_name,
             "counters": {
@@ -156,4 +161,5 @@ class EngineState:
             c.reset_stats()
 
     def _comms(self) -> list[Comm]:
-        return [self.dp_comm, self.grad_comm, self.tp_comm, self.world_comm]
+        sp = [comm_for(self.topology.group("sp"), "sp")] if self.topology.sp > 1 else []  # Ulysses' all-to-alls
+        return [self.dp_comm, self.grad_comm, self.tp_comm, self.world_comm] + sp
