@@ -49,6 +49,10 @@ PATHS: dict[str, str] = {
     # refused with a message when used (imports succeed: accelerate imports them inside branches)
     "runtime.sequence_parallel": "zerotron.compat.sequence_parallel",
     "runtime.sequence_parallel.ulysses_sp": "zerotron.compat.sequence_parallel",
+    "runtime.sequence_parallel.parallel_state_sp": "zerotron.compat.parallel_state_sp",
+    # sequence: DeepSpeed-Ulysses' DistributedAttention
+    "sequence": "zerotron.long_context",
+    "sequence.layer": "zerotron.long_context.ulysses",
     # checkpoint is zerotron's own package; DeepSpeed's helpers below it live in compat
     "checkpoint.utils": "zerotron.compat.checkpoint_utils",
     # launcher: constants only (launch with torchrun / zerotron run)
