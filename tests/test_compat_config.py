@@ -177,7 +177,6 @@ def test_features_zerotron_lacks_are_warned_about_by_name():
         ({"progressive_layer_drop": {"enabled": True, "theta": 0.5}}, "progressive_layer_drop.enabled"),
         ({"curriculum_learning": {"enabled": True}}, "curriculum_learning.enabled"),
         ({"elasticity": {"enabled": True, "max_train_batch_size": 64}}, "elasticity.enabled"),
-        ({"sequence_parallel_size": 2}, "sequence_parallel_size"),
         ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
         ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation"),
     ],

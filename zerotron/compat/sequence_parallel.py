@@ -1,13 +1,16 @@
-"""`deepspeed.runtime.sequence_parallel` / `.ulysses_sp`: refused. DeepSpeed's Ulysses sequence
-parallelism for Transformers (accelerate's `parallelism_config.sp_backend="deepspeed"`) is not
-implemented by zerotron; the names exist so imports succeed and using them says so."""
+"""`deepspeed.runtime.sequence_parallel` / `.ulysses_sp`: ALST, DeepSpeed's Ulysses for Transformers models
+(accelerate's `parallelism_config.sp_backend="deepspeed"`), is not implemented yet; the names exist so
+imports succeed and using them says so. DeepSpeed's own Ulysses API works: `parallel_state_sp`
+(zerotron/compat/parallel_state_sp.py) and `deepspeed.sequence.layer.DistributedAttention`."""
 
 from __future__ import annotations
 
 _WHY = (
-    "DeepSpeed's Ulysses sequence parallelism (deepspeed.runtime.sequence_parallel) is not implemented by "
-    "zerotron: train without sequence parallelism (sp_size 1), or use zerotron's Megatron-style sequence "
-    'parallelism with tensor parallelism in zerotron\'s own API ("zerotron": {"sequence_parallel": true})'
+    "ALST, DeepSpeed's Ulysses sequence parallelism for Transformers models (ulysses_sp), is not implemented by "
+    "zerotron yet: train without it (sp_size 1), write the model's attention with "
+    "deepspeed.sequence.layer.DistributedAttention and set sequence_parallel_size, or use zerotron's "
+    "Megatron-style sequence parallelism with tensor parallelism in zerotron's own API "
+    '("zerotron": {"sequence_parallel": true})'
 )
 
 
