@@ -1,8 +1,8 @@
-"""The Ulysses training script tests/test_ulysses.py runs (tools/ulysses_script.py: TinyLM with
-ALST's loss; here SGD with momentum, 4 steps, sp 2 on 2 gloo ranks) under real DeepSpeed or under zerotron, against one process on the full
-sequences: the largest weight and relative loss differences. DeepSpeed 0.19.8 sums gradients over
-the sequence ranks at ZeRO 0-2 and averages at ZeRO 3, so only its stage 3 matches; zerotron averages
-at every stage (docs/long-context.md).
+"""The Ulysses training script tests/test_ulysses.py runs (tools/ulysses_script.py: TinyLM with ALST's
+loss; here SGD with momentum, 4 steps, sp 2 on 2 gloo ranks) under real DeepSpeed or under zerotron,
+against one process on the full sequences: the largest weight and relative loss differences.
+DeepSpeed 0.19.8 sums gradients over the sequence ranks at ZeRO 0-2 and averages at ZeRO 3, so only
+its stage 3 matches; zerotron averages at every stage (docs/long-context.md).
 
     torchrun --standalone --nproc_per_node 2 tools/ulysses_gradient_scale.py ds|zt STAGE
 """
