@@ -140,7 +140,7 @@ def test_train_on_a_3d_mesh_of_eight_processes():
 
 def test_train_rejects_sizes_that_disagree():
     out = _zerotron("train", "--model", "tiny", "--steps", "1", "--dp", "2", "--pp", "2", "--nproc", "2")
-    assert out.returncode != 0 and "disagrees with --dp x --tp x --pp = 4" in out.stderr
+    assert out.returncode != 0 and "disagrees with --dp x --sp x --tp x --pp = 4" in out.stderr
 
 
 def test_train_saves_and_resumes_where_it_stopped(tmp_path):
@@ -303,3 +303,17 @@ def test_train_names_more_pipeline_stages_than_layers_before_launching():
         "--pp 4: the tiny GPT has 2 layers and each pipeline stage needs at least one; use at most 2 stages in all, "
         "or a larger --model"
     ), out.stderr
+
+
+def test_train_with_ulysses_sequence_parallelism():
+    out = _zerotron(
+        "train", "--model", "tiny", "--steps", "30", "--sp", "2", "--seq-len", "64", "--eval-batches", "2",
+        "--corpus-bytes", "300000",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(ln for ln in out.stdout.splitlines() if "validation loss" in ln)
+    before, after = (float(v) for v in line.split("validation loss ")[1].split(" (")[0].split(" -> "))
+    assert "dp 1 x sp 2 x tp 1" in out.stdout and after < before - 1.0, out.stdout
+    assert "sample: skipped" in out.stdout
+    odd = _zerotron("train", "--model", "tiny", "--sp", "2", "--seq-len", "63", timeout=60)
+    assert odd.returncode != 0 and "--seq-len 62" in odd.stderr + odd.stdout

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from distributed import run_ranks
+from distributed import RankError, run_ranks
 
 import zerotron
 from tools.ulysses_script import HEADS, KV_HEADS, SEQ, Local, TinyLM, attention, batches, optimizer_config, reference
@@ -103,3 +103,49 @@ def test_sequence_parallel_size_is_checked_before_training():
         Config.load({**base, "sequence_parallel_size": 2, "tensor_parallel": {"autotp_size": 2}}, world_size=4)
     with pytest.raises(ConfigError, match="mpu=.*2 sequence-parallel ranks"):
         Config.load({**base, "sequence_parallel_size": 4}, world_size=4, sequence_parallel_size=2)
+
+
+def _gpt_with_ulysses(sp, stage, steps, batch):
+    from parity import ds_config, global_batches, make_model, micro_batches
+
+    from zerotron.zero import consolidated_state_dict
+
+    config = ds_config(batch // (dist.get_world_size() // sp), 1, sequence_parallel_size=sp)
+    config["zero_optimization"] = {"stage": stage}
+    engine, *_ = zerotron.initialize(model=make_model(), config=config)
+    dp, n = engine.topology.dp, SEQ_GPT // sp
+    mine = slice(engine.coords.sp * n, (engine.coords.sp + 1) * n)
+    losses = []
+    for batch_ in global_batches(steps, batch):
+        ((x, y),) = micro_batches(batch_, engine.coords.dp, dp, 1)
+        loss = engine(x[:, mine], y[:, mine])
+        engine.backward(loss)
+        engine.step()
+        losses.append(engine._mean_over_dp(loss.detach()).item())
+    return losses, consolidated_state_dict(engine.module), engine.comm_stats()["all_to_all"]
+
+
+SEQ_GPT = 16  # parity.SEQ
+
+
+@pytest.mark.parametrize("world,sp,stage", [(2, 2, 1), (4, 2, 2)])
+def test_the_reference_gpt_with_sequence_parallel_size_trains_like_one_process(world, sp, stage):
+    """What `zerotron train --sp N` runs: the GPT's adapter wraps every attention core in the
+    all-to-alls, offsets each slice's rotary positions and makes the loss the whole sequence's."""
+    from parity import assert_losses_close, global_batches, max_weight_diff, reference_training
+
+    steps, batch = 3, 4
+    want_losses, want = reference_training(global_batches(steps, batch))
+    for losses, state, sent in run_ranks(_gpt_with_ulysses, world, sp, stage, steps, batch, timeout=120):
+        assert_losses_close(losses, want_losses, 1e-6)
+        assert max_weight_diff(state, want) < 1e-5
+        assert sent > 0
+
+
+def _plain_model_with_sequence_parallel_size():
+    zerotron.initialize(model=nn.Linear(4, 4), config={"train_batch_size": 1, "sequence_parallel_size": 2})
+
+
+def test_a_model_whose_attention_would_see_only_its_slice_is_refused():
+    with pytest.raises(RankError, match="Linear's attention does not go through DistributedAttention"):
+        run_ranks(_plain_model_with_sequence_parallel_size, 2)

@@ -33,6 +33,9 @@ def add_train_arguments(p: argparse.ArgumentParser):
     p.add_argument("--zero", type=int, default=None, help="ZeRO stage")
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: processes / (tp x pp))")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
+    p.add_argument(
+        "--sp", type=int, default=None, help="Ulysses sequence-parallel size: each sequence split over this many ranks"
+    )
     p.add_argument("--pp", type=int, default=None, help="pipeline-parallel stages")
     p.add_argument(
         "--schedule",
@@ -116,6 +119,8 @@ def build_config(args, gpu: bool) -> dict:
         cfg.setdefault("zero_optimization", {})["stage"] = args.zero
     if args.tp is not None:
         cfg.setdefault("tensor_parallel", {})["autotp_size"] = args.tp
+    if args.sp is not None:
+        cfg["sequence_parallel_size"] = args.sp
     if args.sequence_parallel:
         cfg.setdefault("zerotron", {})["sequence_parallel"] = True
     if args.tp_overlap:
@@ -140,20 +145,24 @@ def adopt_config_layout(args) -> None:
     tp, stages = raw.get("tensor_parallel", {}).get("autotp_size"), raw.get("pipeline", {}).get("stages")
     if args.tp is None and isinstance(tp, int):
         args.tp = tp
+    if args.sp is None and isinstance(raw.get("sequence_parallel_size"), int):
+        args.sp = raw["sequence_parallel_size"]
     if args.pp is None and isinstance(stages, int):
         args.pp = stages
 
 
 def world_size_of(args, default: int) -> int:
-    """Processes for the job: --dp x --tp x --pp when --dp is given, else --nproc (or `default`,
-    raised to the model-parallel size when that does not divide it)."""
-    model_parallel = (args.tp or 1) * (args.pp or 1)
+    """Processes for the job: --dp x --sp x --tp x --pp when --dp is given, else --nproc (or `default`,
+    raised to the model- and sequence-parallel size when that does not divide it)."""
+    model_parallel = (args.tp or 1) * (args.pp or 1) * (args.sp or 1)
     if args.dp is not None:
         if args.dp < 1:
             raise SystemExit("--dp must be a positive integer")
         world = args.dp * model_parallel
         if args.nproc is not None and args.nproc != world:
-            raise SystemExit(f"--nproc {args.nproc} disagrees with --dp x --tp x --pp = {world}; give one of them")
+            raise SystemExit(
+                f"--nproc {args.nproc} disagrees with --dp x --sp x --tp x --pp = {world}; give one of them"
+            )
         return world
     world = args.nproc or default
     return world if args.nproc or world % model_parallel == 0 else model_parallel
@@ -166,6 +175,11 @@ def check_model_layout(args) -> None:
 
     if args.model not in SIZES:
         raise SystemExit(f"--model {args.model}: not a reference GPT size; choose one of {', '.join(SIZES)}")
+    if args.sp and args.seq_len % args.sp:
+        raise SystemExit(
+            f"--sp {args.sp}: each sequence is split into {args.sp} equal slices, and --seq-len {args.seq_len} is "
+            f"not a multiple of it; use --seq-len {args.seq_len - args.seq_len % args.sp or args.sp}"
+        )
     layers, chunks = SIZES[args.model].n_layer, (args.pp or 1) * args.virtual_stages
     if chunks > layers:
         asked = f"--pp {args.pp or 1}" + (
@@ -183,6 +197,14 @@ def _peak_flops() -> float | None:
     return peak_flops_of(torch.cuda.get_device_name())
 
 
+def _sequence_slices(engine, batches):
+    """Ulysses: each sequence rank trains on its slice of every sequence (all of it without)."""
+    sp, index = engine.topology.sp, engine.coords.sp
+    for x, y in batches:
+        n = x.shape[1] // sp
+        yield x[:, index * n : (index + 1) * n], y[:, index * n : (index + 1) * n]
+
+
 @torch.no_grad()
 def _validation_loss(engine, val, batches: int, micro_batch: int) -> float:
     """Mean loss over `batches` full micro-batches of each data-parallel rank's share (all equal
@@ -194,7 +216,7 @@ def _validation_loss(engine, val, batches: int, micro_batch: int) -> float:
     for i in range(0, len(idx), micro_batch):
         xs, ys = zip(*(val[j] for j in idx[i : i + micro_batch]))
         micro.append((torch.stack(xs), torch.stack(ys)))
-    return engine.eval_batch(iter(micro), num_micro_batches=len(micro)).item()
+    return engine.eval_batch(_sequence_slices(engine, micro), num_micro_batches=len(micro)).item()
 
 
 def train(args) -> None:
@@ -248,12 +270,13 @@ def train(args) -> None:
     # A DataLoader iterator draws a base seed from the global RNG (unused with num_workers=0); put
     # the state back so a resumed run's random stream (dropout) matches an uninterrupted one's.
     rng = torch.get_rng_state()
-    data = iter(loader)
+    data = _sequence_slices(engine, iter(loader))
     torch.set_rng_state(rng)
     say(
         f"zerotron train: {args.model} GPT, {n_params / 1e6:.2f}M parameters, "
         f"{engine.world_size} x {engine.device.type} ({dist.get_backend()}), "
-        f"dp {engine.topology.dp} x tp {engine.topology.tp} x pp {engine.topology.pp}, "
+        f"dp {engine.topology.dp}{f' x sp {engine.topology.sp}' if engine.topology.sp > 1 else ''} x tp "
+        f"{engine.topology.tp} x pp {engine.topology.pp}, "
         f"{engine.config.model_dtype_name}, "
         f"batch {engine.train_batch_size()} x {seq} tokens, {args.steps} steps"
     )
@@ -293,8 +316,8 @@ def train(args) -> None:
         f"trained {done} steps in {elapsed:.1f}s ({done * tokens_per_step / max(elapsed, 1e-9):,.0f} tokens/s); "
         f"validation loss {val_before:.3f} -> {val_after:.3f} (uniform guess: ln 256 = {math.log(256):.3f})"
     )
-    if args.sample_bytes > 0 and pipelined:
-        say("sample: skipped (generation through pipeline stages is not implemented)")
+    if args.sample_bytes > 0 and (pipelined or engine.topology.sp > 1):
+        say("sample: skipped (generation through pipeline stages or sequence slices is not implemented)")
     elif args.sample_bytes > 0:
         # Every rank generates (the same text, same seed): under ZeRO-3 each forward gathers
         # parameters with collectives that all ranks must join.

@@ -66,12 +66,13 @@ def config_for(size: str, **overrides) -> GPTConfig:
     return replace(SIZES[size], **overrides)
 
 
-def rotary_tables(cfg: GPTConfig, seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of the rotary angles, always fp32 and computed per call (cheap), so casting the
-    model to bf16/fp16 never degrades positions."""
+def rotary_tables(cfg: GPTConfig, seq_len: int, device=None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of the rotary angles of positions start .. start + seq_len - 1, always fp32 and
+    computed per call (cheap), so casting the model to bf16/fp16 never degrades positions."""
     dims = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device=device)
     inv_freq = 1.0 / cfg.rope_theta ** (dims / cfg.head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    positions = torch.arange(start, start + seq_len, dtype=torch.float32, device=device)
+    angles = torch.outer(positions, inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -96,6 +97,15 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
         self.wo.residual_projection = True
+        # q, k, v (batch, heads, seq, head_dim) -> (batch, heads, seq, head_dim); Ulysses wraps it
+        # in its all-to-alls (long_context/gpt.py)
+        self.core = self.attend
+
+    def attend(self, q, k, v):
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each k/v head
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
 
     def forward(self, x, cos, sin):
         # Shapes come from the projections, not from x: with tensor parallelism a rank holds fewer
@@ -106,10 +116,7 @@ class Attention(nn.Module):
         k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
         v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each k/v head
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = self.core(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -153,6 +160,8 @@ class GPT(nn.Module):
         # the vocabulary-split logits when they are returned instead of consumed by the loss.
         self.loss_fn = cross_entropy
         self.output_fn = None
+        # Ulysses: this copy holds slice `sequence_index` of every sequence (its positions follow)
+        self.sequence_index = 0
         self.apply(self._init_weights)
 
     def _init_weights(self, m: nn.Module):
@@ -165,10 +174,10 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits (batch, seq, vocab); or, given targets, the mean cross-entropy loss."""
         t = tokens.shape[1]
-        if t > self.config.max_seq_len:
+        if (self.sequence_index + 1) * t > self.config.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len {self.config.max_seq_len}")
         x = self.tok_emb(tokens)
-        cos, sin = rotary_tables(self.config, t, tokens.device)
+        cos, sin = rotary_tables(self.config, t, tokens.device, start=self.sequence_index * t)
         for layer in self.layers:
             x = layer(x, cos, sin)
         logits = self.lm_head(self.norm(x))

@@ -1,6 +1,7 @@
 """Parallelism applied to a plain model from outside, in one step (torchtitan's parallelize_llama
-is the model): tensor parallelism from the plan the registry finds for the model's class (checked
-against the unsplit model first), then the activation-checkpoint policy. The ZeRO strategy, which
+is the model): Ulysses sequence parallelism as the registry's adapter applies it, tensor parallelism
+from the plan the registry finds for the model's class (checked against the unsplit model first),
+then the activation-checkpoint policy. The ZeRO strategy, which
 needs the optimizer, comes after, in the engine (zero.make_model_states)."""
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ def parallelize(module, config, topology, tp_comm, device) -> None:
     then move it to `device`, so only this rank's shards ever reach the device; apply the
     configured activation-checkpoint policy. In place."""
     adapter = adapter_for(module)
+    if topology.sp > 1:  # Ulysses (sequence_parallel_size): attention over the whole sequence
+        import torch.distributed as dist
+
+        adapter.ulysses(module, topology.group("sp"), topology.coords(dist.get_rank()).sp, topology.sp)
     if topology.tp > 1:
         from ..tensor_parallel.tensor import apply_tensor_parallel
 

@@ -111,3 +111,24 @@ def gpt_pipeline(model: GPT, num_stages: int, partition_method: str = "parameter
         source_module=model,
         **kwargs,
     )
+
+
+def gpt_ulysses(model, group, index: int, size: int) -> None:
+    """Ulysses on the reference GPT: every attention core runs between the all-to-alls, positions
+    start where this rank's slice does, and the loss is the whole sequence's mean on every rank."""
+    from ..long_context.model import SequenceMeanLoss, UlyssesCore
+    from ..models.gpt import Attention
+
+    cfg = model.config
+    if cfg.n_head % size or cfg.n_kv_head % size:
+        raise ConfigError(
+            "sequence_parallel_size",
+            size,
+            f"the GPT has {cfg.n_head} query and {cfg.n_kv_head} key/value heads and Ulysses gives each sequence "
+            "rank whole heads: use a sequence_parallel_size that divides both",
+        )
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.core = UlyssesCore(m.core, group)
+    model.sequence_index = index
+    model.loss_fn = SequenceMeanLoss(group)

@@ -50,6 +50,23 @@ class Adapter:
     def probe_call(self, model, ids):
         return model(ids[:, :-1], ids[:, 1:])
 
+    def ulysses(self, model, group, index: int, size: int) -> None:
+        """Sequence parallelism: each rank holds slice `index` of `size` of every sequence, and the
+        model's attention must see the whole sequence. The default takes a model whose attention
+        already goes through DistributedAttention (a DeepSpeed-Ulysses script) and refuses any
+        other, whose attention would see only its slice."""
+        from ..long_context import DistributedAttention
+
+        if not any(isinstance(m, DistributedAttention) for m in model.modules()):
+            raise ConfigError(
+                "sequence_parallel_size",
+                size,
+                f"{type(model).__name__}'s attention does not go through DistributedAttention, so each rank "
+                "would attend over its slice of the sequence only: write its attention with "
+                "deepspeed.sequence.layer.DistributedAttention (zerotron.long_context), train zerotron's GPT, "
+                "or remove the key (Ulysses for Transformers models, ALST, is not implemented yet)",
+            )
+
     def pipeline(self, model, num_stages: int, **kwargs) -> PipelineModule:
         raise ValueError(
             f"{type(model).__name__}: zerotron has no pipeline form for it; build a PipelineModule of its layers"
@@ -62,6 +79,9 @@ class GPTAdapter(Adapter):
 
     def pipeline(self, model, num_stages, **kwargs):
         return gpt.gpt_pipeline(model, num_stages, **kwargs)
+
+    def ulysses(self, model, group, index, size):
+        gpt.gpt_ulysses(model, group, index, size)
 
 
 class TransformersAdapter(Adapter):
