@@ -149,3 +149,50 @@ def _plain_model_with_sequence_parallel_size():
 def test_a_model_whose_attention_would_see_only_its_slice_is_refused():
     with pytest.raises(RankError, match="Linear's attention does not go through DistributedAttention"):
         run_ranks(_plain_model_with_sequence_parallel_size, 2)
+
+
+def _saved_activation_bytes(model, x, y) -> int:
+    """Bytes of the distinct non-parameter tensors autograd keeps for backward in one forward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x, y)
+    return sum(seen.values())
+
+
+def _gpt(seq):
+    from zerotron.models.gpt import GPT, config_for
+
+    torch.manual_seed(0)
+    return GPT(config_for("tiny", max_seq_len=seq))
+
+
+def _kept_for_backward_with_ulysses(seq):
+    config = {
+        "train_batch_size": 2,
+        "sequence_parallel_size": dist.get_world_size(),
+        "optimizer": optimizer_config("sgd"),
+    }
+    engine, *_ = zerotron.initialize(model=_gpt(seq), config=config)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (2, seq + 1), generator=g)
+    n = seq // engine.topology.sp
+    mine = slice(engine.coords.sp * n, (engine.coords.sp + 1) * n)
+    return _saved_activation_bytes(engine.module, tokens[:, :-1][:, mine], tokens[:, 1:][:, mine])
+
+
+def test_each_sequence_rank_keeps_its_share_of_the_activations():
+    """Activations kept for backward per rank at most 1.1/sp of one process's on the whole sequence."""
+    seq, sp = 256, 2
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (2, seq + 1), generator=g)
+    whole = _saved_activation_bytes(_gpt(seq), tokens[:, :-1], tokens[:, 1:])
+    for kept in run_ranks(_kept_for_backward_with_ulysses, sp, seq):
+        assert kept <= 1.1 * whole / sp, (kept, whole)
