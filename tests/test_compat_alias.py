@@ -106,7 +106,7 @@ ALIAS_CHECKS = """
     import deepspeed.zero
     print(json.dumps({
         "found": found, "version": version, "name": name,
-        "expected": "0.18.0+zerotron." + zerotron.__version__,
+        "expected": "0.18.2+zerotron." + zerotron.__version__,
         "identity": [deepspeed is zerotron, DeepSpeedCPUAdam is zerotron.ops.adam.DeepSpeedCPUAdam,
                      cpu_adam is DeepSpeedCPUAdam, deepspeed.ops.adam.fused_adam is zerotron.ops.adam,
                      sys.modules["deepspeed.ops.adam.cpu_adam"] is zerotron.ops.adam,
@@ -194,7 +194,7 @@ def test_asking_for_the_alias_beside_an_installed_deepspeed_warns_that_it_is_sha
                                        if "deepspeed" in str(w.message)]}))
     """
     result, _ = _python(code, PYTHONPATH=fake_deepspeed)
-    assert result["alias"] and result["version"].startswith("0.18.0+zerotron.")
+    assert result["alias"] and result["version"].startswith("0.18.2+zerotron.")
     assert len(result["warnings"]) == 1 and result["warnings"][0].startswith("ShadowWarning")
     assert FAKE_VERSION in result["warnings"][0] and fake_deepspeed in result["warnings"][0]
     # the same under the environment variable: the warning goes to stderr at the first lookup
@@ -249,4 +249,4 @@ def test_zerotron_run_as_deepspeed_aliases_deepspeed_in_the_workers(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    assert "alias: 0 1 0.18.0+zerotron." in out.stdout
+    assert "alias: 0 1 0.18.2+zerotron." in out.stdout

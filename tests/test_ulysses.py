@@ -15,8 +15,8 @@ from tools.ulysses_script import HEADS, KV_HEADS, SEQ, Local, TinyLM, attention,
 
 
 def _attention_parity(batch_dim_idx):
-    from zerotron.compat import parallel_state_sp
     from zerotron.long_context import DistributedAttention
+    from zerotron.long_context import mpu as parallel_state_sp
 
     sp = dist.get_world_size()
     parallel_state_sp.initialize_sequence_parallel(sp)
@@ -52,7 +52,7 @@ def test_distributed_attention_is_the_attention_of_the_whole_sequence(world, bat
 
 
 def _ulysses(sp, stage, kind, steps, rows):
-    from zerotron.compat import parallel_state_sp
+    from zerotron.long_context import mpu as parallel_state_sp
 
     parallel_state_sp.initialize_sequence_parallel(sp)
     group = parallel_state_sp.get_sequence_parallel_group()

@@ -30,8 +30,8 @@ def main(which: str, stage: int):
         deepspeed.init_distributed(dist_backend="gloo")
     else:
         import zerotron as deepspeed
-        from zerotron.compat import parallel_state_sp
         from zerotron.long_context import DistributedAttention
+        from zerotron.long_context import mpu as parallel_state_sp
 
         deepspeed.init_distributed()
     from tools import ulysses_script as script

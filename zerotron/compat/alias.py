@@ -12,7 +12,7 @@ Two ways in:
   start-up hook `_zerotron_startup`, run from `zerotron-startup.pth`, turns it on at the first
   lookup of `deepspeed`; `zerotron run --as-deepspeed` sets it for the workers). Then `deepspeed`
   *is* zerotron and `deepspeed.<path>` is the table's module, and `importlib.metadata` knows a
-  distribution `deepspeed` of version `0.18.0+zerotron.<zerotron's version>` -- what transformers,
+  distribution `deepspeed` of version `0.18.2+zerotron.<zerotron's version>` -- what transformers,
   accelerate and TRL read before they use DeepSpeed (`importlib.util.find_spec("deepspeed")`, then
   `importlib.metadata.version("deepspeed")` for their feature gates). `deepspeed.__version__` is
   zerotron's own `__version__`: the alias is the same module object, so isinstance checks and
@@ -59,7 +59,7 @@ import warnings
 from . import paths
 
 ENV = "ZEROTRON_AS_DEEPSPEED"
-DEEPSPEED_API_VERSION = "0.18.0"  # the DeepSpeed release whose API zerotron's surface follows
+DEEPSPEED_API_VERSION = "0.18.2"  # the DeepSpeed release whose API zerotron's surface follows
 PTH_NAME = "zerotron-startup.pth"
 _MISSING = object()
 

@@ -46,10 +46,10 @@ PATHS: dict[str, str] = {
     "runtime.pipe.engine": "zerotron.compat.runtime.pipe.engine",
     "runtime.pipe.topology": "zerotron.compat.runtime.pipe.topology",
     "runtime.tensor_parallel": "zerotron.compat.tensor_parallel",
-    # refused with a message when used (imports succeed: accelerate imports them inside branches)
+    # sequence_parallel: ALST (Ulysses for Hugging Face models) and the sequence-parallel mpu
     "runtime.sequence_parallel": "zerotron.compat.sequence_parallel",
     "runtime.sequence_parallel.ulysses_sp": "zerotron.compat.sequence_parallel",
-    "runtime.sequence_parallel.parallel_state_sp": "zerotron.compat.parallel_state_sp",
+    "runtime.sequence_parallel.parallel_state_sp": "zerotron.long_context.mpu",
     # sequence: DeepSpeed-Ulysses' DistributedAttention
     "sequence": "zerotron.long_context",
     "sequence.layer": "zerotron.long_context.ulysses",

@@ -67,6 +67,20 @@ def prepare_checkpointing(model) -> None:
         model.config.use_cache = False
 
 
+def use_ulysses(model, group) -> None:
+    """Sequence parallelism for a Transformers model (ALST): its attention function runs under
+    Ulysses over `group`, unless register_with_transformers already made it run over a group of
+    that size (accelerate and the Trainer do, before the engine exists). Batches must come split:
+    UlyssesSPDataLoaderAdapter or zerotron.long_context.shard_batch."""
+    from ..comm import comm_for
+    from ..long_context.hf_attention import wrap_attention, wrapped_group
+
+    implementation = model.config._attn_implementation
+    current = wrapped_group(implementation)
+    if current is None or comm_for(current, "sp").size != comm_for(group, "sp").size:
+        wrap_attention(model.config, implementation, group)
+
+
 def tensor_parallel_plan(model, tp: int) -> dict[str, str]:
     """zerotron's plan from the model's own Transformers plan (names relative to `model`)."""
     if getattr(model.config, "model_type", None) == "gpt2":

@@ -63,8 +63,8 @@ class Adapter:
                 size,
                 f"{type(model).__name__}'s attention does not go through DistributedAttention, so each rank "
                 "would attend over its slice of the sequence only: write its attention with "
-                "deepspeed.sequence.layer.DistributedAttention (zerotron.long_context), train zerotron's GPT, "
-                "or remove the key (Ulysses for Transformers models, ALST, is not implemented yet)",
+                "deepspeed.sequence.layer.DistributedAttention (zerotron.long_context), train zerotron's GPT "
+                "or a Transformers model, or remove the key",
             )
 
     def pipeline(self, model, num_stages: int, **kwargs) -> PipelineModule:
@@ -109,6 +109,9 @@ class TransformersAdapter(Adapter):
 
     def pipeline(self, model, num_stages, **kwargs):
         return hf_pipeline.to_pipeline(model, num_stages, **kwargs)
+
+    def ulysses(self, model, group, index, size):
+        hf.use_ulysses(model, group)
 
 
 # Looked up along the model's class hierarchy; Transformers' class by name (it is optional).

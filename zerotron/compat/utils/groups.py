@@ -1,11 +1,12 @@
 """`deepspeed.utils.groups`: the process-group accessors DeepSpeed scripts call, answered from the
 topology of the most recently initialized zerotron engine (see engines.py).
 
-zerotron's layout (zerotron/topology.py) is pipeline x data x tensor, tensor innermost.
+zerotron's layout (zerotron/topology.py) is pipeline x data x sequence x tensor, tensor innermost.
 "Model parallel" here is tensor parallel, as in DeepSpeed with AutoTP. Without an engine the
 data-parallel group is the whole world and there is no model parallelism, as in DeepSpeed
-without an mpu. zerotron has no expert parallelism and no Ulysses sequence parallelism: those
-worlds have one rank, and asking for their groups is an error that says so.
+without an mpu. The sequence-parallel accessors answer from the engine, or before it from the
+sequence-parallel mpu (parallel_state_sp). zerotron has no expert parallelism: that world has one
+rank, and asking for its groups is an error that says so.
 """
 
 from __future__ import annotations
@@ -157,32 +158,51 @@ def _get_pipeline_parallel_group():
     return t.group("pp")
 
 
-# ---- sequence parallel (DeepSpeed-Ulysses): not in zerotron ------------------------------------
+# ---- sequence parallel (DeepSpeed-Ulysses) ------------------------------------------------------
+def _sequence_topology():
+    """The engine's topology when it splits sequences, else the sequence-parallel mpu's
+    (parallel_state_sp, which accelerate and the Trainer set up before the engine), else None."""
+    t = _topology()
+    if t is not None and t.sp > 1:
+        return t
+    from ...long_context.mpu import _topology as sp_topology
+
+    return sp_topology
+
+
 def _get_sequence_parallel_world_size() -> int:
-    return 1
+    t = _sequence_topology() if dist.is_initialized() else None
+    return 1 if t is None else t.sp
 
 
 def _get_sequence_parallel_rank() -> int:
-    return 0
+    t = _sequence_topology() if dist.is_initialized() else None
+    return 0 if t is None else t.coords(dist.get_rank()).sp
 
 
 def _get_sequence_parallel_group():
-    raise KeyError(
-        "no sequence-parallel group: zerotron has no DeepSpeed-Ulysses sequence parallelism "
-        "(zerotron.sequence_parallel is Megatron-style, inside the tensor-parallel group)"
-    )
+    t = _sequence_topology() if dist.is_initialized() else None
+    if t is None:
+        raise KeyError(
+            "no sequence-parallel group: set sequence_parallel_size in the config, or call "
+            "deepspeed.runtime.sequence_parallel.parallel_state_sp.initialize_sequence_parallel(n) first"
+        )
+    return t.group("sp")
 
 
 def _get_sequence_data_parallel_world_size() -> int:
-    return _get_data_parallel_world_size()
+    t = _sequence_topology() if dist.is_initialized() else None
+    return _get_data_parallel_world_size() if t is None else t.replicas
 
 
 def _get_sequence_data_parallel_rank() -> int:
-    return _get_data_parallel_rank()
+    t = _sequence_topology() if dist.is_initialized() else None
+    return _get_data_parallel_rank() if t is None else dist.get_rank(t.group("dp"))
 
 
 def _get_sequence_data_parallel_group():
-    return _get_data_parallel_group()
+    t = _sequence_topology() if dist.is_initialized() else None
+    return _get_data_parallel_group() if t is None else t.group("dp")
 
 
 # ---- expert parallel: not in zerotron ------------------------------------------------------------
