@@ -32,6 +32,17 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
+def _sequence_parallel(sp):
+    """ALST as the Transformers docs set it up: each sequence split over `sp` ranks."""
+    if sp == 1:
+        return None
+    from accelerate.utils import ParallelismConfig
+    from accelerate.utils.dataclasses import DeepSpeedSequenceParallelConfig
+
+    handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
+    return ParallelismConfig(sp_backend="deepspeed", sp_size=sp, sp_handler=handler)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--deepspeed", default=None, help="a DeepSpeed JSON config (path); omit for DDP")
@@ -54,6 +65,7 @@ def main():
     p.add_argument("--compile-backend", default=None, help="torch.compile the model (engine.compile under DeepSpeed)")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--save-model", default=None)
+    p.add_argument("--sp", type=int, default=1, help="Ulysses over N ranks (accelerate's ParallelismConfig, ALST)")
     a = p.parse_args()
 
     torch.manual_seed(0)
@@ -65,6 +77,7 @@ def main():
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=32,
+        attn_implementation="sdpa",
     )
     model = AutoModelForCausalLM.from_config(config) if a.model_first else None
     args = TrainingArguments(
@@ -94,6 +107,7 @@ def main():
         gradient_checkpointing=a.gradient_checkpointing,
         disable_tqdm=True,
         remove_unused_columns=False,
+        parallelism_config=_sequence_parallel(a.sp),
     )
     if a.init_from:  # after TrainingArguments(deepspeed=<ZeRO-3>): each rank loads its pieces inside zero.Init
         model = AutoModelForCausalLM.from_pretrained(a.init_from)
@@ -120,6 +134,7 @@ def main():
         out["zero_stage"] = engine.zero_optimization_stage()
         out["tp"] = engine.config.get("tensor_parallel", {}).get("autotp_size", 1)
         out["host_bytes"] = engine.memory_report().get("host", 0)  # model states kept in host memory (offload)
+        out["sp"] = engine.topology.sp
     out["gradient_checkpointing"] = trainer.model.is_gradient_checkpointing
     if a.history and trainer.is_world_process_zero():
         with open(a.history, "w") as f:

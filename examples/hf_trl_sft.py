@@ -1,4 +1,5 @@
-"""TRL's SFTTrainer on zerotron's ZeRO-3 ("ds") or plain DDP ("ddp"), 2 CPU ranks:
+"""TRL's SFTTrainer on zerotron's ZeRO-3 ("ds"), ZeRO-3 with each sequence split over 2 ranks by
+Ulysses ("sp": accelerate's ParallelismConfig(sp_backend="deepspeed"), ALST) or plain DDP ("ddp"):
 
     torchrun --nproc_per_node 2 examples/hf_trl_sft.py ds MODEL_DIR OUT
 
@@ -14,7 +15,7 @@ import sys
 import zerotron
 
 mode, model_dir, out = sys.argv[1], sys.argv[2], sys.argv[3]
-if mode == "ds":
+if mode in ("ds", "sp"):
     zerotron.as_deepspeed()  # before transformers/accelerate/trl say `import deepspeed`
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
@@ -30,9 +31,16 @@ ds = (
         "steps_per_print": 10**6,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
     }
-    if mode == "ds"
+    if mode in ("ds", "sp")
     else None
 )
+parallelism = None
+if mode == "sp":
+    from accelerate.utils import ParallelismConfig
+    from accelerate.utils.dataclasses import DeepSpeedSequenceParallelConfig
+
+    handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
+    parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=2, sp_handler=handler)
 args = SFTConfig(
     output_dir=out + "/run",
     deepspeed=ds,
@@ -55,8 +63,11 @@ args = SFTConfig(
     max_length=16,
     packing=False,
     dataloader_num_workers=0,
+    parallelism_config=parallelism,
 )
-model = AutoModelForCausalLM.from_pretrained(model_dir)  # under ZeRO-3: inside deepspeed.zero.Init
+model = AutoModelForCausalLM.from_pretrained(
+    model_dir, attn_implementation="sdpa"
+)  # under ZeRO-3: inside deepspeed.zero.Init
 partitioned = all(p.numel() == 0 and getattr(p, "ds_tensor", None) is not None for p in model.parameters())
 vocab = {f"t{i}": i for i in range(256)}
 tok = PreTrainedTokenizerFast(

@@ -189,3 +189,13 @@ def test_deepspeed_dataloader_reads_this_ranks_share():
     assert len(loader) == 2
     seen = sorted(int(v) for (batch,) in loader for v in batch)
     assert len(seen) == 4 and set(seen) < set(range(8))
+
+
+def test_move_to_device_moves_nested_tensors_and_keeps_the_rest():
+    from zerotron.compat.runtime.utils import move_to_device
+
+    t = torch.ones(2, dtype=torch.float64)
+    out = move_to_device({"a": [t, (t, 3)], "b": "text"}, torch.device("cpu"))
+    assert out["b"] == "text" and out["a"][1][1] == 3 and torch.equal(out["a"][0], t)
+    kept = move_to_device([t], "cpu", criterion_func=lambda x: torch.is_tensor(x))
+    assert kept[0] is t  # the criterion's tensors keep their identity (their storage moves)

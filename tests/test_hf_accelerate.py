@@ -111,3 +111,35 @@ def test_accelerate_deepspeed_trains_saves_and_resumes_like_ddp(tmp_path, ddp, m
     assert worst < 1e-5, worst
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     assert all(torch.equal(v.float(), ours[k]) for k, v in reloaded.state_dict().items() if k in ours)
+
+
+@pytest.mark.timeout(300)
+def test_accelerates_own_alst_script_trains_like_one_process():
+    """accelerate's ALST test script itself (tools/public_alst_script.py: only the model and the CPU
+    process group adapted), launched with ZeRO-3 on 2 ranks: each of its 4 samples split over both
+    ranks, the losses it prints those of one process training the samples in order."""
+    import re
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "public_alst_script.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    env.update(ZEROTRON_AS_DEEPSPEED="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(tool.parents[1]), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", "3"]
+    cmd += ["--num_processes", "2", "--main_process_port", str(free_port()), str(tool)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = [float(x) for x in re.findall(r"\d+: loss=tensor\(([0-9.]+)", done.stdout)]
+
+    from tools.public_alst_script import tiny_llama
+
+    model = tiny_llama()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-5)
+    want = []
+    for i in range(4):  # the script's samples: ids 101.., positions counting on across samples, labels the ids
+        ids = torch.arange(1 + 32 * i, 32 * (i + 1) + 1).view(1, -1) + 100
+        loss = model(input_ids=ids, position_ids=torch.arange(32 * i, 32 * (i + 1)).view(1, -1), labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        want.append(loss.item())
+    assert len(got) == 4 and all(abs(a - b) <= 1e-4 for a, b in zip(got, want)), (got, want)

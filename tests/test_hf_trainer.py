@@ -280,3 +280,23 @@ def test_config_is_a_read_only_mapping_and_accepts_inf():
 
     with pytest.raises(ConfigError):
         Config.load({"train_micro_batch_size_per_gpu": 2, "steps_per_print": 0.5})
+
+
+def _norms(result):
+    return [h["grad_norm"] for h in result["history"] if "grad_norm" in h]
+
+
+@pytest.mark.parametrize(
+    "name,config,extra", [("sp2_z2", ZERO2, ()), ("sp2_z3_offload_ckpt", ZERO3_OFFLOAD, ("--gradient-checkpointing",))]
+)
+def test_ulysses_through_parallelism_config_matches_one_process(tmp_path, name, config, extra):
+    """ALST as the Transformers docs set it up (TrainingArguments(parallelism_config=
+    ParallelismConfig(sp_backend="deepspeed", sp_size=2))): each sequence split over the 2 ranks;
+    the ranks' batches taken in turn, the batches one process trains in the same order (its losses,
+    gradient norms and eval loss: eval runs whole sequences, accelerate's sp_disable_in_eval)."""
+    want = _run(tmp_path, "one", None, nproc=1)
+    got = _run(tmp_path, name, config, "--sp", "2", *extra)
+    assert got["sp"] == 2, got
+    _assert_same_losses(_losses(got), _losses(want))
+    assert all(_close(a, b) for a, b in zip(_norms(got), _norms(want))) and len(_norms(got)) == 6, (got, want)
+    assert _close(got["eval"]["eval_loss"], want["eval"]["eval_loss"])

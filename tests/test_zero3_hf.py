@@ -282,7 +282,7 @@ def test_generation_of_different_lengths_inside_gathered_parameters(tmp_path):
 SFT_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "hf_trl_sft.py"
 
 
-def _torchrun(script, *args, timeout=300):
+def _torchrun(script, *args, timeout=300, nproc=2):
     import os
     import subprocess
     import sys
@@ -300,7 +300,7 @@ def _torchrun(script, *args, timeout=300):
         "-m",
         "torch.distributed.run",
         "--nproc_per_node",
-        "2",
+        str(nproc),
         "--master_port",
         str(free_port()),
         str(script),
@@ -326,3 +326,21 @@ def test_trl_sft_trainer_under_zero3_matches_ddp(tmp_path):
     assert ds["partitioned"]  # from_pretrained ran inside zero.Init: pieces only
     assert len(ds["losses"]) == 3
     assert_losses_close(ds["losses"], ddp["losses"], rtol=1e-5)
+
+
+def test_trl_sft_trainer_with_ulysses_matches_one_process(tmp_path):
+    """SFTConfig(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2)) at ZeRO-3:
+    each sequence split over the 2 ranks, the ranks' batches in turn: one process's losses."""
+    import json
+
+    import pytest
+
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    _tiny_llama(seed=5).save_pretrained(tmp_path / "model")
+    _torchrun(SFT_SCRIPT, "ddp", tmp_path / "model", tmp_path, nproc=1)
+    _torchrun(SFT_SCRIPT, "sp", tmp_path / "model", tmp_path)
+    one = json.loads((tmp_path / "ddp.json").read_text())
+    sp = json.loads((tmp_path / "sp.json").read_text())
+    assert sp["engine"].startswith("zerotron.engine") and len(sp["losses"]) == 3
+    assert_losses_close(sp["losses"], one["losses"], rtol=1e-5)

@@ -80,3 +80,19 @@ def call_to_str(base, *args, **kwargs) -> str:
 
 def noop_decorator(func):
     return func
+
+
+def move_to_device(item, device, criterion_func=None):
+    """DeepSpeed's: tensors in `item` (nested lists, tuples and dicts) moved to `device`; those
+    `criterion_func` accepts keep their identity (their storage moves). Other values pass through
+    unchanged (DeepSpeed calls .to() on them)."""
+    if criterion_func is not None and criterion_func(item):
+        item.data = item.to(device).data
+        return item
+    if isinstance(item, list):
+        return [move_to_device(v, device, criterion_func) for v in item]
+    if isinstance(item, tuple):
+        return tuple(move_to_device(v, device, criterion_func) for v in item)
+    if isinstance(item, dict):
+        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
+    return item.to(device) if hasattr(item, "to") else item
