@@ -5,12 +5,13 @@ against plain single-process PyTorch.
     python -m tests.fuzz --seeds 10 --start 200 --verbose
 
 A draw picks a model (the reference GPT, its pipeline form with the embedding tied across the first
-and last stage, or a tiny Transformers family), a layout (data x tensor x pipeline <= 8 ranks, ZeRO
-0-3, accumulation 1-4, schedule, activation checkpointing, optimizer offload, sequence
-parallelism; fp32), how the parameters and optimizer reach `initialize`, and a save at a random step
-resumed under a second, different random layout with the same global batch. Every draw must match
-single-process training (each step's loss within 1e-5 relative, final weights within 1e-5) or be
-refused with a ConfigError before its first step; anything else is a finding.
+and last stage, or a tiny Transformers family), a layout (data x tensor x pipeline x sequence <= 8 ranks, ZeRO
+0-3, accumulation 1-4, schedule, activation checkpointing, optimizer offload, Megatron's sequence
+parallelism, Ulysses and ring attention splitting each sequence; fp32), how the parameters and
+optimizer reach `initialize`, and a save at a random step resumed under a second, different random
+layout with the same global batch. Every draw must match single-process training (each step's loss
+within 1e-5 relative, final weights within 1e-5) or be refused with a ConfigError before its first
+step; anything else is a finding.
 """
 
 from __future__ import annotations
@@ -53,10 +54,12 @@ class Layout:
     offload: bool = False
     sequence_parallel: bool = False
     handed_in: str = "nothing"
+    ulysses: int = 1  # sequence_parallel_size
+    ring: int = 1  # zerotron.context_parallel_size
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.ulysses * self.ring
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +84,13 @@ def _short(lay: Layout) -> str:
         extra.append(lay.schedule + (f"x{lay.chunks}" if lay.chunks > 1 else ""))
     extra += [
         x
-        for x, on in ((lay.policy, lay.policy != "none"), ("offload", lay.offload), ("sp", lay.sequence_parallel))
+        for x, on in (
+            (lay.policy, lay.policy != "none"),
+            ("offload", lay.offload),
+            ("sp", lay.sequence_parallel),
+            (f"ulysses{lay.ulysses}", lay.ulysses > 1),
+            (f"ring{lay.ring}", lay.ring > 1),
+        )
         if on
     ]
     return f"dp{lay.dp} tp{lay.tp} pp{lay.pp} " + " ".join(extra)
@@ -101,6 +110,14 @@ def _layout(rng: random.Random, model: str, batch: int, grouped: bool, max_world
     stage = rng.choice([0, 1, 2, 3] if pp == 1 or rng.random() < 0.1 else [0, 1, 2])
     sp_supported = pp == 1 and model in ("gpt", "gpt_tied")
     sequence_parallel = tp > 1 and rng.random() < (0.4 if sp_supported else 0.05)
+    # Each sequence split over Ulysses x ring ranks: the GPT without tensor or pipeline parallelism
+    # (its adapter applies both); now and then where it must be refused (with tp, pp, ring on HF).
+    # Ulysses on Transformers models needs ALST's loss (tests/test_alst.py), not this loop: ring only.
+    ulysses = ring = 1
+    room = max_world // (dp * tp * pp)
+    splits = [(u, r) for u in ((1,) if _is_hf(model) else (1, 2)) for r in (1, 2, 4) if 1 < u * r <= room]
+    if splits and rng.random() < (0.35 if sp_supported and tp == 1 else 0.03):
+        ulysses, ring = rng.choice(splits)
     return Layout(
         dp=dp,
         tp=tp,
@@ -114,6 +131,8 @@ def _layout(rng: random.Random, model: str, batch: int, grouped: bool, max_world
         offload=stage > 0 and rng.random() < 0.25,
         sequence_parallel=sequence_parallel,
         handed_in=rng.choice(HANDED_IN[grouped]),
+        ulysses=ulysses,
+        ring=ring,
     )
 
 
@@ -197,7 +216,12 @@ def _config(lay: Layout) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.95], "eps": EPS, "weight_decay": 0.1}},
         "tensor_parallel": {"autotp_size": lay.tp},
         "zero_optimization": {"stage": lay.stage, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 5000},
-        "zerotron": {"checkpoint_policy": lay.policy, "sequence_parallel": lay.sequence_parallel},
+        "zerotron": {
+            "checkpoint_policy": lay.policy,
+            "sequence_parallel": lay.sequence_parallel,
+            "context_parallel_size": lay.ring,
+        },
+        "sequence_parallel_size": lay.ulysses,
         "pipeline": {"schedule": lay.schedule},
     }
     if lay.offload:
@@ -244,9 +268,12 @@ def run_layout(
         return "refused", str(e)
     if load:
         engine.load_checkpoint(directory)
+    from zerotron.long_context.layout import SequenceSplit
+
+    split = SequenceSplit.of(engine.topology, torch.distributed.get_rank())
     losses = []
     for b in global_batches(STEPS, batch)[steps.start : steps.stop]:
-        x_y = micro_batches(b, engine.coords.dp, lay.dp, lay.gas)
+        x_y = [(split.take(x), split.take(y)) for x, y in micro_batches(b, engine.coords.dp, lay.dp, lay.gas)]
         feed = (
             [{"input_ids": x, "labels": x} for x, _ in x_y]
             if _is_hf(name) and lay.pp == 1

@@ -157,16 +157,16 @@ def test_args_deepspeed_config_and_callable_optimizer(tmp_path):
 
 def test_topology_places_tensor_parallel_ranks_innermost():
     topo = Topology(8, tp=2, pp=2)
-    assert topo.shape == (2, 2, 1, 2)
-    assert [tuple(vars(topo.coords(r)).values()) for r in range(8)] == [
-        (0, 0, 0, 0),
-        (0, 0, 0, 1),
-        (0, 1, 0, 0),
-        (0, 1, 0, 1),
-        (1, 0, 0, 0),
-        (1, 0, 0, 1),
-        (1, 1, 0, 0),
-        (1, 1, 0, 1),
+    assert topo.shape == (2, 2, 1, 1, 2)  # pp, dp, cp, sp, tp
+    assert [tuple(vars(topo.coords(r)).values()) for r in range(8)] == [  # pp, dp, sp, tp, cp
+        (0, 0, 0, 0, 0),
+        (0, 0, 0, 1, 0),
+        (0, 1, 0, 0, 0),
+        (0, 1, 0, 1, 0),
+        (1, 0, 0, 0, 0),
+        (1, 0, 0, 1, 0),
+        (1, 1, 0, 0, 0),
+        (1, 1, 0, 1, 0),
     ]
     assert topo.group_ranks("tp", 5) == [4, 5]
     assert topo.group_ranks("dp", 5) == [5, 7]
@@ -182,8 +182,14 @@ def test_sequence_ranks_sit_between_data_and_tensor_ranks_and_replicas_span_both
     assert (topo.dp, topo.sp, topo.replicas) == (4, 2, 8)
     assert topo.group_ranks("sp", 5) == [4, 5] and topo.group_ranks("dp", 5) == [1, 3, 5, 7]
     topo = Topology(8, tp=2, sp=2)
-    assert topo.shape == (1, 2, 2, 2) and vars(topo.coords(6)) == {"pp": 0, "dp": 1, "sp": 1, "tp": 0}
+    assert topo.shape == (1, 2, 1, 2, 2) and vars(topo.coords(6)) == {"pp": 0, "dp": 1, "sp": 1, "tp": 0, "cp": 0}
     assert topo.group_ranks("sp", 6) == [4, 6] and topo.group_ranks("replicas", 6) == [0, 2, 4, 6]
+    assert all(topo.rank_of(**vars(topo.coords(r))) == r for r in range(8))
+    # ring ranks outside Ulysses' (which stay neighbours), the sequence group both
+    topo = Topology(8, sp=2, cp=2)
+    assert (topo.dp, topo.seq, topo.replicas) == (2, 4, 8)
+    assert topo.group_ranks("sp", 5) == [4, 5] and topo.group_ranks("cp", 5) == [5, 7]
+    assert topo.group_ranks("seq", 5) == [4, 5, 6, 7] and topo.group_ranks("dp", 5) == [1, 5]
     assert all(topo.rank_of(**vars(topo.coords(r))) == r for r in range(8))
 
 

@@ -6,6 +6,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -140,7 +142,7 @@ def test_train_on_a_3d_mesh_of_eight_processes():
 
 def test_train_rejects_sizes_that_disagree():
     out = _zerotron("train", "--model", "tiny", "--steps", "1", "--dp", "2", "--pp", "2", "--nproc", "2")
-    assert out.returncode != 0 and "disagrees with --dp x --sp x --tp x --pp = 4" in out.stderr
+    assert out.returncode != 0 and "disagrees with --dp x --cp x --sp x --tp x --pp = 4" in out.stderr
 
 
 def test_train_saves_and_resumes_where_it_stopped(tmp_path):
@@ -305,15 +307,16 @@ def test_train_names_more_pipeline_stages_than_layers_before_launching():
     ), out.stderr
 
 
-def test_train_with_ulysses_sequence_parallelism():
+@pytest.mark.parametrize("flag,fits", [("--sp", "62"), ("--cp", "60")])  # Ulysses; ring attention (halves)
+def test_train_with_sequence_parallelism(flag, fits):
     out = _zerotron(
-        "train", "--model", "tiny", "--steps", "30", "--sp", "2", "--seq-len", "64", "--eval-batches", "2",
+        "train", "--model", "tiny", "--steps", "30", flag, "2", "--seq-len", "64", "--eval-batches", "2",
         "--corpus-bytes", "300000",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(ln for ln in out.stdout.splitlines() if "validation loss" in ln)
     before, after = (float(v) for v in line.split("validation loss ")[1].split(" (")[0].split(" -> "))
-    assert "dp 1 x sp 2 x tp 1" in out.stdout and after < before - 1.0, out.stdout
+    assert f"dp 1 x {flag[2:]} 2 x tp 1" in out.stdout and after < before - 1.0, out.stdout
     assert "sample: skipped" in out.stdout
-    odd = _zerotron("train", "--model", "tiny", "--sp", "2", "--seq-len", "63", timeout=60)
-    assert odd.returncode != 0 and "--seq-len 62" in odd.stderr + odd.stdout
+    odd = _zerotron("train", "--model", "tiny", flag, "2", "--seq-len", "63", timeout=60)
+    assert odd.returncode != 0 and f"--seq-len {fits}" in odd.stderr + odd.stdout

@@ -87,7 +87,11 @@ def initialize(
         **_auto_values(model, optimizer),
     )
     topology = Topology(
-        world_size, tp=cfg.tensor_parallel.autotp_size, pp=cfg.pipeline.stages, sp=cfg.sequence_parallel_size
+        world_size,
+        tp=cfg.tensor_parallel.autotp_size,
+        pp=cfg.pipeline.stages,
+        sp=cfg.sequence_parallel_size,
+        cp=cfg.zerotron.context_parallel_size,
     )
 
     init_distributed()

@@ -1,13 +1,17 @@
-"""Which rank does what: pipeline x data x sequence x tensor parallel sizes, coordinates and groups.
+"""Which rank does what: pipeline x data x context x sequence x tensor parallel sizes, coordinates
+and groups.
 
-Ranks are laid out pipeline-outermost and tensor-innermost (rank = ((pp * dp + dp_idx) * sp + sp_idx) *
-tp + tp_idx), so the chattiest groups, tensor and then sequence parallel, are made of neighbouring
-ranks on one node (with tp 1 the sequence groups are DeepSpeed's: consecutive ranks).
+Ranks are laid out pipeline-outermost and tensor-innermost (rank = (((pp * dp + dp_idx) * cp +
+cp_idx) * sp + sp_idx) * tp + tp_idx), so the chattiest groups, tensor and then Ulysses' all-to-all,
+are made of neighbouring ranks on one node (with tp 1 the Ulysses groups are DeepSpeed's:
+consecutive ranks). A sequence is split over its cp x sp sequence ranks ("seq"): ring attention
+passes key/value blocks around the cp ranks ("cp"), Ulysses trades sequence for heads within the sp
+ranks ("sp"); with one of them 1, "seq" is the other's group.
 
 The ranks that hold the same parameters are the data x sequence ranks of one (pp, tp) place: ZeRO
 shards over them and gradients are reduced over them ("dp" and "dp_grad"; DeepSpeed's sequence-data-
 parallel group). The data sampler splits samples over the data ranks only ("data"): the sequence
-ranks of one data rank read the same samples, each its slice of the sequence.
+ranks of one data rank read the same samples, each its part of the sequence.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from .comm import cached_groups
 from .errors import ConfigError
 from .timeouts import group_timeout
 
-DIMS = ("pp", "dp", "sp", "tp")
+DIMS = ("pp", "dp", "cp", "sp", "tp")
 
 
 @dataclass(frozen=True)
@@ -30,62 +34,74 @@ class Coords:
     dp: int
     sp: int
     tp: int
+    cp: int = 0
 
 
 class Topology:
     """Sizes and coordinates are pure arithmetic; `build_groups()` makes the process groups."""
 
-    def __init__(self, world_size: int, tp: int = 1, pp: int = 1, sp: int = 1):
+    def __init__(self, world_size: int, tp: int = 1, pp: int = 1, sp: int = 1, cp: int = 1):
         sizes = (
             ("world size", world_size),
             ("tensor-parallel size", tp),
             ("pipeline-parallel size", pp),
             ("sequence_parallel_size", sp),
+            ("zerotron.context_parallel_size", cp),
         )
         for name, size in sizes:
             if size < 1:
                 raise ConfigError(name, size, "must be a positive integer")
-        if world_size % (tp * pp * sp):
-            key, value = ("sequence_parallel_size", sp) if sp > 1 else ("tensor_parallel.autotp_size", tp)
+        if world_size % (tp * pp * sp * cp):
+            key, value = next(
+                ((k, v) for k, v in (("sequence_parallel_size", sp), ("zerotron.context_parallel_size", cp)) if v > 1),
+                ("tensor_parallel.autotp_size", tp),
+            )
             raise ConfigError(
                 key,
                 value,
-                f"tensor ({tp}) x pipeline ({pp}) x sequence ({sp}) parallel size must divide the world size "
-                f"({world_size}); change the sizes or the number of processes",
+                f"tensor ({tp}) x pipeline ({pp}) x sequence ({sp}) x context ({cp}) parallel size must divide the "
+                f"world size ({world_size}); change the sizes or the number of processes",
             )
-        self.world_size, self.tp, self.pp, self.sp = world_size, tp, pp, sp
-        self.dp = world_size // (tp * pp * sp)
+        self.world_size, self.tp, self.pp, self.sp, self.cp = world_size, tp, pp, sp, cp
+        self.dp = world_size // (tp * pp * sp * cp)
         self._groups: dict[str, Optional[dist.ProcessGroup]] = {}
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (self.pp, self.dp, self.sp, self.tp)
+    def shape(self) -> tuple[int, ...]:
+        return (self.pp, self.dp, self.cp, self.sp, self.tp)
+
+    @property
+    def seq(self) -> int:
+        """How many ranks split each sequence (ring x Ulysses)."""
+        return self.cp * self.sp
 
     @property
     def replicas(self) -> int:
         """How many ranks hold the same parameters (ZeRO's and the gradient reduction's group size)."""
-        return self.dp * self.sp
+        return self.dp * self.seq
 
     def coords(self, rank: int) -> Coords:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
         return Coords(
-            pp=rank // (self.dp * self.sp * self.tp),
-            dp=(rank // (self.sp * self.tp)) % self.dp,
+            pp=rank // (self.dp * self.seq * self.tp),
+            dp=(rank // (self.seq * self.tp)) % self.dp,
             sp=(rank // self.tp) % self.sp,
             tp=rank % self.tp,
+            cp=(rank // (self.sp * self.tp)) % self.cp,
         )
 
-    def rank_of(self, pp: int, dp: int, tp: int, sp: int = 0) -> int:
-        return ((pp * self.dp + dp) * self.sp + sp) * self.tp + tp
+    def rank_of(self, pp: int, dp: int, tp: int, sp: int = 0, cp: int = 0) -> int:
+        return (((pp * self.dp + dp) * self.cp + cp) * self.sp + sp) * self.tp + tp
 
     def group_ranks(self, dim: str, rank: int) -> list[int]:
-        """The ranks that share every coordinate with `rank` except `dim` ("replicas": except dp and
-        sp), in order along `dim`."""
+        """The ranks that share every coordinate with `rank` except `dim` ("seq": except cp and sp;
+        "replicas": except dp, cp and sp), in order along `dim`."""
         c = self.coords(rank)
-        if dim == "replicas":
-            return [self.rank_of(c.pp, d, c.tp, s) for d in range(self.dp) for s in range(self.sp)]
-        size = {"pp": self.pp, "dp": self.dp, "sp": self.sp, "tp": self.tp}[dim]
+        if dim in ("seq", "replicas"):
+            data = range(self.dp) if dim == "replicas" else [c.dp]
+            return [self.rank_of(c.pp, d, c.tp, s, r) for d in data for r in range(self.cp) for s in range(self.sp)]
+        size = {"pp": self.pp, "dp": self.dp, "cp": self.cp, "sp": self.sp, "tp": self.tp}[dim]
         return [self.rank_of(**{**c.__dict__, dim: i}) for i in range(size)]
 
     def build_groups(self, device_type: str = "cpu") -> "Topology":
@@ -103,19 +119,33 @@ class Topology:
     # The engine's groups: "dp" (ZeRO, parameter gathers, the start-up broadcast) and "dp_grad"
     # (gradient reductions: see zero/sharded.py) span every replica, data and sequence ranks alike;
     # "data" is the data ranks alone (samples), "sp" the sequence ranks (attention's all-to-all).
-    _ALONG = {"pp": "pp", "dp": "replicas", "sp": "sp", "tp": "tp", "data": "dp", "dp_grad": "replicas"}
+    _ALONG = {
+        "pp": "pp",
+        "dp": "replicas",
+        "sp": "sp",
+        "cp": "cp",
+        "seq": "seq",
+        "tp": "tp",
+        "data": "dp",
+        "dp_grad": "replicas",
+    }
 
     def _make_groups(self) -> dict:
+        # without a dimension there is no group for it (ask its size); a group with the ranks of
+        # another is that group (each process group costs connections and threads)
+        same = {"sp": self.sp == 1, "cp": self.cp == 1, "seq": self.cp == 1 or self.sp == 1, "data": self.seq == 1}
         groups = {}
         for name, along in self._ALONG.items():
-            if self.sp == 1 and name in ("sp", "data"):
-                continue  # without sequence parallelism: no "sp" group (ask topology.sp), and data is dp
+            if same.get(name):
+                continue
             # every rank creates every group of the dimension, in one order
             slices = sorted({tuple(self.group_ranks(along, r)) for r in range(self.world_size)})
             mine, _ = dist.new_subgroups_by_enumeration([list(s) for s in slices], timeout=group_timeout())
             groups[name] = mine
-        if self.sp == 1:
+        if self.seq == 1:
             groups["data"] = groups["dp"]
+        elif self.cp == 1 or self.sp == 1:
+            groups["seq"] = groups["sp" if self.cp == 1 else "cp"]
         return groups
 
     def group(self, dim: str) -> dist.ProcessGroup:
@@ -125,4 +155,5 @@ class Topology:
 
     def __repr__(self):
         sp = f", sp={self.sp}" if self.sp > 1 else ""
-        return f"Topology(world={self.world_size}, pp={self.pp}, dp={self.dp}{sp}, tp={self.tp})"
+        cp = f", cp={self.cp}" if self.cp > 1 else ""
+        return f"Topology(world={self.world_size}, pp={self.pp}, dp={self.dp}{cp}{sp}, tp={self.tp})"

@@ -36,6 +36,9 @@ def add_train_arguments(p: argparse.ArgumentParser):
     p.add_argument(
         "--sp", type=int, default=None, help="Ulysses sequence-parallel size: each sequence split over this many ranks"
     )
+    p.add_argument(
+        "--cp", type=int, default=None, help="ring attention (context parallelism): each sequence over this many ranks"
+    )
     p.add_argument("--pp", type=int, default=None, help="pipeline-parallel stages")
     p.add_argument(
         "--schedule",
@@ -121,6 +124,8 @@ def build_config(args, gpu: bool) -> dict:
         cfg.setdefault("tensor_parallel", {})["autotp_size"] = args.tp
     if args.sp is not None:
         cfg["sequence_parallel_size"] = args.sp
+    if args.cp is not None:
+        cfg.setdefault("zerotron", {})["context_parallel_size"] = args.cp
     if args.sequence_parallel:
         cfg.setdefault("zerotron", {})["sequence_parallel"] = True
     if args.tp_overlap:
@@ -147,21 +152,23 @@ def adopt_config_layout(args) -> None:
         args.tp = tp
     if args.sp is None and isinstance(raw.get("sequence_parallel_size"), int):
         args.sp = raw["sequence_parallel_size"]
+    if args.cp is None and isinstance(raw.get("zerotron", {}).get("context_parallel_size"), int):
+        args.cp = raw["zerotron"]["context_parallel_size"]
     if args.pp is None and isinstance(stages, int):
         args.pp = stages
 
 
 def world_size_of(args, default: int) -> int:
-    """Processes for the job: --dp x --sp x --tp x --pp when --dp is given, else --nproc (or `default`,
-    raised to the model- and sequence-parallel size when that does not divide it)."""
-    model_parallel = (args.tp or 1) * (args.pp or 1) * (args.sp or 1)
+    """Processes for the job: --dp x --cp x --sp x --tp x --pp when --dp is given, else --nproc (or
+    `default`, raised to the model- and sequence-parallel size when that does not divide it)."""
+    model_parallel = (args.tp or 1) * (args.pp or 1) * (args.sp or 1) * (args.cp or 1)
     if args.dp is not None:
         if args.dp < 1:
             raise SystemExit("--dp must be a positive integer")
         world = args.dp * model_parallel
         if args.nproc is not None and args.nproc != world:
             raise SystemExit(
-                f"--nproc {args.nproc} disagrees with --dp x --sp x --tp x --pp = {world}; give one of them"
+                f"--nproc {args.nproc} disagrees with --dp x --cp x --sp x --tp x --pp = {world}; give one of them"
             )
         return world
     world = args.nproc or default
@@ -175,10 +182,13 @@ def check_model_layout(args) -> None:
 
     if args.model not in SIZES:
         raise SystemExit(f"--model {args.model}: not a reference GPT size; choose one of {', '.join(SIZES)}")
-    if args.sp and args.seq_len % args.sp:
+    multiple = (args.sp or 1) * (2 * args.cp if (args.cp or 1) > 1 else 1)
+    if args.seq_len % multiple:
+        asked = " x ".join(f"--{k} {v}" for k, v in (("cp", args.cp), ("sp", args.sp)) if v and v > 1)
         raise SystemExit(
-            f"--sp {args.sp}: each sequence is split into {args.sp} equal slices, and --seq-len {args.seq_len} is "
-            f"not a multiple of it; use --seq-len {args.seq_len - args.seq_len % args.sp or args.sp}"
+            f"{asked}: each sequence is split into {multiple} equal pieces (the ring's head and tail halves x "
+            f"Ulysses' slices), and --seq-len {args.seq_len} is not a multiple of it; use --seq-len "
+            f"{args.seq_len - args.seq_len % multiple or multiple}"
         )
     layers, chunks = SIZES[args.model].n_layer, (args.pp or 1) * args.virtual_stages
     if chunks > layers:
@@ -198,11 +208,17 @@ def _peak_flops() -> float | None:
 
 
 def _sequence_slices(engine, batches):
-    """Ulysses: each sequence rank trains on its slice of every sequence (all of it without)."""
-    sp, index = engine.topology.sp, engine.coords.sp
+    """Each sequence rank trains on its part of every sequence (all of it without sequence
+    parallelism; long_context/layout.py)."""
+    from .long_context.layout import SequenceSplit
+
+    split = SequenceSplit.of(engine.topology, torch.distributed.get_rank() if engine.topology.seq > 1 else 0)
     for x, y in batches:
-        n = x.shape[1] // sp
-        yield x[:, index * n : (index + 1) * n], y[:, index * n : (index + 1) * n]
+        yield split.take(x), split.take(y)
+
+
+def _sequence_dims(topology) -> str:
+    return "".join(f" x {d} {getattr(topology, d)}" for d in ("cp", "sp") if getattr(topology, d) > 1)
 
 
 @torch.no_grad()
@@ -275,7 +291,7 @@ def train(args) -> None:
     say(
         f"zerotron train: {args.model} GPT, {n_params / 1e6:.2f}M parameters, "
         f"{engine.world_size} x {engine.device.type} ({dist.get_backend()}), "
-        f"dp {engine.topology.dp}{f' x sp {engine.topology.sp}' if engine.topology.sp > 1 else ''} x tp "
+        f"dp {engine.topology.dp}{_sequence_dims(engine.topology)} x tp "
         f"{engine.topology.tp} x pp {engine.topology.pp}, "
         f"{engine.config.model_dtype_name}, "
         f"batch {engine.train_batch_size()} x {seq} tokens, {args.steps} steps"
@@ -316,7 +332,7 @@ def train(args) -> None:
         f"trained {done} steps in {elapsed:.1f}s ({done * tokens_per_step / max(elapsed, 1e-9):,.0f} tokens/s); "
         f"validation loss {val_before:.3f} -> {val_after:.3f} (uniform guess: ln 256 = {math.log(256):.3f})"
     )
-    if args.sample_bytes > 0 and (pipelined or engine.topology.sp > 1):
+    if args.sample_bytes > 0 and (pipelined or engine.topology.seq > 1):
         say("sample: skipped (generation through pipeline stages or sequence slices is not implemented)")
     elif args.sample_bytes > 0:
         # Every rank generates (the same text, same seed): under ZeRO-3 each forward gathers

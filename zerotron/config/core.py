@@ -126,7 +126,10 @@ class Config(Mapping):
         ranks that read different samples; DeepSpeed's batch arithmetic divides by the sequence
         size too)."""
         return self.world_size // (
-            self.tensor_parallel.autotp_size * self.pipeline.stages * self.sequence_parallel_size
+            self.tensor_parallel.autotp_size
+            * self.pipeline.stages
+            * self.sequence_parallel_size
+            * self.zerotron.context_parallel_size
         )
 
     # ---- convenience -----------------------------------------------------------------------
@@ -241,29 +244,34 @@ class Config(Mapping):
         )
 
     def _validate_sequence_parallel(self, tp: int, pp: int):
-        sp = self.sequence_parallel_size
-        check(
-            isinstance(sp, int) and not isinstance(sp, bool) and sp >= 1,
-            "sequence_parallel_size",
-            sp,
-            "use a positive integer (1: no sequence parallelism)",
-        )
-        if sp == 1:
-            return
-        check(
-            self.world_size % sp == 0 and self.world_size % (sp * tp * pp) == 0,
-            "sequence_parallel_size",
-            sp,
-            f"it must divide the number of processes ({self.world_size}) together with the tensor ({tp}) and "
-            f"pipeline ({pp}) sizes; use a divisor of {self.world_size // (tp * pp)} or launch a multiple of "
-            f"{sp * tp * pp} processes",
-        )
-        for size, what, key in ((tp, "tensor", "tensor_parallel.autotp_size"), (pp, "pipeline", "pipeline.stages")):
+        sp, cp = self.sequence_parallel_size, self.zerotron.context_parallel_size
+        for key, size, what in (
+            ("sequence_parallel_size", sp, "sequence parallelism"),
+            ("zerotron.context_parallel_size", cp, "ring attention"),
+        ):
             check(
-                size == 1,
-                "sequence_parallel_size",
-                sp,
-                f"sequence parallelism with {what} parallelism ({key} {size}) is not supported yet: use one of them",
+                isinstance(size, int) and not isinstance(size, bool) and size >= 1,
+                key,
+                size,
+                f"use a positive integer (1: no {what})",
+            )
+        if sp * cp == 1:
+            return
+        key, size = ("sequence_parallel_size", sp) if sp > 1 else ("zerotron.context_parallel_size", cp)
+        check(
+            self.world_size % (sp * cp * tp * pp) == 0,
+            key,
+            size,
+            f"sequence ({sp}) x context ({cp}) parallel size must divide the number of processes ({self.world_size}) "
+            f"together with the tensor ({tp}) and pipeline ({pp}) sizes; use divisors of "
+            f"{self.world_size // (tp * pp)} or launch a multiple of {sp * cp * tp * pp} processes",
+        )
+        for n, what, other in ((tp, "tensor", "tensor_parallel.autotp_size"), (pp, "pipeline", "pipeline.stages")):
+            check(
+                n == 1,
+                key,
+                size,
+                f"sequence parallelism with {what} parallelism ({other} {n}) is not supported yet: use one of them",
             )
 
     def _resolve_batch(self):

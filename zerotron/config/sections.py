@@ -283,6 +283,7 @@ class ZerotronConfig:
     """Settings zerotron adds to DeepSpeed's schema, in their own "zerotron" section."""
 
     sequence_parallel: bool = False
+    context_parallel_size: int = 1  # ring attention: each sequence's tokens over this many ranks (x Ulysses')
     check_tensor_parallel_plan: bool = True  # run a few tokens through the model split and unsplit first
     checkpoint_policy: str = (
         "none"  # activation checkpointing the engine applies: none, every_block, every_k, selective

@@ -65,6 +65,7 @@ class EngineState:
             "topology": {
                 "dp": self.topology.dp,
                 "sp": self.topology.sp,
+                "cp": self.topology.cp,
                 "tp": self.topology.tp,
                 "pp": self.topology.pp,
             },
@@ -161,5 +162,5 @@ class EngineState:
             c.reset_stats()
 
     def _comms(self) -> list[Comm]:
-        sp = [comm_for(self.topology.group("sp"), "sp")] if self.topology.sp > 1 else []  # Ulysses' all-to-alls
-        return [self.dp_comm, self.grad_comm, self.tp_comm, self.world_comm] + sp
+        sequence = [comm_for(self.topology.group(d), d) for d in ("sp", "cp") if getattr(self.topology, d) > 1]
+        return [self.dp_comm, self.grad_comm, self.tp_comm, self.world_comm] + sequence  # Ulysses', the ring's

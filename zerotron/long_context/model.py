@@ -1,6 +1,6 @@
-"""Ulysses applied to a model from outside (the reference GPT's adapter uses these): the attention
-core wrapped in the all-to-alls, and the loss every sequence rank computes as the full sequence's
-mean (ALST's convention, docs/long-context.md)."""
+"""Sequence parallelism applied to a model from outside (the reference GPT's adapter uses these):
+the attention core wrapped in Ulysses' all-to-alls or run as ring attention, and the loss every
+sequence rank computes as the full sequence's mean (ALST's convention, docs/long-context.md)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm import comm_for
+from .ring import ring_attention
 from .ulysses import seq_all_to_all
 
 
@@ -21,6 +22,17 @@ class UlyssesCore:
     def __call__(self, q, k, v):
         q, k, v = (seq_all_to_all(t, self.group, 1, 2) for t in (q, k, v))
         return seq_all_to_all(self.core(q, k, v), self.group, 2, 1)
+
+
+class RingCore:
+    """Causal attention on (batch, heads, seq, head_dim) tensors whose sequence is split over the
+    ring `group` in load-balanced halves (layout.py), key/value blocks passed around the ring."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, q, k, v):
+        return ring_attention(q, k, v, self.group, causal=True)
 
 
 class _SumOverGroup(torch.autograd.Function):

@@ -66,13 +66,16 @@ def config_for(size: str, **overrides) -> GPTConfig:
     return replace(SIZES[size], **overrides)
 
 
-def rotary_tables(cfg: GPTConfig, seq_len: int, device=None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of the rotary angles of positions start .. start + seq_len - 1, always fp32 and
+def rotary_tables(
+    cfg: GPTConfig, seq_len: int, device=None, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of the rotary angles of `positions` (default 0 .. seq_len - 1), always fp32 and
     computed per call (cheap), so casting the model to bf16/fp16 never degrades positions."""
     dims = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32, device=device)
     inv_freq = 1.0 / cfg.rope_theta ** (dims / cfg.head_dim)
-    positions = torch.arange(start, start + seq_len, dtype=torch.float32, device=device)
-    angles = torch.outer(positions, inv_freq)
+    if positions is None:
+        positions = torch.arange(seq_len, device=device)
+    angles = torch.outer(positions.to(torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -160,8 +163,9 @@ class GPT(nn.Module):
         # the vocabulary-split logits when they are returned instead of consumed by the loss.
         self.loss_fn = cross_entropy
         self.output_fn = None
-        # Ulysses: this copy holds slice `sequence_index` of every sequence (its positions follow)
-        self.sequence_index = 0
+        # Sequence parallelism: (local length, device) -> where this copy's tokens sit in the
+        # whole sequence (long_context/layout.py); None: the tokens are the whole sequence
+        self.token_positions = None
         self.apply(self._init_weights)
 
     def _init_weights(self, m: nn.Module):
@@ -174,10 +178,12 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits (batch, seq, vocab); or, given targets, the mean cross-entropy loss."""
         t = tokens.shape[1]
-        if (self.sequence_index + 1) * t > self.config.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds max_seq_len {self.config.max_seq_len}")
+        positions = None if self.token_positions is None else self.token_positions(t, tokens.device)
+        last = t if positions is None else int(positions.max()) + 1
+        if last > self.config.max_seq_len:
+            raise ValueError(f"sequence length {last} exceeds max_seq_len {self.config.max_seq_len}")
         x = self.tok_emb(tokens)
-        cos, sin = rotary_tables(self.config, t, tokens.device, start=self.sequence_index * t)
+        cos, sin = rotary_tables(self.config, t, tokens.device, positions)
         for layer in self.layers:
             x = layer(x, cos, sin)
         logits = self.lm_head(self.norm(x))

@@ -27,10 +27,10 @@ def parallelize(module, config, topology, tp_comm, device) -> None:
     then move it to `device`, so only this rank's shards ever reach the device; apply the
     configured activation-checkpoint policy. In place."""
     adapter = adapter_for(module)
-    if topology.sp > 1:  # Ulysses (sequence_parallel_size): attention over the whole sequence
+    if topology.seq > 1:  # Ulysses and/or ring attention: attention over the whole sequence
         import torch.distributed as dist
 
-        adapter.ulysses(module, topology.group("sp"), topology.coords(dist.get_rank()).sp, topology.sp)
+        adapter.split_sequence(module, topology, dist.get_rank())
     if topology.tp > 1:
         from ..tensor_parallel.tensor import apply_tensor_parallel
 

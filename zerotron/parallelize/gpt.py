@@ -113,22 +113,33 @@ def gpt_pipeline(model: GPT, num_stages: int, partition_method: str = "parameter
     )
 
 
-def gpt_ulysses(model, group, index: int, size: int) -> None:
-    """Ulysses on the reference GPT: every attention core runs between the all-to-alls, positions
-    start where this rank's slice does, and the loss is the whole sequence's mean on every rank."""
-    from ..long_context.model import SequenceMeanLoss, UlyssesCore
+def gpt_split_sequence(model, topology, rank: int) -> None:
+    """Sequence parallelism on the reference GPT: every attention core runs over the whole sequence
+    (Ulysses' all-to-alls within the sp ranks around ring attention over the cp ranks), the rotary
+    positions are those of this rank's tokens, and the loss is the whole sequence's mean on every
+    sequence rank."""
+    from ..long_context.layout import SequenceSplit
+    from ..long_context.model import RingCore, SequenceMeanLoss, UlyssesCore
     from ..models.gpt import Attention
 
-    cfg = model.config
-    if cfg.n_head % size or cfg.n_kv_head % size:
+    cfg, sp, cp = model.config, topology.sp, topology.cp
+    if cfg.n_head % sp or cfg.n_kv_head % sp:
         raise ConfigError(
             "sequence_parallel_size",
-            size,
+            sp,
             f"the GPT has {cfg.n_head} query and {cfg.n_kv_head} key/value heads and Ulysses gives each sequence "
-            "rank whole heads: use a sequence_parallel_size that divides both",
+            "rank whole heads: use a sequence_parallel_size that divides both (ring attention, "
+            "zerotron.context_parallel_size, has no such limit)",
+        )
+    if cp > 1 and cfg.dropout > 0:
+        raise ConfigError(
+            "zerotron.context_parallel_size",
+            cp,
+            f"ring attention has no attention dropout: set dropout 0 (it is {cfg.dropout})",
         )
     for m in model.modules():
         if isinstance(m, Attention):
-            m.core = UlyssesCore(m.core, group)
-    model.sequence_index = index
-    model.loss_fn = SequenceMeanLoss(group)
+            core = RingCore(topology.group("cp")) if cp > 1 else m.core
+            m.core = UlyssesCore(core, topology.group("sp")) if sp > 1 else core
+    model.token_positions = SequenceSplit.of(topology, rank).positions
+    model.loss_fn = SequenceMeanLoss(topology.group("seq"))

@@ -50,13 +50,22 @@ class Adapter:
     def probe_call(self, model, ids):
         return model(ids[:, :-1], ids[:, 1:])
 
-    def ulysses(self, model, group, index: int, size: int) -> None:
-        """Sequence parallelism: each rank holds slice `index` of `size` of every sequence, and the
-        model's attention must see the whole sequence. The default takes a model whose attention
-        already goes through DistributedAttention (a DeepSpeed-Ulysses script) and refuses any
-        other, whose attention would see only its slice."""
+    def split_sequence(self, model, topology, rank: int) -> None:
+        """Sequence parallelism: each rank holds part of every sequence (long_context/layout.py),
+        and the model's attention must see the whole sequence. The default takes a model whose
+        attention already goes through DistributedAttention (a DeepSpeed-Ulysses script) and
+        refuses any other, whose attention would see only its slice, and ring attention, which
+        needs an adapter that puts it in the model."""
         from ..long_context import DistributedAttention
 
+        size = topology.sp
+        if topology.cp > 1:
+            raise ConfigError(
+                "zerotron.context_parallel_size",
+                topology.cp,
+                f"ring attention is applied by a model's adapter and {type(model).__name__} has none that does "
+                "(zerotron's GPT has): use Ulysses (sequence_parallel_size) or remove the key",
+            )
         if not any(isinstance(m, DistributedAttention) for m in model.modules()):
             raise ConfigError(
                 "sequence_parallel_size",
@@ -80,8 +89,8 @@ class GPTAdapter(Adapter):
     def pipeline(self, model, num_stages, **kwargs):
         return gpt.gpt_pipeline(model, num_stages, **kwargs)
 
-    def ulysses(self, model, group, index, size):
-        gpt.gpt_ulysses(model, group, index, size)
+    def split_sequence(self, model, topology, rank):
+        gpt.gpt_split_sequence(model, topology, rank)
 
 
 class TransformersAdapter(Adapter):
@@ -110,8 +119,15 @@ class TransformersAdapter(Adapter):
     def pipeline(self, model, num_stages, **kwargs):
         return hf_pipeline.to_pipeline(model, num_stages, **kwargs)
 
-    def ulysses(self, model, group, index, size):
-        hf.use_ulysses(model, group)
+    def split_sequence(self, model, topology, rank):
+        if topology.cp > 1:
+            raise ConfigError(
+                "zerotron.context_parallel_size",
+                topology.cp,
+                "ring attention for Transformers models is not implemented yet: use Ulysses (sequence_parallel_size, "
+                "ALST) or remove the key",
+            )
+        hf.use_ulysses(model, topology.group("sp"))
 
 
 # Looked up along the model's class hierarchy; Transformers' class by name (it is optional).
