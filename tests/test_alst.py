@@ -7,6 +7,7 @@ heads: each is repeated), sp x dp, ZeRO 0-3, SGD with momentum so a wrong gradie
 AdamW, and the tiled MLP. The all-to-all bytes are the shape-derived count."""
 
 import pytest
+import torch
 from distributed import run_ranks
 
 from tools import alst_script as script
@@ -51,3 +52,65 @@ def test_alst_trains_like_one_process(world, sp, stage, kind, tiled, steps):
         assert script.max_loss_rel(losses, want_losses) < 1e-6, (losses, want_losses)
         assert script.max_weight_diff(weights, want_weights) < 1e-5
         assert sent == _all_to_all_bytes(sp, steps, world, rank // sp)
+
+
+class _TiledLossLM(torch.nn.Module):
+    """A script's own wrapper around a Transformers model: the loss tiled from the hidden states."""
+
+    def __init__(self, lm, shards):
+        super().__init__()
+        self.lm, self.shards = lm, shards
+
+    @staticmethod
+    def _loss(head, hidden, labels):
+        return torch.nn.functional.cross_entropy(head(hidden).float(), labels, ignore_index=-100, reduction="sum")
+
+    def forward(self, input_ids, position_ids, shift_labels):
+        from zerotron.compat.sequence_parallel import TiledFusedLogitsLoss
+
+        hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids)[0]
+        head = self.lm.lm_head
+        return TiledFusedLogitsLoss.apply(
+            self._loss, head, hidden, shift_labels, None, self.shards, [head.weight], "sum"
+        )
+
+
+def _wrapped(steps):
+    import torch.distributed as dist
+
+    import zerotron
+    from zerotron.compat import sequence_parallel as ulysses_sp
+    from zerotron.long_context import shard_batch
+
+    sp, rank = dist.get_world_size(), dist.get_rank()
+    model = _TiledLossLM(script.build_model(), 3)
+    mpu = ulysses_sp.UlyssesSPAttentionHF.register_with_transformers(model.lm, "sdpa", sp, 1)
+    config = {"train_batch_size": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": 3}}
+    config["optimizer"] = script.optimizer_config("sgd")
+    engine, *_ = zerotron.initialize(model=model, config=config, mpu=mpu)
+    losses = []
+    for sample in script.samples(steps):
+        batch = shard_batch(sample, rank, sp)
+        total = engine(batch["input_ids"], batch["position_ids"], batch["shift_labels"])
+        count = (sample["labels"][:, 1:] != -100).sum()
+        loss = torch.distributed.nn.functional.all_reduce(total, group=mpu.get_sequence_parallel_group()) / count
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_wrapper_with_the_tiled_loss_around_a_registered_model_trains_like_one_process():
+    """ZeRO-3 with sp 2: the wrapper is accepted (its Transformers model's attention is registered),
+    and the tiled loss recomputes the root unit's lm_head in backward."""
+    model = _TiledLossLM(script.build_model(), 3)
+    optimizer = torch.optim.SGD(model.parameters(), **script.optimizer_config("sgd")["params"])
+    want = []
+    for sample in script.samples(3):
+        loss = model.lm(**sample).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        want.append(loss.item())
+    for losses in run_ranks(_wrapped, 2, 3, timeout=120):
+        assert script.max_loss_rel(losses, want) < 1e-6, (losses, want)

@@ -53,10 +53,12 @@ class Adapter:
     def split_sequence(self, model, topology, rank: int) -> None:
         """Sequence parallelism: each rank holds part of every sequence (long_context/layout.py),
         and the model's attention must see the whole sequence. The default takes a model whose
-        attention already goes through DistributedAttention (a DeepSpeed-Ulysses script) and
+        attention already goes through DistributedAttention (a DeepSpeed-Ulysses script) or that
+        holds a Transformers model whose attention ALST registered (a wrapper around one); it
         refuses any other, whose attention would see only its slice, and ring attention, which
         needs an adapter that puts it in the model."""
         from ..long_context import DistributedAttention
+        from ..long_context.hf_attention import wrapped_group
 
         size = topology.sp
         if topology.cp > 1:
@@ -66,7 +68,12 @@ class Adapter:
                 f"ring attention is applied by a model's adapter and {type(model).__name__} has none that does "
                 "(zerotron's GPT has): use Ulysses (sequence_parallel_size) or remove the key",
             )
-        if not any(isinstance(m, DistributedAttention) for m in model.modules()):
+        registered = any(  # a Transformers model inside, its attention registered with Ulysses (ALST)
+            getattr(getattr(m, "config", None), "_attn_implementation", None) is not None
+            and wrapped_group(m.config._attn_implementation) is not None
+            for m in model.modules()
+        )
+        if not registered and not any(isinstance(m, DistributedAttention) for m in model.modules()):
             raise ConfigError(
                 "sequence_parallel_size",
                 size,
