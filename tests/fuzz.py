@@ -111,12 +111,12 @@ def _layout(rng: random.Random, model: str, batch: int, grouped: bool, max_world
     sp_supported = pp == 1 and model in ("gpt", "gpt_tied")
     sequence_parallel = tp > 1 and rng.random() < (0.4 if sp_supported else 0.05)
     # Each sequence split over Ulysses x ring ranks: the GPT without tensor or pipeline parallelism
-    # (its adapter applies both); now and then where it must be refused (with tp, pp, ring on HF).
-    # Ulysses on Transformers models needs ALST's loss (tests/test_alst.py), not this loop: ring only.
+    # (its adapter applies both); now and then where it must be refused (with tp or pp).
+    # Transformers models need the sequence-wide loss of tests/test_alst.py and test_ring.py, not this loop.
     ulysses = ring = 1
     room = max_world // (dp * tp * pp)
-    splits = [(u, r) for u in ((1,) if _is_hf(model) else (1, 2)) for r in (1, 2, 4) if 1 < u * r <= room]
-    if splits and rng.random() < (0.35 if sp_supported and tp == 1 else 0.03):
+    splits = [(u, r) for u in (1, 2) for r in (1, 2, 4) if 1 < u * r <= room and not _is_hf(model)]
+    if splits and rng.random() < (0.35 if sp_supported and tp == 1 else 0.05):
         ulysses, ring = rng.choice(splits)
     return Layout(
         dp=dp,

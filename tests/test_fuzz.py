@@ -91,8 +91,8 @@ FOUND = {
         ),
         "ok",
     ),
-    "ring attention on a Transformers model": (
-        _case("llama", 4, L(dp=1, tp=1, pp=1, stage=0, gas=1, micro=4, ring=2)),
+    "ring attention with a pipeline": (
+        _case("gpt", 4, L(dp=1, tp=1, pp=2, stage=0, gas=2, micro=2, ring=2)),
         "refused",
     ),
 }

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import comm_for
+from .ring import ring_attention
 from .ulysses import seq_all_to_all
 
 _NEEDS_MASK = ("eager", "paged|eager")
@@ -160,10 +161,37 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         return mpu
 
 
-def wrap_attention(config, implementation, group, micro_batch_size=1, seq_length=None, disable_in_eval=False):
-    """Replace Transformers' attention function `implementation` by its Ulysses form over `group`
-    for models with `config`'s heads (`seq_length` None: any length). Wrapping again replaces the
-    earlier wrapper rather than wrapping it."""
+def _ring_function(group):
+    """Ring attention over `group` as a Transformers attention function (causal; the batch laid out
+    in load-balanced halves: shard_batch with cp_size)."""
+
+    def ring(module, query, key, value, attention_mask, *args, dropout=0.0, scaling=None, **kwargs):
+        if dropout:
+            raise ValueError(
+                f"ring attention has no attention dropout: set the model's attention_dropout to 0 ({dropout})"
+            )
+        return ring_attention(query, key, value, group, causal=True, scale=scaling).transpose(1, 2), None
+
+    return ring
+
+
+class _Alone:
+    """Ring attention without Ulysses around it, stepping aside in eval like Ulysses' wrapper."""
+
+    def __init__(self, attn, original, disable_in_eval):
+        self.attn, self.original, self.disable_in_eval = attn, original, disable_in_eval
+
+    def __call__(self, module, *args, **kwargs):
+        return (self.original if self.disable_in_eval and not module.training else self.attn)(module, *args, **kwargs)
+
+
+def wrap_attention(
+    config, implementation, group, micro_batch_size=1, seq_length=None, disable_in_eval=False, ring_group=None
+):
+    """Replace Transformers' attention function `implementation` by its sequence-parallel form for
+    models with `config`'s heads: Ulysses over `group` (None or one rank: none), around ring
+    attention over `ring_group` when given (`seq_length` None: any length). Wrapping again replaces
+    the earlier wrapper rather than wrapping it."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if implementation in _NEEDS_MASK:
@@ -177,11 +205,15 @@ def wrap_attention(config, implementation, group, micro_batch_size=1, seq_length
             f"{sorted(ALL_ATTENTION_FUNCTIONS.valid_keys())}"
         )
     text = config.get_text_config()
-    sp = comm_for(group, "sp").size
+    sp = 1 if group is None else comm_for(group, "sp").size
     if seq_length is not None and seq_length % sp:
         raise ValueError(f"seq_length {seq_length} is not a multiple of sequence_parallel_size {sp}")
-    core = ALL_ATTENTION_FUNCTIONS[implementation]
-    core = getattr(core, "ulysses_core", core)
+    original = ALL_ATTENTION_FUNCTIONS[implementation]
+    original = getattr(original, "ulysses_core", original)
+    core = original if ring_group is None else _ring_function(ring_group)
+    if sp == 1:
+        _install(implementation, original, _Alone(core, original, disable_in_eval), (None, ring_group))
+        return
     uattn = UlyssesSPAttentionHF(
         attn=core,
         batch_size=micro_batch_size,
@@ -196,20 +228,25 @@ def wrap_attention(config, implementation, group, micro_batch_size=1, seq_length
         disable_in_eval=disable_in_eval,
     )
     uattn.core_attn_implementation = implementation
-
-    def ulysses_attention(module, query, key, value, attention_mask, *args, **kwargs):
-        return uattn(module, query, key, value, attention_mask, *args, **kwargs)
-
-    ulysses_attention.ulysses_core, ulysses_attention.ulysses = core, uattn
-    ALL_ATTENTION_FUNCTIONS[implementation] = ulysses_attention
+    _install(implementation, original, uattn, (group, ring_group))
 
 
-def wrapped_group(implementation: str):
-    """The sequence group Transformers' attention `implementation` runs Ulysses over, or None."""
+def _install(implementation, original, attend, groups):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    current = ALL_ATTENTION_FUNCTIONS.get(implementation)
-    return current.ulysses.process_group if hasattr(current, "ulysses") else None
+    def sequence_parallel_attention(module, query, key, value, attention_mask, *args, **kwargs):
+        return attend(module, query, key, value, attention_mask, *args, **kwargs)
+
+    sequence_parallel_attention.ulysses_core, sequence_parallel_attention.groups = original, groups
+    ALL_ATTENTION_FUNCTIONS[implementation] = sequence_parallel_attention
+
+
+def wrapped_groups(implementation: str):
+    """(Ulysses group, ring group) Transformers' attention `implementation` runs over (None where
+    there is none), or None when it is not wrapped."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return getattr(ALL_ATTENTION_FUNCTIONS.get(implementation), "groups", None)
 
 
 def unregister_from_transformers(core_attn_implementation: str) -> None:

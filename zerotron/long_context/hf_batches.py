@@ -3,6 +3,9 @@ sequence ranks process one data-loader batch together, each holding a contiguous
 sequence. Labels are shifted before the split (`shift_labels`: token i's target is token i+1, which
 may sit on the next rank), so each slice scores its own tokens.
 
+With ring attention the parts are the load-balanced halves of layout.py (`shard_batch`'s cp_rank /
+cp_size); the adapter, DeepSpeed's, splits for Ulysses alone.
+
 Each batch the wrapped loader gives a sequence rank is shared with the others, so sp batches come
 out per sp batches in, in rank order: the same samples as data parallelism over those ranks, one
 at a time. A sequence length that is not a multiple of sp is padded at the end (ids 0, labels
@@ -17,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm import comm_for
+from .layout import SequenceSplit
 
 
 def _padded(batch: dict, multiple: int) -> dict:
@@ -37,9 +41,10 @@ def _padded(batch: dict, multiple: int) -> dict:
     return out
 
 
-def shard_batch(batch: dict, sp_rank: int, sp_size: int) -> dict:
-    """This rank's slice of one Hugging Face batch: [batch, seq, ...] tensors cut along seq after
-    `labels` became `shift_labels` (and padding to a multiple of sp); other values kept whole."""
+def shard_batch(batch: dict, sp_rank: int, sp_size: int, cp_rank: int = 0, cp_size: int = 1) -> dict:
+    """This rank's part of one Hugging Face batch: [batch, seq, ...] tensors cut along seq after
+    `labels` became `shift_labels` (and padding to a multiple of what the split needs); other values
+    kept whole. With ring attention (`cp_size` > 1) the part is load-balanced (layout.py)."""
     if "input_ids" not in batch:
         raise ValueError("a Ulysses batch needs input_ids ([batch, seq] token ids) to find the sequence length")
     batch = dict(batch)
@@ -54,12 +59,9 @@ def shard_batch(batch: dict, sp_rank: int, sp_size: int) -> dict:
         batch["position_ids"] = torch.arange(length, device=batch["input_ids"].device).expand_as(batch["input_ids"])
     if "labels" in batch:
         batch["shift_labels"] = F.pad(batch.pop("labels"), (0, 1), value=-100)[:, 1:].contiguous()
-    batch = _padded(batch, sp_size)
-    chunk = batch["input_ids"].shape[1] // sp_size
-    return {
-        k: v[:, sp_rank * chunk : (sp_rank + 1) * chunk].contiguous() if torch.is_tensor(v) else v
-        for k, v in batch.items()
-    }
+    split = SequenceSplit(sp_size, sp_rank, cp_size, cp_rank)
+    batch = _padded(batch, split.multiple())
+    return {k: split.take(v).contiguous() if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 class UlyssesSPDataLoaderAdapter:

@@ -67,18 +67,22 @@ def prepare_checkpointing(model) -> None:
         model.config.use_cache = False
 
 
-def use_ulysses(model, group) -> None:
-    """Sequence parallelism for a Transformers model (ALST): its attention function runs under
-    Ulysses over `group`, unless register_with_transformers already made it run over a group of
-    that size (accelerate and the Trainer do, before the engine exists). Batches must come split:
-    UlyssesSPDataLoaderAdapter or zerotron.long_context.shard_batch."""
+def use_sequence_parallel(model, group, ring_group) -> None:
+    """Sequence parallelism for a Transformers model: its attention function runs under Ulysses
+    over `group` (ALST) and/or as ring attention over `ring_group`, unless register_with_transformers
+    already made it run over groups of those sizes (accelerate and the Trainer do, before the engine
+    exists). Batches must come split: UlyssesSPDataLoaderAdapter or zerotron.long_context.shard_batch."""
     from ..comm import comm_for
-    from ..long_context.hf_attention import wrap_attention, wrapped_group
+    from ..long_context.hf_attention import wrap_attention, wrapped_groups
 
     implementation = model.config._attn_implementation
-    current = wrapped_group(implementation)
-    if current is None or comm_for(current, "sp").size != comm_for(group, "sp").size:
-        wrap_attention(model.config, implementation, group)
+    current = wrapped_groups(implementation)
+
+    def sizes(groups):
+        return [1 if g is None else comm_for(g, name).size for g, name in zip(groups, ("sp", "cp"))]
+
+    if current is None or sizes(current) != sizes((group, ring_group)):
+        wrap_attention(model.config, implementation, group, ring_group=ring_group)
 
 
 def tensor_parallel_plan(model, tp: int) -> dict[str, str]:

@@ -58,7 +58,7 @@ class Adapter:
         refuses any other, whose attention would see only its slice, and ring attention, which
         needs an adapter that puts it in the model."""
         from ..long_context import DistributedAttention
-        from ..long_context.hf_attention import wrapped_group
+        from ..long_context.hf_attention import wrapped_groups
 
         size = topology.sp
         if topology.cp > 1:
@@ -70,7 +70,7 @@ class Adapter:
             )
         registered = any(  # a Transformers model inside, its attention registered with Ulysses (ALST)
             getattr(getattr(m, "config", None), "_attn_implementation", None) is not None
-            and wrapped_group(m.config._attn_implementation) is not None
+            and wrapped_groups(m.config._attn_implementation) is not None
             for m in model.modules()
         )
         if not registered and not any(isinstance(m, DistributedAttention) for m in model.modules()):
@@ -127,14 +127,9 @@ class TransformersAdapter(Adapter):
         return hf_pipeline.to_pipeline(model, num_stages, **kwargs)
 
     def split_sequence(self, model, topology, rank):
-        if topology.cp > 1:
-            raise ConfigError(
-                "zerotron.context_parallel_size",
-                topology.cp,
-                "ring attention for Transformers models is not implemented yet: use Ulysses (sequence_parallel_size, "
-                "ALST) or remove the key",
-            )
-        hf.use_ulysses(model, topology.group("sp"))
+        hf.use_sequence_parallel(
+            model, *(topology.group(d) if getattr(topology, d) > 1 else None for d in ("sp", "cp"))
+        )
 
 
 # Looked up along the model's class hierarchy; Transformers' class by name (it is optional).
