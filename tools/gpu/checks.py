@@ -217,6 +217,36 @@ def host_syncs(device) -> dict:
     return {"count": len(where), "where": where[:20], "ok": len(where) <= 2}  # the step's agreement (+ the loss)
 
 
+def ring_kernels(device) -> dict:
+    """Ring attention's block kernels on this device (the CUDA memory-efficient kernel and its
+    backward on a GPU, the flash kernel on a CPU): a sequence's attention from two key/value blocks
+    merged by log-sum-exp, and each block's gradients from the merged output, against SDPA."""
+    import torch
+    import torch.nn.functional as F
+
+    from zerotron.long_context import ring
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, go = (torch.randn(2, 4, 256, 64, generator=g).to(device) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    want.backward(go)
+    scale, halves = 64**-0.5, [t.chunk(2, dim=2) for t in (q, k, v)]
+    (q1, q2), (k1, k2), (v1, v2) = halves
+    out1, lse1 = ring._block_forward(q1, k1, v1, True, scale)
+    pieces = [ring._block_forward(q2, k1, v1, False, scale), ring._block_forward(q2, k2, v2, True, scale)]
+    out2, lse2 = ring._merge(*ring._merge(None, None, *pieces[0]), *pieces[1])
+    out = torch.cat([out1.float(), out2], dim=2)
+    g1, g2 = go.chunk(2, dim=2)
+    o2 = out2.to(q.dtype)
+    dq1, dk1, dv1 = ring._block_backward(g1, q1, k1, v1, out1, lse1, True, scale)
+    dq2a, dk1b, dv1b = ring._block_backward(g2, q2, k1, v1, o2, lse2, False, scale)
+    dq2b, dk2, dv2 = ring._block_backward(g2, q2, k2, v2, o2, lse2, True, scale)
+    got = [out, torch.cat([dq1, dq2a + dq2b], 2), torch.cat([dk1 + dk1b, dk2], 2), torch.cat([dv1 + dv1b, dv2], 2)]
+    errors = [(a.float() - b.float()).abs().max().item() for a, b in zip(got, [want] + [t.grad for t in leaves])]
+    return {"max_errors": errors, "ok": max(errors) < 1e-4}
+
+
 def job_correct(args, dev, result, save):
     import torch
 
@@ -230,6 +260,7 @@ def job_correct(args, dev, result, save):
         ("overflow", overflow),
         ("checkpoint_round_trip", checkpoint_round_trip),
         ("host_syncs", host_syncs),
+        ("ring_kernels", ring_kernels),
     ):
         try:
             result[name] = check(device)

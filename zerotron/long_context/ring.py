@@ -41,7 +41,7 @@ def _block_forward(q, k, v, causal: bool, scale: float):
 def _block_backward(grad, q, k, v, out, lse, causal: bool, scale: float):
     """This block's share of dq, dk, dv, given the output and log-sum-exp over every block."""
     if q.device.type == "cuda":
-        seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
+        seed = offset = torch.zeros((), dtype=torch.int64)  # unused without dropout; the forward's are host scalars
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             grad, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale
         )
