@@ -12,7 +12,13 @@ bytes per activation (4 in fp32, 2 in bf16/fp16) and tensor-parallel size t:
                             head and token layouts; log-sum-exp in fp32           + 4h / t
     MLP                     gate, silu(gate), up, their product                   4·a·f / t
 
-Sequence parallelism splits the norms by t. Once per micro-batch: token ids and targets, the
+Sequence parallelism splits the norms by t. Ring attention (context parallelism) keeps its own
+inventory of the attention core (long_context/ring.py): q, k and v as they arrive (k, v not repeated:
+GQA groups are expanded block by block), the merged output in fp32, the output in token layout, and
+the log-sum-exp: 2·a·d + 2·a·kv + 4d + 4h per token (kv = the key/value width). Under Ulysses and
+ring attention each rank keeps the whole inventory for its s/(u·c) tokens of each sequence (cost.py
+passes that share as `seq`): Ulysses' attention holds heads/u heads over s/c tokens, as many
+elements as all heads over s/(u·c). Once per micro-batch: token ids and targets, the
 rotary tables (fp32), the final norm, the head's input, the logits in fp32 (split by t under a
 vocabulary-parallel loss, which also keeps a mask and the targets).
 
@@ -39,14 +45,17 @@ def bytes_per_activation(dtype: str) -> int:
     return 4 if dtype == "fp32" else 2
 
 
-def block_bytes_per_token(shape: ModelShape, dtype: str = "fp32", tp: int = 1, sp: bool = False) -> dict[str, float]:
-    """What one un-checkpointed block keeps per token, by part."""
+def block_bytes_per_token(
+    shape: ModelShape, dtype: str = "fp32", tp: int = 1, sp: bool = False, ring: bool = False
+) -> dict[str, float]:
+    """What one un-checkpointed block keeps per token, by part (`ring`: attention is ring attention)."""
     a, d, f, h = bytes_per_activation(dtype), shape.hidden, shape.ffn, shape.heads
+    kv = d // h * shape.kv_heads
     sp = sp and tp > 1
     return {
         "norms": 2 * (8 * d + 4) / (tp if sp else 1),
         "linear inputs": 2 * a * d,
-        "attention": (5 * a * d + 4 * h) / tp,
+        "attention": ((2 * a * d + 2 * a * kv + 4 * d if ring else 5 * a * d) + 4 * h) / tp,
         "mlp": (4 if shape.gated else 2) * a * f / tp,
     }  # two-matrix MLPs: input and activation
 
@@ -84,16 +93,18 @@ def activation_bytes(
     layers: int | None = None,
     first_stage: bool = True,
     last_stage: bool = True,
+    ring: bool = False,
 ) -> int:
     """Bytes one micro-batch keeps for backward on one rank. `layers`: the blocks this rank runs
-    (all of them by default); `first_stage`/`last_stage`: whether it runs the embedding / head."""
+    (all of them by default); `first_stage`/`last_stage`: whether it runs the embedding / head;
+    `ring`: attention is ring attention; `seq`: the tokens of each sequence this rank holds."""
     if policy not in POLICIES:
         raise ValueError(f"activation memory is modelled for policies {', '.join(POLICIES)}, not {policy!r}")
     tokens = micro_batch * seq
     a, d = bytes_per_activation(dtype), shape.hidden
     layers = shape.layers if layers is None else layers
     sp = sp and tp > 1
-    full = sum(block_bytes_per_token(shape, dtype, tp, sp).values())
+    full = sum(block_bytes_per_token(shape, dtype, tp, sp, ring).values())
     kept_input = a * d / (tp if (sp or partition_activations) else 1)
     per_block = {
         "none": [full] * layers,

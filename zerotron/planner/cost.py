@@ -18,6 +18,7 @@ from .memory import model_state_bytes
 from .model import ModelShape
 from .overlap import added_time, grad_buckets, timeline, zero3_forward
 from .reuse import gathered
+from .sequence import sequence_time
 
 
 @functools.lru_cache(maxsize=4096)
@@ -42,7 +43,7 @@ def memory(
     L = layout
     states = model_state_bytes(
         shape,
-        dp=L.dp,
+        dp=L.replicas,  # ZeRO shards over every rank holding the same parameters, sequence ranks included
         tp=L.tp,
         pp=L.pp,
         stage=L.zero,
@@ -70,13 +71,17 @@ def memory(
 def _shard(shape: ModelShape, L: Layout) -> int:
     """Parameters in this rank's data-parallel shard (largest pipeline stage)."""
     stage_params = -(-shape.parameters // (L.tp * L.pp))
-    return -(-stage_params // L.dp)
+    return -(-stage_params // L.replicas)
 
 
 def _activations(shape: ModelShape, L: Layout, seq: int, dtype: str) -> int:
     """Activations alive at the peak: one micro-batch without pipelining, the schedule's
-    micro-batches in flight on each stage with it (the larger of the first and last stage)."""
+    micro-batches in flight on each stage with it (the larger of the first and last stage). A rank
+    of a split sequence keeps those of its own tokens."""
     kw = dict(dtype=dtype, tp=L.tp, sp=L.sequence_parallel, partition_activations=L.checkpoint != "none" and L.tp > 1)
+    kw["ring"] = L.ring > 1
+    if L.sequence_ranks > 1:
+        seq = seq / L.sequence_ranks
     policy = L.checkpoint
     if L.pp == 1:
         return activation_bytes(shape, L.micro_batch, seq, policy, **kw)
@@ -95,15 +100,20 @@ def _activations(shape: ModelShape, L: Layout, seq: int, dtype: str) -> int:
 def _buffers(shape: ModelShape, L: Layout, seq: int, dtype: str, bucket_elements: int | None) -> int:
     """Transient buffers: ZeRO-2/3's gradient buckets in flight (two, while the previous one
     reduces; ZeRO-3's buckets are its layers), ZeRO-3's gathered layers (the one running and the
-    one prefetched), pipeline send/receive buffers, and the logits' gradient in the head's backward."""
+    one prefetched), pipeline send/receive buffers, and the logits' gradient in the head's backward.
+    Ring attention's backward adds, for its layer: dq and the key/value gradients in fp32 with those
+    arriving, and two key/value blocks (the one in use, the next arriving)."""
     b, a = (4 if dtype == "fp32" else 2), bytes_per_activation(dtype)
     layer = sum(n for where, n, _ in shape.tensors() if where == "block") // shape.layers // L.tp
     out = 0
-    if L.zero == 2 and L.dp > 1:  # two of the largest gradient buckets (zero/flat.py's rule)
+    if L.zero == 2 and L.replicas > 1:  # two of the largest gradient buckets (zero/flat.py's rule)
         out += 2 * b * max(n for n, _ in grad_buckets(shape, L.tp, L.pp, seq, bucket_elements))
     if L.zero == 3:  # two layers gathered, and (data-parallel) two layers' gradient buckets: a unit is one
-        out += (4 if L.dp > 1 else 2) * b * layer
-    tokens = L.micro_batch * seq
+        out += (4 if L.replicas > 1 else 2) * b * layer
+    tokens = L.micro_batch * seq // L.sequence_ranks  # this rank's
+    if L.ring > 1:
+        kv = shape.hidden // shape.heads * shape.kv_heads
+        out += tokens * (4 * shape.hidden + 16 * kv + 4 * a * kv) // L.tp
     if L.pp > 1:
         out += 2 * 2 * a * tokens * shape.hidden
     out += 4 * tokens * shape.vocab // L.tp
@@ -137,7 +147,7 @@ def score_traffic_s(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, r
     if layout.flash_attention:
         return 0.0
     per_score = 13 + 19 + 13 * recomputed
-    tokens = layout.micro_batch * seq
+    tokens = layout.micro_batch * seq / layout.sequence_ranks  # this rank's queries (over the whole sequence)
     return tokens * shape.layers / layout.pp * shape.heads / layout.tp * seq * per_score / (hw.hbm_gbps * 1e9)
 
 
@@ -150,6 +160,8 @@ def step_time(
     b, a = (4 if dtype == "fp32" else 2), bytes_per_activation(dtype)
     m = L.grad_accum
     tokens_micro = L.micro_batch * seq
+    if L.sequence_ranks > 1:  # a rank computes for its 1/(u·c) of each sequence (the attention evenly split)
+        tokens_micro /= L.sequence_ranks
     fpt = shape.flops_per_token(seq)
     block_flops = (
         6 * (shape.parameters - shape.vocab * shape.hidden * (1 if shape.tied else 2))
@@ -181,13 +193,19 @@ def step_time(
     if L.tp_overlap:  # chunked and pipelined with the GEMMs they feed: exposed only beyond them
         micro_tp = max(0.0, micro_tp - micro_compute)
     micro_scores = score_traffic_s(shape, L, seq, hw, 1.0 if L.checkpoint == "selective" else recomputed)
-    micro_stage = micro_compute + micro_scores + micro_tp
+    # Each sequence split over ranks: Ulysses' all-to-alls among neighbours, the ring's passes between
+    # groups of them (sequence.py)
+    links = _group_link(hw, L.ulysses * L.tp, hw.gpus_per_node // L.tp), _group_link(hw, L.sequence_ranks * L.tp, 1)
+    micro_ulysses, micro_ring = sequence_time(shape, L, seq, hw, a, rate, *links)
+    micro_stage = micro_compute + micro_scores + micro_tp + micro_ulysses + micro_ring
     # Pipeline: m micro-batches through p stages; idle fill and drain of (p - 1) / v stage-steps.
     pipeline = micro_stage * (m + (L.pp - 1) / L.chunks)
     out = {
         "compute": micro_compute * m,
         "attention_scores": micro_scores * m,
         "tensor_parallel": micro_tp * m,
+        "ulysses_all_to_all": micro_ulysses * m,
+        "ring_p2p": micro_ring * m,
         "bubble": pipeline - micro_stage * m,
     }
     # Pipeline transfers during fill and drain sit on the critical path; in steady state they overlap.
@@ -195,14 +213,16 @@ def step_time(
     p2p = a * tokens_micro * shape.hidden / (pp_bw * 1e9) + pp_lat * 1e-6
     out["pipeline_p2p"] = 2 * (L.pp - 1) * L.chunks * p2p if L.pp > 1 else 0.0
 
-    # Data parallelism over the stage's parameters on this GPU.
+    # Data parallelism over the stage's parameters on this GPU, among every rank holding them (the
+    # sequence ranks too: ZeRO shards over them and gradients are averaged over them).
     psi = shape.parameters / (L.tp * L.pp)
-    dp_bw, dp_lat = _group_link(hw, L.dp * L.tp, hw.gpus_per_node // L.tp if L.pooled_nics else 1)
+    n = L.replicas
+    dp_bw, dp_lat = _group_link(hw, n * L.tp, hw.gpus_per_node // L.tp if L.pooled_nics else 1)
     backward = micro_compute * 2 / 3
     buckets = grad_buckets(shape, L.tp, L.pp, seq, bucket_elements)
     flops = [f for _, f in buckets]
     if L.zero <= 2:  # reduced bucket by bucket as backward fills them (overlap.py), at the boundary
-        costs = [_ring(b * n, L.dp, dp_bw, dp_lat, 2 if L.zero == 0 else 1) for n, _ in buckets]
+        costs = [_ring(b * e, n, dp_bw, dp_lat, 2 if L.zero == 0 else 1) for e, _ in buckets]
         if L.pp > 1 and L.zero <= 1:  # a pipeline reduces after its last backward: nothing hides it
             exposed = sum(costs)
         else:  # (ZeRO-2: every micro-batch; stages 1-2: one bucket in flight)
@@ -214,7 +234,7 @@ def step_time(
         exposed = m * _stage3(shape, L, seq, hw, b, tokens_micro, rate, recompute, dp_bw, dp_lat)
     gather_after_step = 0.0
     if L.zero in (1, 2):  # the step's all-gather, bucket by bucket
-        costs = [_ring(b * n, L.dp, dp_bw, dp_lat, 1) for n, _ in buckets]
+        costs = [_ring(b * e, n, dp_bw, dp_lat, 1) for e, _ in buckets]
         gather_after_step = sum(costs)
         if L.overlap_param_gather:  # all issued at the step, each waited on at its first use in the next forward
             forward = micro_compute / 3
@@ -224,7 +244,7 @@ def step_time(
     out["data_parallel"] = exposed + gather_after_step
 
     # The optimizer step: bound by device memory bandwidth, or by the host's CPU Adam plus PCIe.
-    shard = psi / (L.dp if L.zero > 0 else 1)
+    shard = psi / (n if L.zero > 0 else 1)
     if L.offload != "none" and L.zero > 0:
         out["optimizer"] = shard / (hw.host_adam_gparams * 1e9) + (4 + b) * shard / (hw.pcie_gbps * 1e9)
     else:
@@ -286,13 +306,13 @@ def _stage3(
     linears not reused within the distance."""
     layer = sum(n for where, n, _ in shape.tensors() if where == "block") // shape.layers // L.tp
     root = int(shape.parameters // L.tp) - shape.layers * layer
-    whole = _ring(b * root, L.dp, bw, lat, 1)
+    whole = _ring(b * root, L.replicas, bw, lat, 1)
 
     def gather(elements: float) -> float:
         if not elements:
             return 0.0
-        host = b * elements / L.dp / (hw.pcie_gbps * 1e9) if L.offload == "optimizer+param" else 0.0
-        return _ring(b * elements, L.dp, bw, lat, 1) + host  # (offloaded: the shard first crosses PCIe)
+        host = b * elements / L.replicas / (hw.pcie_gbps * 1e9) if L.offload == "optimizer+param" else 0.0
+        return _ring(b * elements, L.replicas, bw, lat, 1) + host  # (offloaded: the shard first crosses PCIe)
 
     unit = gather(layer)
     ahead, kept = zero3_forward(
@@ -331,7 +351,7 @@ def _stage3(
 def throughput(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype: str = "bf16") -> dict[str, float]:
     """Tokens per second of the whole job, and MFU (6N + 12·L·d·s per token, over bf16 peak)."""
     t = step_time(shape, layout, seq, hw, dtype)
-    tokens = layout.dp * layout.micro_batch * layout.grad_accum * seq
+    tokens = layout.dp * layout.micro_batch * layout.grad_accum * seq  # (a sequence's ranks share its tokens)
     tps = tokens / t["total"]
     return {
         "step_s": t["total"],

@@ -1,5 +1,6 @@
-"""A training layout, as the planner costs it: how the GPUs split the work (dp x tp x pp, ZeRO stage,
-pipeline schedule and chunks, micro-batches) and the memory savers used (checkpointing, offload)."""
+"""A training layout, as the planner costs it: how the GPUs split the work (dp x tp x pp, each sequence
+over Ulysses x ring ranks, ZeRO stage, pipeline schedule and chunks, micro-batches) and the memory
+savers used (checkpointing, offload)."""
 
 from __future__ import annotations
 
@@ -41,16 +42,33 @@ class Layout:
     # not bind); 1e9, the config's default, stops prefetching where the root unit or a layer is that large
     stage3_max_live: float = float("inf")
     tp_overlap_comm: bool = False  # tensor_parallel.tp_overlap_comm: each block in two halves of the batch
+    # Each sequence split over ulysses x ring ranks (sequence_parallel_size, zerotron.context_parallel_size;
+    # topology pp x dp x cp x sp x tp): they read the same samples, so dp alone sets the batch, and they
+    # hold the same parameters, so ZeRO shards over dp x ulysses x ring (`replicas`)
+    ulysses: int = 1  # Ulysses: all-to-alls trade the sequence split for a head split around attention
+    ring: int = 1  # ring attention: key/value blocks passed around the ring, causal halves load-balanced
+
+    @property
+    def sequence_ranks(self) -> int:
+        """The ranks each sequence is split over: each holds 1/sequence_ranks of its tokens."""
+        return self.ulysses * self.ring
+
+    @property
+    def replicas(self) -> int:
+        """The ranks holding the same parameters: ZeRO's group, over which gradients are averaged."""
+        return self.dp * self.sequence_ranks
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.sequence_ranks
 
     def describe(self) -> str:
         parts = [
             f"dp{self.dp}",
             f"tp{self.tp}{'+sp' if self.sequence_parallel else ''}",
             f"pp{self.pp}",
+            *([f"u{self.ulysses}"] if self.ulysses > 1 else []),
+            *([f"cp{self.ring}"] if self.ring > 1 else []),
             f"zero{self.zero}",
             f"mb{self.micro_batch}x{self.grad_accum}",
         ]
