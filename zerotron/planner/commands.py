@@ -48,6 +48,13 @@ def add_plan_arguments(p):
     p.add_argument("--max-micro-batch", type=int, default=16)
     p.add_argument("--zero", type=int, nargs="*", default=[0, 1, 2, 3], help="ZeRO stages to consider")
     p.add_argument("--no-offload", action="store_true", help="do not consider CPU offload")
+    p.add_argument(
+        "--sequence-splits",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="each sequence over Ulysses x ring ranks (sequence_parallel_size, context_parallel_size): auto "
+        "considers it when no layout fits without recomputation or offload",
+    )
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--out", default="plan.json", help="where to write the best layout's DeepSpeed config")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw the top layouts' memory breakdown here")
@@ -110,6 +117,7 @@ def plan_command(args) -> int:
         max_micro_batch=args.max_micro_batch,
         zero_stages=tuple(args.zero),
         offload=not args.no_offload,
+        sequence_splits=args.sequence_splits,
     )
     print(
         f"{args.model}: {shape.parameters / 1e9:.2f}B parameters, {args.gpus} x {hw.name}, seq {args.seq}, "
@@ -130,6 +138,11 @@ def plan_command(args) -> int:
     else:
         how = f"zerotron.initialize(config='{args.out}') in your script ({args.gpus} processes: zerotron run)"
     print(f"\nwrote {args.out}; run it with  {how}")
+    if best.layout.sequence_ranks > 1 and args.model not in SIZES:  # (zerotron train splits its batches itself)
+        print(
+            f"each sequence is split over {best.layout.sequence_ranks} ranks: feed each rank its part, "
+            "zerotron.long_context.shard_batch for a Transformers model (docs/long-context.md)"
+        )
     if args.plot:
         plot(candidates, args.plot, hw, title=f"{args.model} on {args.gpus} x {hw.name}, seq {args.seq}")
         print(f"drew {args.plot}")

@@ -13,14 +13,17 @@ PARTS = ("params", "grads", "master_weights", "optimizer", "activations", "buffe
 
 def table(candidates: list[Candidate], hw: Hardware, top: int = 10, rejected: int = 5) -> str:
     fitting = [c for c in candidates if c.rejected is None]
+    out = [c for c in candidates if c.rejected is not None]
+    worst = sorted(out, key=lambda c: -c.tokens_per_s)[:rejected]
+    w = max([58] + [len(c.layout.describe()) for c in fitting[:top] + worst])  # long layouts widen the column
     lines = [
         f"{len(candidates)} layouts costed, {len(fitting)} fit in {hw.memory_gib:g} GiB per GPU ({hw.name})",
         "",
-        f"{'#':>3}  {'layout':<58} {'GiB/GPU':>8} {'host GiB':>8} {'tokens/s':>11} {'MFU':>6} {'step s':>8}",
+        f"{'#':>3}  {'layout':<{w}} {'GiB/GPU':>8} {'host GiB':>8} {'tokens/s':>11} {'MFU':>6} {'step s':>8}",
     ]
     for i, c in enumerate(fitting[:top], 1):
         lines.append(
-            f"{i:>3}  {c.layout.describe():<58} {c.memory['total'] / GIB:>8.1f} {c.memory['host'] / GIB:>8.1f}"
+            f"{i:>3}  {c.layout.describe():<{w}} {c.memory['total'] / GIB:>8.1f} {c.memory['host'] / GIB:>8.1f}"
             f" {c.tokens_per_s:>11,.0f} {c.speed['mfu']:>6.1%} {c.speed['step_s']:>8.3f}"
         )
     if fitting:
@@ -31,11 +34,10 @@ def table(candidates: list[Candidate], hw: Hardware, top: int = 10, rejected: in
             "best step, by part (s): " + ", ".join(f"{k} {v:.3f}" for k, v in t.items() if k != "total" and v),
             "best memory, by part (GiB): " + ", ".join(f"{k} {best.memory[k] / GIB:.2f}" for k in PARTS),
         ]
-    out = [c for c in candidates if c.rejected is not None]
     if out:
         lines += ["", f"{len(out)} do not fit; the fastest of them:"]
-        for c in sorted(out, key=lambda c: -c.tokens_per_s)[:rejected]:
-            lines.append(f"     {c.layout.describe():<58} {c.rejected}")
+        for c in worst:
+            lines.append(f"     {c.layout.describe():<{w}} {c.rejected}")
         kinds = Counter("host memory" if "host" in c.rejected else "GPU memory" for c in out)
         lines.append("     (" + ", ".join(f"{n} short of {k}" for k, n in kinds.items()) + ")")
     return "\n".join(lines)

@@ -3,18 +3,26 @@
 Valid means what the engine runs: tensor parallelism inside a node and dividing the heads,
 pipeline stages no more than layers (and without ZeRO-3 or sequence parallelism), the global
 batch split evenly over data-parallel ranks and micro-batches, offload only with ZeRO.
+
+Splitting each sequence (Ulysses x ring, `sequence_splits`) is a memory saver like checkpointing and
+offload, and costs communication: by default ("auto") the search adds those layouts when every layout
+without them that fits needs recomputation or offload, or none fits; "always" adds them anyway,
+"never" leaves them out.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from ..long_context.layout import SequenceSplit
 from .cost import fits, memory, throughput
 from .hardware import Hardware
 from .layout import Layout
 from .model import ModelShape
 
 CHECKPOINTS = ("none", "selective", "every_block")
+SEQUENCE_SPLITS = ("auto", "always", "never")
 
 
 @dataclass
@@ -33,6 +41,25 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def sequence_splits(shape: ModelShape, gpus: int, gpus_per_node: int, seq: int, tp: int, pp: int):
+    """The (ulysses, ring) sizes that split each sequence, (1, 1) left out: Ulysses sizes dividing the
+    query and the key/value heads (each rank attends with whole heads) within a node (its all-to-alls run
+    among neighbours), ring sizes powers of two, and a sequence the split can cut (layout.py's rule)."""
+    # The engine refuses a split sequence with tensor or pipeline parallelism (config/core.py). The cost
+    # model already takes them together (compute over tp·pp·u·c, the heads split by tp before Ulysses),
+    # so lifting that restriction is lifting this condition.
+    if tp > 1 or pp > 1:
+        return []
+    out = []
+    for u in _divisors(math.gcd(shape.heads // tp, shape.kv_heads // tp)):
+        c = 1
+        while u <= gpus_per_node // tp and u * c * tp * pp <= gpus:
+            if u * c > 1 and gpus % (u * c * tp * pp) == 0 and seq % SequenceSplit(sp=u, cp=c).multiple() == 0:
+                out.append((u, c))
+            c *= 2
+    return out
+
+
 def layouts(
     shape: ModelShape,
     gpus: int,
@@ -41,14 +68,23 @@ def layouts(
     max_micro_batch: int = 16,
     zero_stages=(0, 1, 2, 3),
     offload: bool = True,
+    seq: int | None = None,
+    split: bool = False,
 ):
+    """Every valid layout; with `split`, only those splitting each sequence (of `seq` tokens)."""
+    if split and not seq:
+        raise ValueError("the layouts that split each sequence depend on its length: give seq")
     for tp in _divisors(min(gpus, gpus_per_node)):
         if gpus % tp or shape.heads % tp or shape.kv_heads % tp:
             continue
-        for pp in _divisors(gpus // tp):
+        for pp, u, c in (
+            (pp, u, c)
+            for pp in _divisors(gpus // tp)
+            for u, c in (sequence_splits(shape, gpus, gpus_per_node, seq, tp, pp) if split else [(1, 1)])
+        ):
             if pp > shape.layers:
                 continue
-            dp = gpus // (tp * pp)
+            dp = gpus // (tp * pp * u * c)
             if global_batch % dp:
                 continue
             per_rank = global_batch // dp
@@ -57,8 +93,8 @@ def layouts(
                     break
                 accum = per_rank // micro
                 for zero in zero_stages:
-                    if (pp > 1 and zero == 3) or (dp == 1 and zero == 2):
-                        continue  # (one data-parallel rank: stage 2's gradient shard is stage 1's whole gradient)
+                    if (pp > 1 and zero == 3) or (dp * u * c == 1 and zero == 2):
+                        continue  # (one rank holding the parameters: stage 2's gradient shard is the whole gradient)
                     offloads = (
                         ["none"]
                         + (["optimizer"] if offload and zero > 0 else [])
@@ -85,7 +121,9 @@ def layouts(
                                     schedule=schedule,
                                     chunks=chunks,
                                     sequence_parallel=tp > 1 and pp == 1,
-                                    overlap_param_gather=zero in (1, 2) and pp == 1 and dp > 1,
+                                    overlap_param_gather=zero in (1, 2) and pp == 1 and dp * u * c > 1,
+                                    ulysses=u,
+                                    ring=c,
                                 )
 
 
@@ -97,16 +135,29 @@ def plan(
     global_batch: int,
     dtype: str = "bf16",
     gpus_per_node: int | None = None,
+    sequence_splits: str = "auto",
     **options,
 ) -> list[Candidate]:
-    """Every valid layout, costed: those that fit first (fastest first), then the rest (fastest first)."""
+    """Every valid layout, costed: those that fit first (fastest first), then the rest (fastest first).
+    `sequence_splits`: "auto", "always" or "never" (the module's docstring)."""
     if gpus < 1 or global_batch < 1 or seq < 1:
         raise ValueError("gpus, global batch and sequence length must be positive")
+    if sequence_splits not in SEQUENCE_SPLITS:
+        raise ValueError(f"sequence_splits is one of {', '.join(SEQUENCE_SPLITS)}, not {sequence_splits!r}")
     per_node = gpus_per_node or hw.gpus_per_node
-    out = []
-    for layout in layouts(shape, gpus, per_node, global_batch, **options):
-        mem = memory(shape, layout, seq, dtype)
-        out.append(Candidate(layout, mem, throughput(shape, layout, seq, hw, dtype), fits(mem, hw, per_node)))
+
+    def costed(split: bool) -> list[Candidate]:
+        out = []
+        for layout in layouts(shape, gpus, per_node, global_batch, seq=seq, split=split, **options):
+            mem = memory(shape, layout, seq, dtype)
+            out.append(Candidate(layout, mem, throughput(shape, layout, seq, hw, dtype), fits(mem, hw, per_node)))
+        return out
+
+    out = costed(False)
+    # (a split is a memory saver: weighed where the other savers are needed)
+    plain = [c for c in out if c.rejected is None and c.layout.checkpoint == "none" and c.layout.offload == "none"]
+    if sequence_splits == "always" or (sequence_splits == "auto" and not plain):
+        out += costed(True)
     if not out:
         raise ValueError(
             f"no layout splits a global batch of {global_batch} over {gpus} GPUs with this model "
@@ -135,6 +186,10 @@ def deepspeed_config(layout: Layout, global_batch: int, dtype: str = "bf16", lr:
         "tensor_parallel": {"autotp_size": layout.tp},
         "zerotron": {"sequence_parallel": layout.sequence_parallel, "checkpoint_policy": layout.checkpoint},
     }
+    if layout.ulysses > 1:
+        config["sequence_parallel_size"] = layout.ulysses
+    if layout.ring > 1:
+        config["zerotron"]["context_parallel_size"] = layout.ring
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     elif dtype == "fp16":
