@@ -163,3 +163,17 @@ def test_offloaded_gradients_are_never_negative_on_the_device():
         plain = memory(shape, Layout(dp=8, zero=2), 4096, dtype)
         off = memory(shape, Layout(dp=8, zero=2, offload="optimizer"), 4096, dtype)
         assert off["grads"] == plain["grads"] > 0, dtype
+
+
+def test_context_parallel_runs_stay_where_docs_planner_md_puts_them():
+    """tests/planner_published/long_context.py, compared apart from the 62 runs above."""
+    from planner_published import long_context
+
+    rows = {r["name"]: r for r in long_context.comparison()}
+    titan = [r["ratio"] for name, r in rows.items() if name.startswith("torchtitan")]
+    assert len(titan) == 4
+    assert all(0.9 <= r <= 1.05 for r in titan[:2]), titan  # 32,768 tokens (no CP) and CP 2: 0.96, 0.96
+    assert all(1.25 <= r <= 1.5 for r in titan[2:]), titan  # CP 4 and 8: 1.33 and 1.43, not explained
+    llama = rows["Llama 3 405B long context (CP 16)"]
+    assert 0.65 <= llama["ratio"] <= 0.85 and llama["fits"]  # 0.74 (the stage rows' pipeline); no checkpointing
+    assert llama["time"]["ring_p2p"] > 0 and all(r["time"]["ulysses_all_to_all"] == 0 for r in rows.values())
