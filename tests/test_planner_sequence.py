@@ -263,3 +263,30 @@ def test_plan_command_proposes_a_split_sequence(tmp_path):
     u, c = config.get("sequence_parallel_size", 1), config["zerotron"].get("context_parallel_size", 1)
     assert u * c > 1 and (f"u{u}" in best.split()) == (u > 1) and (f"cp{c}" in best.split()) == (c > 1)
     assert "shard_batch" in run.stdout  # how a script feeds each rank its part of every sequence
+
+
+def test_a_split_plan_trains(tmp_path):
+    """The config of the best split layout for the tiny GPT on 2 ranks runs under `zerotron train`."""
+    import subprocess
+    import sys
+
+    from zerotron.models.gpt import config_for
+    from zerotron.planner.search import deepspeed_config, plan
+
+    shape = ModelShape.of_gpt(config_for("tiny"))
+    candidates = plan(shape, 2, hardware("cpu"), 64, 4, "fp32", sequence_splits="always")
+    best = next(c for c in candidates if c.rejected is None and c.layout.sequence_ranks > 1)
+    out = tmp_path / "split.json"
+    out.write_text(json.dumps(deepspeed_config(best.layout, 4, "fp32")))
+    argv = "train --model tiny --seq-len 64 --steps 2 --eval-batches 1 --sample-bytes 0 --corpus-bytes 20000".split()
+    run = subprocess.run(
+        [sys.executable, "-m", "zerotron.cli", *argv, "--config", str(out), "--nproc", "2"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "model states: predicted" in run.stderr
+    for name, size in (("cp", best.layout.ring), ("sp", best.layout.ulysses)):  # the engine's own topology line
+        assert (f" x {name} {size} " in run.stdout + run.stderr) == (size > 1), (name, size)
