@@ -140,9 +140,13 @@ def test_moe_params_move_to_groups_of_their_own():
     assert [g["params"] for g in out] == [[a], [b], [c]]
     assert out[1] == {"params": [b], "name": "ep_size_2", "moe": True, "lr": 0.5} and moe.utils.is_moe_param(b)
     assert moe.utils.split_params_into_shared_and_expert_params([a, b, c]) == ([a], [b, c])
-    with pytest.raises(NotImplementedError, match="not supported by zerotron"):
-        moe.layer.MoE(hidden_size=8)
+    with pytest.raises(NotImplementedError, match="ep_size 2: zerotron's MoE layer keeps every expert on every rank"):
+        moe.layer.MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=2, ep_size=2)
     assert moe.utils.has_moe_layers(make_model()) == (False, 0)
+    layer = moe.layer.MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=4)
+    assert moe.utils.has_moe_layers(torch.nn.Sequential(layer)) == (True, 4)
+    shared, experts = moe.utils.split_params_into_shared_and_expert_params(list(layer.parameters()))
+    assert len(experts) == 8 and shared == [layer.deepspeed_moe.gate.wg.weight]
 
 
 # ---- groups: answered from the latest engine's topology --------------------------------------------

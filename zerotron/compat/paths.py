@@ -58,10 +58,12 @@ PATHS: dict[str, str] = {
     # launcher: constants only (launch with torchrun / zerotron run)
     "launcher": "zerotron.compat.launcher",
     "launcher.runner": "zerotron.compat.launcher",
-    # moe
-    "moe": "zerotron.compat.moe",
+    # moe: zerotron's own package (its gating and layer); DeepSpeed's helpers beside them live in compat
+    "moe": "zerotron.moe",
     "moe.utils": "zerotron.compat.moe.utils",
-    "moe.layer": "zerotron.compat.moe.layer",
+    "moe.layer": "zerotron.moe.layer",
+    "moe.sharded_moe": "zerotron.compat.moe.sharded_moe",
+    "moe.experts": "zerotron.compat.moe.experts",
     # zerotron's core, where DeepSpeed has the same top-level names
     "zero": "zerotron.zero",
     "pipe": "zerotron.pipe",

@@ -1,3 +1,5 @@
-"""`deepspeed.moe`: the helpers scripts call on parameter groups (utils); no MoE layer (layer)."""
+"""`deepspeed.moe`: the MoE layer (layer), its gate and gating (sharded_moe, experts), and the helpers
+scripts call on parameter groups (utils)."""
 
-from . import layer, utils  # noqa: F401
+from ...moe import layer  # noqa: F401  (deepspeed.moe is zerotron.moe under the alias; this package holds the rest)
+from . import experts, sharded_moe, utils  # noqa: F401

@@ -1,6 +1,6 @@
 """`deepspeed.moe.utils`: telling expert parameters from shared ones, and the optimizer groups
 DeepSpeed's MoE wants. As in DeepSpeed, an expert parameter is one with `allreduce = False`
-(and a `group_name`); zerotron builds no such parameters, so for its models every group comes back
+(and a `group_name`), as the MoE layer's experts are; a model without them gets every group back
 unchanged (as a list, DeepSpeed's output type)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections import defaultdict
 import torch
 import torch.nn as nn
 
-from .layer import MoE
+from ...moe.layer import MoE
 
 
 def has_moe_layers(m: nn.Module) -> tuple[bool, int]:
