@@ -50,30 +50,12 @@ def _model():
     return LlamaForCausalLM(config)
 
 
-class TiledLossLM(torch.nn.Module):
-    """A causal LM whose loss is tiled: the summed cross-entropy from the hidden states, one slice
-    of the vocabulary-wide logits at a time (ALST's TiledFusedLogitsLoss)."""
-
-    def __init__(self, lm, tiled_loss, shards: int):
-        super().__init__()
-        self.lm, self.tiled_loss, self.shards = lm, tiled_loss, shards
-
-    @staticmethod
-    def _loss(head, hidden, labels):
-        return torch.nn.functional.cross_entropy(head(hidden).float(), labels, ignore_index=-100, reduction="sum")
-
-    def forward(self, input_ids, position_ids, shift_labels):
-        hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids)[0]
-        head = self.lm.lm_head
-        return self.tiled_loss.apply(self._loss, head, hidden, shift_labels, None, self.shards, [head.weight], "sum")
-
-
 def probe(seq: int, shards: int) -> dict:
     """On each rank: one step at `seq` tokens; its memory above the resident set before the step."""
     import torch.distributed as dist
 
     import zerotron as deepspeed
-    from tools.alst_script import tiled_mlp_forward
+    from tools.alst_script import TiledLossLM, tiled_mlp_forward
     from zerotron.compat import sequence_parallel as ulysses_sp
 
     deepspeed.init_distributed()

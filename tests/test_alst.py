@@ -3,21 +3,22 @@ key/value heads (4 query, 2 key/value) trained by ALST's loop (tools/alst_script
 registered with Transformers, the engine given its mpu, batches through UlyssesSPDataLoaderAdapter,
 the sequence ranks' losses weighted by their tokens) matches one process training the same samples
 whole: variable lengths padded to a multiple of sp, prompts masked, sp 2 and 4 (4 > the key/value
-heads: each is repeated), sp x dp, ZeRO 0-3, SGD with momentum so a wrong gradient scale shows,
-AdamW, and the tiled MLP. The all-to-all bytes are the shape-derived count."""
+heads: each is repeated), sp x dp, gradient accumulation, ZeRO 0-3, SGD with momentum so a wrong
+gradient scale shows, AdamW, and the tiled MLP. The all-to-all bytes are the shape-derived count."""
 
 import pytest
 import torch
 from distributed import run_ranks
 
 from tools import alst_script as script
+from zerotron.compat.sequence_parallel import TiledFusedLogitsLoss
 
 
-def _train(stage, sp, steps, kind, tiled):
+def _train(stage, sp, steps, kind, tiled, gas):
     import zerotron
     from zerotron.compat import sequence_parallel as ulysses_sp
 
-    losses, weights, engine = script.train(zerotron, ulysses_sp, stage, sp, steps, kind, tiled)
+    losses, weights, engine = script.train(zerotron, ulysses_sp, stage, sp, steps, kind, tiled, gas=gas)
     return losses, weights, engine.comm_stats()["all_to_all"]
 
 
@@ -36,43 +37,24 @@ def _all_to_all_bytes(sp, steps, world, group):
 
 
 @pytest.mark.parametrize(
-    "world,sp,stage,kind,tiled,steps",
+    "world,sp,stage,kind,tiled,steps,gas",
     [
-        (2, 2, 0, "sgd", 0, 4),
-        (2, 2, 1, "adamw", 0, 10),
-        (4, 2, 2, "sgd", 0, 4),
-        (4, 4, 3, "sgd", 3, 4),
-        (2, 2, 3, "adamw", 2, 10),
+        (2, 2, 0, "sgd", 0, 4, 1),
+        (2, 2, 1, "adamw", 0, 10, 1),
+        (4, 2, 2, "sgd", 0, 4, 1),
+        (4, 2, 3, "sgd", 0, 8, 2),  # gradient accumulation over 2 micro-steps, sp x dp
+        (4, 4, 3, "sgd", 3, 4, 1),
+        (2, 2, 3, "adamw", 2, 10, 1),
     ],
 )
-def test_alst_trains_like_one_process(world, sp, stage, kind, tiled, steps):
-    results = run_ranks(_train, world, stage, sp, steps, kind, tiled, timeout=120)
-    want_losses, want_weights = script.reference(script.samples(steps * world), world // sp, sp, steps, kind)
+def test_alst_trains_like_one_process(world, sp, stage, kind, tiled, steps, gas):
+    results = run_ranks(_train, world, stage, sp, steps, kind, tiled, gas, timeout=120)
+    data = script.samples(steps * world)
+    want_losses, want_weights = script.reference(data, world // sp, sp, steps, kind, gas)
     for rank, (losses, weights, sent) in enumerate(results):
         assert script.max_loss_rel(losses, want_losses) < 1e-6, (losses, want_losses)
         assert script.max_weight_diff(weights, want_weights) < 1e-5
         assert sent == _all_to_all_bytes(sp, steps, world, rank // sp)
-
-
-class _TiledLossLM(torch.nn.Module):
-    """A script's own wrapper around a Transformers model: the loss tiled from the hidden states."""
-
-    def __init__(self, lm, shards):
-        super().__init__()
-        self.lm, self.shards = lm, shards
-
-    @staticmethod
-    def _loss(head, hidden, labels):
-        return torch.nn.functional.cross_entropy(head(hidden).float(), labels, ignore_index=-100, reduction="sum")
-
-    def forward(self, input_ids, position_ids, shift_labels):
-        from zerotron.compat.sequence_parallel import TiledFusedLogitsLoss
-
-        hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids)[0]
-        head = self.lm.lm_head
-        return TiledFusedLogitsLoss.apply(
-            self._loss, head, hidden, shift_labels, None, self.shards, [head.weight], "sum"
-        )
 
 
 def _wrapped(steps):
@@ -83,7 +65,7 @@ def _wrapped(steps):
     from zerotron.long_context import shard_batch
 
     sp, rank = dist.get_world_size(), dist.get_rank()
-    model = _TiledLossLM(script.build_model(), 3)
+    model = script.TiledLossLM(script.build_model(), TiledFusedLogitsLoss, 3)
     mpu = ulysses_sp.UlyssesSPAttentionHF.register_with_transformers(model.lm, "sdpa", sp, 1)
     config = {"train_batch_size": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": 3}}
     config["optimizer"] = script.optimizer_config("sgd")
@@ -103,7 +85,7 @@ def _wrapped(steps):
 def test_a_wrapper_with_the_tiled_loss_around_a_registered_model_trains_like_one_process():
     """ZeRO-3 with sp 2: the wrapper is accepted (its Transformers model's attention is registered),
     and the tiled loss recomputes the root unit's lm_head in backward."""
-    model = _TiledLossLM(script.build_model(), 3)
+    model = script.TiledLossLM(script.build_model(), TiledFusedLogitsLoss, 3)
     optimizer = torch.optim.SGD(model.parameters(), **script.optimizer_config("sgd")["params"])
     want = []
     for sample in script.samples(3):

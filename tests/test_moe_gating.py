@@ -74,3 +74,22 @@ def test_bad_gating_arguments_are_named():
         route(torch.zeros(3, 4), 1)
     with pytest.raises(ValueError, match="drop_policy 'random'"):
         route(torch.zeros(8, 4), 3, drop_policy="random", min_capacity=1)
+
+
+def _dropless_over_ranks():
+    import torch.distributed as dist
+
+    from zerotron.moe import top1gating
+
+    rank = dist.get_rank()
+    choices = [0] * (3 + 2 * rank) + [1, 2, 3]  # expert 0's count differs: 3 on rank 0, 5 on rank 1
+    x = torch.zeros(len(choices), 4)
+    x[torch.arange(len(choices)), torch.tensor(choices)] = 4.0
+    return top1gating(x, 1.0, 1, drop_tokens=False, use_rts=False, ep_group=dist.group.WORLD)[1].shape[2]
+
+
+def test_dropless_capacity_is_agreed_over_the_expert_parallel_group():
+    """DeepSpeed's all-reduce (MAX) over ep_group: every rank's buffers as large as the busiest rank's."""
+    from distributed import run_ranks
+
+    assert run_ranks(_dropless_over_ranks, 2) == [5, 5]

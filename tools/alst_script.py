@@ -72,17 +72,19 @@ def step_samples(data, dp: int, sp: int, steps: int) -> list[list[int]]:
     return [[(g * sp + t % sp) + (t // sp) * world for g in range(dp)] for t in range(steps)]
 
 
-def reference(data, dp: int, sp: int, steps: int, kind: str):
+def reference(data, dp: int, sp: int, steps: int, kind: str, gas: int = 1):
+    """One process: each micro-step the mean over its samples of each sample's token-mean loss;
+    the optimizer steps after every `gas` micro-steps, on their mean."""
     data = [{k: v for k, v in d.items() if k != "position_ids"} for d in data]
-    """One process: each step the mean over its samples of each sample's token-mean loss."""
     model = build_model()
     opt = _torch_optimizer(kind, model.parameters())
     losses = []
-    for chosen in step_samples(data, dp, sp, steps):
+    for micro, chosen in enumerate(step_samples(data, dp, sp, steps)):
         loss = sum(model(**data[i]).loss for i in chosen) / len(chosen)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        (loss / gas).backward()
+        if (micro + 1) % gas == 0:
+            opt.step()
+            opt.zero_grad()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -99,6 +101,25 @@ def tiled_mlp_forward(TiledMLP, shards: int):
     return forward
 
 
+class TiledLossLM(torch.nn.Module):
+    """A script's own wrapper around a Transformers causal LM, as ALST's recipes write it: the summed
+    cross-entropy from the hidden states, one slice of the vocabulary-wide logits at a time
+    (`tiled_loss`: DeepSpeed's or zerotron's TiledFusedLogitsLoss)."""
+
+    def __init__(self, lm, tiled_loss, shards: int):
+        super().__init__()
+        self.lm, self.tiled_loss, self.shards = lm, tiled_loss, shards
+
+    @staticmethod
+    def _loss(head, hidden, labels):
+        return F.cross_entropy(head(hidden).float(), labels, ignore_index=-100, reduction="sum")
+
+    def forward(self, input_ids, position_ids, shift_labels):
+        hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids)[0]
+        head = self.lm.lm_head
+        return self.tiled_loss.apply(self._loss, head, hidden, shift_labels, None, self.shards, [head.weight], "sum")
+
+
 def sequence_loss(logits, shift_labels, group):
     """The Trainer's recipe: the sequence ranks' mean losses weighted by their valid tokens, on every
     rank. Written as sums (a rank whose slice is all prompt has no mean), all-reduced: torch's
@@ -110,9 +131,12 @@ def sequence_loss(logits, shift_labels, group):
     return total / count.clamp(min=1)
 
 
-def train(deepspeed, ulysses_sp, stage: int, sp: int, steps: int, kind: str, tiled_shards: int = 0, lengths=UNEVEN):
+def train(
+    deepspeed, ulysses_sp, stage: int, sp: int, steps: int, kind: str, tiled_shards: int = 0, lengths=UNEVEN, gas=1
+):
     """The ALST loop on this rank (deepspeed: DeepSpeed or zerotron; ulysses_sp: its
-    `runtime.sequence_parallel.ulysses_sp`). Returns the per-step losses, the full weights and the
+    `runtime.sequence_parallel.ulysses_sp`), `steps` micro-steps with the optimizer stepping every
+    `gas` of them. Returns the per-step losses, the full weights and the
     engine (its comm_stats() under zerotron)."""
     world = dist.get_world_size()
     model = build_model()
@@ -129,7 +153,7 @@ def train(deepspeed, ulysses_sp, stage: int, sp: int, steps: int, kind: str, til
     )
     dp = world // sp
     config = {
-        "train_batch_size": dp,
+        "train_batch_size": dp * gas,
         "train_micro_batch_size_per_gpu": 1,
         "gradient_clipping": 0.0,
         "zero_optimization": {"stage": stage},

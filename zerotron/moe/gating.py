@@ -53,6 +53,26 @@ def _capacity(tokens: int, experts: int, factor: float, min_capacity: int) -> in
     return max(int(torch.ceil(torch.tensor(tokens / experts * factor))), int(min_capacity))
 
 
+def agree_over(group) -> Optional[Callable[[int], int]]:
+    """The largest capacity over `group`'s ranks (DeepSpeed's all-reduce with MAX over the expert-
+    parallel group), through Comm; None without a group."""
+    if group is None:
+        return None
+    import torch.distributed as dist
+
+    from ..comm import comm_for
+    from ..comm.core import local_device
+
+    comm = comm_for(group, "ep")
+
+    def agree(capacity: int) -> int:
+        most = torch.tensor([capacity], dtype=torch.int64, device=local_device())
+        comm.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most.item())
+
+    return agree
+
+
 def _dropless(counts: torch.Tensor, agree: Optional[Callable[[int], int]]) -> int:
     most = int(counts.max())
     return agree(most) if agree is not None else most
@@ -196,15 +216,15 @@ def top1gating(logits, capacity_factor, min_capacity, used_token=None, noisy_gat
                use_rts=True, ep_group=None, agree_capacity=None):  # fmt: skip
     """DeepSpeed's `top1gating`: (l_aux, combine_weights, dispatch_mask, exp_counts)."""
     r = route(logits, 1, capacity_factor, min_capacity, drop_tokens, use_rts, noisy_gate_policy,
-              used_token=used_token, agree_capacity=agree_capacity)  # fmt: skip
+              used_token=used_token, agree_capacity=agree_capacity or agree_over(ep_group))  # fmt: skip
     return (r.l_aux, *dense(r, logits.shape[1]), r.counts)
 
 
 def top2gating(logits, capacity_factor, min_capacity, drop_tokens=True, ep_group=None,
                top2_2nd_expert_sampling=True, agree_capacity=None):  # fmt: skip
     """DeepSpeed's `top2gating`: (l_aux, combine_weights, dispatch_mask, exp_counts)."""
-    r = route(logits, 2, capacity_factor, min_capacity, drop_tokens,
-              second_expert_sampling=top2_2nd_expert_sampling, agree_capacity=agree_capacity)  # fmt: skip
+    r = route(logits, 2, capacity_factor, min_capacity, drop_tokens, second_expert_sampling=top2_2nd_expert_sampling,
+              agree_capacity=agree_capacity or agree_over(ep_group))  # fmt: skip
     return (r.l_aux, *dense(r, logits.shape[1]), r.counts)
 
 
@@ -212,5 +232,5 @@ def topkgating(logits, k, capacity_factor, min_capacity, drop_tokens=True, ep_gr
                agree_capacity=None):  # fmt: skip
     """DeepSpeed's `topkgating`: (l_aux, combine_weights, dispatch_mask, exp_counts)."""
     r = route(logits, k, capacity_factor, min_capacity, drop_tokens, drop_policy=drop_policy,
-              agree_capacity=agree_capacity)  # fmt: skip
+              agree_capacity=agree_capacity or agree_over(ep_group))  # fmt: skip
     return (r.l_aux, *dense(r, logits.shape[1]), r.counts)

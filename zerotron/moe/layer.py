@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .gating import Routes, route
+from .gating import Routes, agree_over, route
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 
@@ -67,6 +67,7 @@ class TopKGate(nn.Module):
             self.noisy_gate_policy if self.training and self.k == 1 else None,
             self.top2_2nd_expert_sampling,
             used_token=used_token,
+            agree_capacity=agree_over(self.ep_group),
         )
 
 
