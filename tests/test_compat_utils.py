@@ -140,8 +140,9 @@ def test_moe_params_move_to_groups_of_their_own():
     assert [g["params"] for g in out] == [[a], [b], [c]]
     assert out[1] == {"params": [b], "name": "ep_size_2", "moe": True, "lr": 0.5} and moe.utils.is_moe_param(b)
     assert moe.utils.split_params_into_shared_and_expert_params([a, b, c]) == ([a], [b, c])
-    with pytest.raises(NotImplementedError, match="ep_size 2: zerotron's MoE layer keeps every expert on every rank"):
-        moe.layer.MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=2, ep_size=2)
+    split = moe.layer.MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=2, ep_size=2)
+    with pytest.raises(RuntimeError, match="ep_size 2 but no expert-parallel group: pass the model to zerotron.init"):
+        split(torch.zeros(3, 8))
     assert moe.utils.has_moe_layers(make_model()) == (False, 0)
     layer = moe.layer.MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=4)
     assert moe.utils.has_moe_layers(torch.nn.Sequential(layer)) == (True, 4)

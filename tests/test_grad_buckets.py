@@ -41,13 +41,14 @@ def _train(stage, zero_extra):
 
     reducer._launch = recording_launch
     kind = "all_reduce" if stage == 0 else "reduce_scatter_flat"
-    issue = getattr(reducer.comm, kind)
+    comm = reducer.groups.dense.reduce
+    issue = getattr(comm, kind)
 
     def counting(*args, **kwargs):
         collectives[0] += 1
         return issue(*args, **kwargs)
 
-    setattr(reducer.comm, kind, counting)
+    setattr(comm, kind, counting)
     losses = []
     for i, batch in enumerate(global_batches(STEPS, 2 * GAS * dp)):
         last = i == STEPS - 1

@@ -19,6 +19,7 @@ from .config import Config, resolve_auto
 from .engine import Engine
 from .errors import BadBatchError, CollectiveMismatch, ConfigError, NonFiniteError, ZerotronError
 from .hf.takeover import hand_back, hold
+from .moe.expert_groups import expert_parallel_size
 from .topology import Topology
 
 # `zerotron.checkpointing` is activation checkpointing under DeepSpeed's name (deepspeed.checkpointing);
@@ -92,6 +93,7 @@ def initialize(
         pp=cfg.pipeline.stages,
         sp=cfg.sequence_parallel_size,
         cp=cfg.zerotron.context_parallel_size,
+        ep=expert_parallel_size(model),
     )
 
     init_distributed()

@@ -12,6 +12,10 @@ The ranks that hold the same parameters are the data x sequence ranks of one (pp
 shards over them and gradients are reduced over them ("dp" and "dp_grad"; DeepSpeed's sequence-data-
 parallel group). The data sampler splits samples over the data ranks only ("data"): the sequence
 ranks of one data rank read the same samples, each its part of the sequence.
+
+Expert parallelism splits the data ranks further, as DeepSpeed does: runs of `ep` consecutive data
+ranks trade tokens and hold one expert each of every `ep` ("ep"); the data ranks with the same place
+in their run hold the same experts ("edp", and "edp_grad" for the experts' gradient reductions).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ class Coords:
 class Topology:
     """Sizes and coordinates are pure arithmetic; `build_groups()` makes the process groups."""
 
-    def __init__(self, world_size: int, tp: int = 1, pp: int = 1, sp: int = 1, cp: int = 1):
+    def __init__(self, world_size: int, tp: int = 1, pp: int = 1, sp: int = 1, cp: int = 1, ep: int = 1):
         sizes = (
             ("world size", world_size),
             ("tensor-parallel size", tp),
@@ -64,6 +68,15 @@ class Topology:
             )
         self.world_size, self.tp, self.pp, self.sp, self.cp = world_size, tp, pp, sp, cp
         self.dp = world_size // (tp * pp * sp * cp)
+        self.ep = ep
+        if ep > 1 and (self.dp % ep or tp * pp * sp * cp > 1):
+            raise ConfigError(
+                "expert-parallel size (MoE ep_size / expert_parallel.autoep_size)",
+                ep,
+                f"must divide the data-parallel size ({self.dp}) of a data-parallel layout: expert parallelism "
+                "composes with data parallelism and every ZeRO stage, not yet with tensor, pipeline or sequence "
+                "parallelism; change ep_size or the other sizes",
+            )
         self._groups: dict[str, Optional[dist.ProcessGroup]] = {}
 
     @property
@@ -79,6 +92,11 @@ class Topology:
     def replicas(self) -> int:
         """How many ranks hold the same parameters (ZeRO's and the gradient reduction's group size)."""
         return self.dp * self.seq
+
+    @property
+    def edp(self) -> int:
+        """How many ranks hold the same experts (DeepSpeed's expert-data-parallel size)."""
+        return self.dp // self.ep
 
     def coords(self, rank: int) -> Coords:
         if not 0 <= rank < self.world_size:
@@ -98,6 +116,10 @@ class Topology:
         """The ranks that share every coordinate with `rank` except `dim` ("seq": except cp and sp;
         "replicas": except dp, cp and sp), in order along `dim`."""
         c = self.coords(rank)
+        if dim in ("ep", "edp"):
+            run, place = divmod(c.dp, self.ep)
+            data = [run * self.ep + i for i in range(self.ep)] if dim == "ep" else range(place, self.dp, self.ep)
+            return [self.rank_of(c.pp, d, c.tp, c.sp, c.cp) for d in data]
         if dim in ("seq", "replicas"):
             data = range(self.dp) if dim == "replicas" else [c.dp]
             return [self.rank_of(c.pp, d, c.tp, s, r) for d in data for r in range(self.cp) for s in range(self.sp)]
@@ -113,7 +135,7 @@ class Topology:
             raise RuntimeError(
                 f"topology was made for {self.world_size} ranks but the process group has {dist.get_world_size()}"
             )
-        self._groups = cached_groups(("groups", self.shape), self._make_groups)
+        self._groups = cached_groups(("groups", self.shape, self.ep), self._make_groups)
         return self
 
     # The engine's groups: "dp" (ZeRO, parameter gathers, the start-up broadcast) and "dp_grad"
@@ -128,12 +150,16 @@ class Topology:
         "tp": "tp",
         "data": "dp",
         "dp_grad": "replicas",
+        "ep": "ep",
+        "edp": "edp",
+        "edp_grad": "edp",
     }
 
     def _make_groups(self) -> dict:
         # without a dimension there is no group for it (ask its size); a group with the ranks of
         # another is that group (each process group costs connections and threads)
         same = {"sp": self.sp == 1, "cp": self.cp == 1, "seq": self.cp == 1 or self.sp == 1, "data": self.seq == 1}
+        same.update(ep=self.ep == 1, edp=self.ep == 1, edp_grad=self.ep == 1)
         groups = {}
         for name, along in self._ALONG.items():
             if same.get(name):
@@ -156,4 +182,5 @@ class Topology:
     def __repr__(self):
         sp = f", sp={self.sp}" if self.sp > 1 else ""
         cp = f", cp={self.cp}" if self.cp > 1 else ""
-        return f"Topology(world={self.world_size}, pp={self.pp}, dp={self.dp}{cp}{sp}, tp={self.tp})"
+        ep = f", ep={self.ep}" if self.ep > 1 else ""
+        return f"Topology(world={self.world_size}, pp={self.pp}, dp={self.dp}{ep}{cp}{sp}, tp={self.tp})"

@@ -66,6 +66,10 @@ def rank_pieces(engine):
     """(Piece, parameter, master tensor, offset in it) for every trainable-parameter piece this rank stores."""
     names = {}
     source = getattr(engine.module, "source_names", {})  # a pipeline of an existing model: its names
+    if engine.topology.ep > 1:  # experts by their global number
+        from ..moe.expert_groups import global_expert_names
+
+        source = global_expert_names(engine.module, engine.coords.dp % engine.topology.ep)
     for name, p in engine.module.named_parameters():
         names.setdefault(id(p), source.get(name, name))
     for param, start, length, master, offset in engine.states.pieces():

@@ -94,8 +94,10 @@ def _rank_tensors(engine):
     tensors, pieces, scalars = {}, {}, {}
     states = engine.states
     first_replica = engine.dp_comm.rank == 0  # of the ranks holding the same parameters (data x sequence)
-    if not states.replicated or first_replica:
-        for piece, _, master, offset in rank_pieces(engine):
+    if not states.replicated or first_replica or engine.topology.ep > 1:
+        for piece, param, master, offset in rank_pieces(engine):
+            if states.replicated and engine.shard_groups.of(param).rank != 0:  # (an expert's first holder writes it)
+                continue
             key = f"{piece.name}@{piece.tp_rank}:{piece.lo}"
             n = piece.hi - piece.lo
             pieces[key] = piece.to_json()

@@ -178,13 +178,20 @@ class Comm:
             async_op,
         )
 
-    def all_to_all_single(self, output, tensor, async_op=False):
-        """Equal blocks along dim 0: block i of `tensor` goes to group rank i, block j of `output`
-        comes from group rank j. Counted as the bytes this rank sends to the others."""
-        self.bytes["all_to_all"] += tensor.numel() * tensor.element_size() * (self.size - 1) // self.size
+    def all_to_all_single(self, output, tensor, output_splits=None, input_splits=None, async_op=False):
+        """Blocks along dim 0: block i of `tensor` goes to group rank i, block j of `output` comes
+        from group rank j; equal blocks, or of `input_splits` / `output_splits` rows. Counted as the
+        bytes this rank sends to the others."""
+        if input_splits is None:
+            self.bytes["all_to_all"] += tensor.numel() * tensor.element_size() * (self.size - 1) // self.size
+        else:
+            row = tensor[0].numel() * tensor.element_size() if len(tensor) else 0
+            self.bytes["all_to_all"] += row * (sum(input_splits) - input_splits[self.rank])
         return self._issue(
             "all_to_all",
-            lambda out: dist.all_to_all_single(out[0], tensor, group=self.group, async_op=async_op),
+            lambda out: dist.all_to_all_single(
+                out[0], tensor, output_splits, input_splits, group=self.group, async_op=async_op
+            ),
             (tensor, output),
             (output,),
             async_op,

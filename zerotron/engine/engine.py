@@ -12,6 +12,7 @@ from .. import preemption, watchdog
 from ..comm import Comm, comm_for, local_device
 from ..config import Config
 from ..errors import BadBatchError, ConfigError
+from ..moe.expert_groups import shard_groups
 from ..monitor import Monitor
 from ..nested import tensors_in, to_device
 from ..optim import build_optimizer
@@ -77,13 +78,14 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         self.tp_comm = Comm(topology.group("tp"), "tp")
         self.world_comm = comm_for(None, "world")
         parallelize(self.module, config, topology, self.tp_comm, self.device)  # tensor parallelism, checkpointing
+        self.shard_groups = shard_groups(self.module, topology, self.grad_comm, self.dp_comm)  # experts': theirs
         self._broadcast_module()
         params = [p for p in self.module.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no parameters that require gradients; nothing to train")
-        self._param_numels = [
-            getattr(p, "ds_numel", p.numel()) for p in params
-        ]  # before ZeRO-3 partitions them (memory prediction)
+        self._param_numels = {}  # shard group size -> numels, before ZeRO-3 partitions them (memory prediction)
+        for p in params:
+            self._param_numels.setdefault(self.shard_groups.of(p).size, []).append(getattr(p, "ds_numel", p.numel()))
         self._backward_owner = None  # "engine" inside engine.backward, "autograd" inside a direct loss.backward()
         self._grad_hooks = (
             [p.register_hook(self._scale_direct_grad) for p in params] if config.gradient_accumulation_steps > 1 else []
@@ -94,8 +96,7 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
             self.module,
             self.optimizer,
             config,
-            self.grad_comm,
-            self.dp_comm,
+            self.shard_groups,
             isolate=isolate(self.module) if isolate is not None else [],
         )
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
@@ -149,11 +150,12 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         )
 
     def _broadcast_module(self):
-        """Start every replica (data and sequence ranks) from the first one's weights, seeded or not."""
-        if self.dp_comm.size > 1:
-            for t in list(self.module.parameters()) + list(self.module.buffers()):
-                if not t.is_meta and not built_under_init(t):  # zero.Init pieces agree already
-                    self.dp_comm.broadcast(t.data, src_group_rank=0)
+        """Start every replica (data and sequence ranks) from the first one's weights, seeded or not
+        (an expert from the first rank holding it)."""
+        for t in list(self.module.parameters()) + list(self.module.buffers()):
+            comm = self.shard_groups.of(t).gather
+            if comm.size > 1 and not t.is_meta and not built_under_init(t):  # zero.Init pieces agree already
+                comm.broadcast(t.data, src_group_rank=0)
 
     def _make_optimizer(self, client, model_parameters, params):
         if client is not None and self.config.optimizer is not None:

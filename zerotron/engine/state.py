@@ -47,15 +47,19 @@ class EngineState:
         from ..planner.memory import rank_state_bytes
 
         z = self.config.zero_optimization
-        return rank_state_bytes(
-            self._param_numels,
-            dp=self.grad_comm.size,
-            stage=z.stage,
-            dtype={torch.float32: "fp32", torch.bfloat16: "bf16"}.get(self.dtype, "fp16"),
-            offload_optimizer=z.offload_optimizer is not None and z.offload_optimizer.device == "cpu",
-            offload_param=z.offload_param is not None and z.offload_param.device == "cpu",
-            persistence_threshold=z.stage3_param_persistence_threshold,
-        )
+        total = {}
+        for size, numels in self._param_numels.items():  # per shard group: dense, experts
+            part = rank_state_bytes(
+                numels,
+                dp=size,
+                stage=z.stage,
+                dtype={torch.float32: "fp32", torch.bfloat16: "bf16"}.get(self.dtype, "fp16"),
+                offload_optimizer=z.offload_optimizer is not None and z.offload_optimizer.device == "cpu",
+                offload_param=z.offload_param is not None and z.offload_param.device == "cpu",
+                persistence_threshold=z.stage3_param_persistence_threshold,
+            )
+            total = {k: total.get(k, 0) + v for k, v in part.items()}
+        return total
 
     # ---- checkpoints (zerotron/checkpoint/) -------------------------------------------------------
     def training_state(self) -> dict:
@@ -163,4 +167,6 @@ class EngineState:
 
     def _comms(self) -> list[Comm]:
         sequence = [comm_for(self.topology.group(d), d) for d in ("sp", "cp") if getattr(self.topology, d) > 1]
-        return [self.dp_comm, self.grad_comm, self.tp_comm, self.world_comm] + sequence  # Ulysses', the ring's
+        experts = self.shard_groups.expert
+        experts = [comm_for(self.topology.group("ep"), "ep"), experts.reduce, experts.gather] if experts else []
+        return [self.dp_comm, self.grad_comm, self.tp_comm, self.world_comm] + sequence + experts

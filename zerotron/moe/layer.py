@@ -1,12 +1,15 @@
 """DeepSpeed's MoE layer (`deepspeed.moe.layer.MoE`): a router (`TopKGate`), num_experts copies of an
-expert module, and the dispatch between them -- each token's hidden state copied into its experts'
-capacity buffers, each expert run on its buffer, the outputs weighted back onto the tokens. Returns
-DeepSpeed's `(output, l_aux, exp_counts)`; `use_residual` mixes in a dense MLP by a learned
+expert module, and the exchange between them (exchange.py) -- each token's hidden state sent to its
+kept routes' experts, each expert run on the rows it got, the outputs weighted back onto the tokens.
+Returns DeepSpeed's `(output, l_aux, exp_counts)`; `use_residual` mixes in a dense MLP by a learned
 coefficient (Residual MoE).
 
-Experts run on their own buffers one after another (a per-expert loop); all experts live on every
-rank (`ep_size` 1: they train under data parallelism and ZeRO like any other parameters). Expert
-parallelism (`ep_size` > 1) is refused by name until the engine's expert groups exist.
+With `ep_size` > 1 each rank holds num_experts / ep_size of the experts, and the tokens travel to
+them and back over the expert-parallel group (exchange.py), which the engine makes (topology.py) and
+hands to every MoE layer; their parameters, marked as DeepSpeed marks them, are reduced and sharded
+over the expert-data-parallel group (zero/shard_group.py). Experts run one after another on the rows
+routed to them (a per-expert loop; every local expert runs, on no rows too, so ZeRO-3's gathers
+happen on every rank whatever the routing).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..comm import comm_for
+from .exchange import run_experts
 from .gating import Routes, agree_over, route
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
@@ -83,33 +88,13 @@ class Experts(nn.Module):
             for p in e.parameters():
                 p.allreduce, p.group_name = False, expert_group_name
 
-    def forward(self, buffers: torch.Tensor) -> torch.Tensor:
-        """[experts, capacity, hidden] -> the same, each expert on its slice."""
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """[rows, hidden] grouped by local expert (`counts[j]` rows for expert j) -> the same."""
         outs = []
-        for rows, expert in zip(buffers, self.deepspeed_experts):
-            out = expert(rows)
+        for part, expert in zip(rows.split(counts), self.deepspeed_experts):
+            out = expert(part)
             outs.append(out[0] if isinstance(out, tuple) else out)
-        return torch.stack(outs)
-
-
-def dispatch(x: torch.Tensor, routes: Routes, experts: int) -> torch.Tensor:
-    """[tokens, hidden] -> [experts, capacity, hidden]: each kept route's token in its slot, zeros
-    in the slots nothing was routed to."""
-    flat = torch.zeros(experts * routes.capacity + 1, x.shape[1], dtype=x.dtype, device=x.device)
-    kept = routes.experts >= 0
-    where = torch.where(kept, routes.experts * routes.capacity + routes.slots, experts * routes.capacity)
-    tokens = torch.arange(x.shape[0], device=x.device).expand_as(where)
-    flat = flat.index_put((where[kept],), x[tokens[kept]])
-    return flat[:-1].view(experts, routes.capacity, x.shape[1])
-
-
-def combine(out: torch.Tensor, routes: Routes) -> torch.Tensor:
-    """[experts, capacity, hidden] -> [tokens, hidden]: each token's routes' outputs, weighted (fp32)."""
-    experts, capacity, hidden = out.shape
-    padded = torch.cat([out.reshape(-1, hidden), out.new_zeros(1, hidden)])
-    where = torch.where(routes.experts >= 0, routes.experts * capacity + routes.slots, experts * capacity)
-    routed = padded[where]  # [k, tokens, hidden]
-    return (routed * routes.weights.unsqueeze(-1)).sum(0).to(out.dtype)
+        return torch.cat(outs)
 
 
 class MoE(nn.Module):
@@ -140,11 +125,10 @@ class MoE(nn.Module):
         super().__init__()
         if num_experts % ep_size:
             raise ValueError(f"num_experts {num_experts} is not a multiple of ep_size {ep_size}")
-        if ep_size > 1 or enable_expert_tensor_parallelism:
+        if enable_expert_tensor_parallelism:
             raise NotImplementedError(
-                f"ep_size {ep_size}{' with expert tensor parallelism' if enable_expert_tensor_parallelism else ''}: "
-                "zerotron's MoE layer keeps every expert on every rank for now (expert parallelism is being "
-                "built); use ep_size=1, where the experts train under data parallelism and ZeRO"
+                "enable_expert_tensor_parallelism: zerotron's experts are not split by tensor parallelism (expert "
+                "parallelism composes with data parallelism and ZeRO); leave it False"
             )
         self.ep_size, self.num_experts, self.num_local_experts = ep_size, num_experts, num_experts // ep_size
         self.expert_group_name = f"ep_size_{ep_size}"
@@ -152,13 +136,27 @@ class MoE(nn.Module):
         self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
         gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
                         noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling)  # fmt: skip
-        self.deepspeed_moe = _MOELayer(gate, Experts(expert, self.num_local_experts, self.expert_group_name))
+        experts = Experts(expert, self.num_local_experts, self.expert_group_name)
+        self.deepspeed_moe = _MOELayer(gate, experts, ep_size)
         if use_residual:
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        """DeepSpeed makes the expert groups here; with every expert on every rank there are none."""
+        """Make the expert-parallel groups (as the engine does at initialize) and take this layer's."""
+        if use_data_before_expert_parallel_:
+            raise NotImplementedError(
+                "use_data_before_expert_parallel_: zerotron lays expert-parallel groups out as consecutive "
+                "data-parallel ranks (DeepSpeed's default); leave it False"
+            )
+        if self.ep_size > 1:
+            import torch.distributed as dist
+
+            from ..topology import Topology
+
+            self.deepspeed_moe._set_ep_group(
+                Topology(dist.get_world_size(), ep=self.ep_size).build_groups().group("ep")
+            )
 
     def forward(self, hidden_states: torch.Tensor, used_token: Optional[torch.Tensor] = None):
         output = self.deepspeed_moe(hidden_states, used_token)
@@ -174,14 +172,25 @@ class _MOELayer(nn.Module):
     """The gate and the experts under DeepSpeed's attribute names (`deepspeed_moe.gate.wg`,
     `deepspeed_moe.experts.deepspeed_experts.N`), so checkpoints keep DeepSpeed's keys."""
 
-    def __init__(self, gate: TopKGate, experts: Experts):
+    def __init__(self, gate: TopKGate, experts: Experts, ep_size: int = 1):
         super().__init__()
-        self.gate, self.experts = gate, experts
+        self.gate, self.experts, self.ep_size = gate, experts, ep_size
+        self.ep_group = None
         self.l_aux = self.exp_counts = None
 
+    def _set_ep_group(self, ep_group) -> None:
+        """The expert-parallel group (DeepSpeed's name): tokens are exchanged over it, and the gate
+        agrees on the dropless capacity over it."""
+        self.ep_group = self.gate.ep_group = ep_group
+
     def forward(self, x: torch.Tensor, used_token: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.ep_size > 1 and self.ep_group is None:
+            raise RuntimeError(
+                f"this MoE layer has ep_size {self.ep_size} but no expert-parallel group: pass the model to "
+                "zerotron.initialize (it makes the groups), or call its set_deepspeed_parallelism() first"
+            )
         tokens = x.reshape(-1, x.shape[-1])
         routes = self.gate.route(tokens, used_token)
         self.l_aux, self.exp_counts = routes.l_aux, routes.counts
-        out = self.experts(dispatch(tokens, routes, self.gate.wg.out_features))
-        return combine(out, routes).reshape(x.shape)
+        comm = comm_for(self.ep_group, "ep") if self.ep_group is not None else None
+        return run_experts(tokens, routes, self.experts, comm).reshape(x.shape)

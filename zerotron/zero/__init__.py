@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Comm
 from ..config import Config
 from ..precision import DTYPES
 from .partition_api import GatheredParameters, Init, consolidated_state_dict
+from .shard_group import ShardGroup, ShardGroups
 from .strategy import ModelStates
 
 
@@ -16,13 +16,12 @@ def make_model_states(
     module: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     config: Config,
-    comm: Comm,
-    gather_comm: Comm,
+    groups: ShardGroups,
     isolate: list[list[torch.nn.Parameter]] = (),
 ) -> ModelStates:
-    """The object that reduces gradients (over `comm`), owns master weights and publishes updated
-    parameters (gathering over `gather_comm`, the same ranks in a second process group), for the
-    configured ZeRO stage; it takes over the optimizer's param groups. Each list in `isolate` gets
+    """The object that reduces gradients, owns master weights and publishes updated parameters,
+    each parameter over its ShardGroup in `groups` (shard_group.py), for the configured ZeRO stage;
+    it takes over the optimizer's param groups. Each list in `isolate` gets
     buckets of its own, laid out alike on every rank holding it (weights tied across pipeline
     stages, whose reduced gradients are then summed between those stages)."""
     zero = config.zero_optimization
@@ -41,22 +40,21 @@ def make_model_states(
     if zero.stage == 0:
         from .replicated import ReplicatedStates
 
-        states = ReplicatedStates(_bucketed(params, bucket, isolate), comm, reduce_dtype)
+        states = ReplicatedStates(_bucketed(params, bucket, groups, isolate), groups, reduce_dtype)
     elif zero.stage == 3:
         from .stage3 import Stage3States
 
-        states = Stage3States(module, params, group_of, comm, gather_comm, zero, reduce_dtype, offload=offload)
+        states = Stage3States(module, params, group_of, groups, zero, reduce_dtype, offload=offload)
     else:
         from .sharded import ShardedStates
         from .sharded_bucket import ShardedBucket
 
-        buckets = [ShardedBucket(ps, comm.size, comm.rank) for ps in _bucketed(params, bucket, isolate)]
+        buckets = [ShardedBucket(ps, groups.of(ps[0])) for ps in _bucketed(params, bucket, groups, isolate)]
         states = ShardedStates(
             buckets,
             set(),
             group_of,
-            comm,
-            gather_comm,
+            groups,
             zero.stage,
             zero.allgather_bucket_size,
             reduce_dtype,
@@ -98,15 +96,16 @@ def optimizer_groups(module: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     return group_of
 
 
-def _bucketed(params, max_numel, isolate=()):
+def _bucketed(params, max_numel, groups: ShardGroups | None = None, isolate=()):
     """Parameters in reverse module order (roughly when backward produces their gradients) cut
-    into buckets; each isolated list forms buckets of its own, after the others."""
+    into buckets, each of one shard group; each isolated list forms buckets of its own, after the others."""
     from .flat import split_into_buckets
 
     present = {id(p) for p in params}
     isolated = [[p for p in group if id(p) in present] for group in isolate]
     apart = {id(p) for group in isolated for p in group}
-    buckets = split_into_buckets([p for p in reversed(params) if id(p) not in apart], max_numel)
+    group_of = groups.of if groups is not None else lambda p: None
+    buckets = split_into_buckets([p for p in reversed(params) if id(p) not in apart], max_numel, group_of)
     for group in isolated:
-        buckets += split_into_buckets(group, max_numel) if group else []
+        buckets += split_into_buckets(group, max_numel, group_of) if group else []
     return buckets

@@ -42,10 +42,16 @@ def cut(items: list, numel, max_numel: int, joins=lambda first, item: True) -> l
     return runs
 
 
-def split_into_buckets(params: list[torch.nn.Parameter], max_numel: int) -> list[list[torch.nn.Parameter]]:
-    """Consecutive runs of parameters of one dtype/device, each run at most `max_numel` elements
-    (a single larger parameter gets a bucket of its own)."""
-    return cut(params, lambda p: p.numel(), max_numel, lambda a, p: p.dtype == a.dtype and p.device == a.device)
+def split_into_buckets(params: list[torch.nn.Parameter], max_numel: int, group_of=lambda p: None) -> list[list]:
+    """Consecutive runs of parameters of one dtype, device and `group_of(p)` (the ranks sharing
+    them: zero/shard_group.py), each run at most `max_numel` elements (a single larger parameter
+    gets a bucket of its own)."""
+    return cut(
+        params,
+        lambda p: p.numel(),
+        max_numel,
+        lambda a, p: p.dtype == a.dtype and p.device == a.device and group_of(p) is group_of(a),
+    )
 
 
 class FlatBucket:

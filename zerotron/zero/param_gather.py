@@ -24,8 +24,8 @@ from .sharded_bucket import ShardedBucket
 
 
 class ReplicatedParams:
-    def __init__(self, buckets: list[ShardedBucket], comm: Comm, allgather_numel: int, reshard: bool, overlap: bool):
-        self.buckets, self.comm, self.allgather_numel = buckets, comm, allgather_numel
+    def __init__(self, buckets: list[ShardedBucket], allgather_numel: int, reshard: bool, overlap: bool):
+        self.buckets, self.allgather_numel = buckets, allgather_numel
         self.reshard, self.overlap = reshard, overlap
         self._hooks: list = []
 
@@ -47,18 +47,17 @@ class ReplicatedParams:
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.no_grad()
-    def gather(self, buckets: list[ShardedBucket], write, comm: Comm | None = None, wait: bool = False) -> None:
-        """Write each bucket's own slice (`write(bucket, destination)`) and all-gather it in place,
-        in the order the next forward uses them (first buckets last: they hold the last layers).
-        Without overlap, at most allgather_bucket_size elements are in flight at once; with it,
-        none is waited on here."""
-        comm = comm or self.comm
+    def gather(self, buckets: list[ShardedBucket], write, dense_comm: Comm | None = None, wait: bool = False) -> None:
+        """Write each bucket's own slice (`write(bucket, destination)`) and all-gather it in place over
+        its group (`dense_comm` instead for dense buckets, if given), in the order the next forward
+        uses them (first buckets last: they hold the last layers). Without overlap, at most
+        allgather_bucket_size elements are in flight at once; with it, none is waited on here."""
         in_flight: list[ShardedBucket] = []
         numel = 0
         for b in sorted(buckets, key=lambda b: -b.index):
             destination = b.residency.own_slice()
             write(b, destination)
-            b.residency.start(destination, comm)
+            b.residency.start(destination, dense_comm if dense_comm is not None and b.group.dense else b.group.gather)
             in_flight.append(b)
             numel += b.padded_numel
             if numel >= self.allgather_numel and not self.overlap:

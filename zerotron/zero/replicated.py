@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Comm
+from .shard_group import ShardGroup, ShardGroups
 
 
 class Bucket:
-    def __init__(self, index: int, params: list[torch.nn.Parameter], dtype: torch.dtype, device):
-        self.index = index
+    def __init__(self, index: int, params: list[torch.nn.Parameter], group: ShardGroup):
+        self.index, self.group = index, group
         self.params = params
+        dtype, device = params[0].dtype, params[0].device
         numel = sum(p.numel() for p in params)
         self.grads = torch.zeros(numel, dtype=dtype, device=device)
         self.views, offset = [], 0
@@ -62,10 +63,10 @@ class InOrderReduction:
 
 
 class GradBuckets(InOrderReduction):
-    """Owns the gradient buffers of `params` and reduces them over `comm` at accumulation boundaries."""
+    """Owns the gradient buffers of `params` and reduces each bucket over its group at accumulation boundaries."""
 
-    def __init__(self, buckets: list[list[torch.nn.Parameter]], comm: Comm, reduce_dtype: torch.dtype | None = None):
-        self.comm = comm
+    def __init__(self, buckets: list[list[torch.nn.Parameter]], groups: ShardGroups, reduce_dtype=None):
+        self.groups = groups
         self.reduce_dtype = reduce_dtype
         self.buckets: list[Bucket] = []
         self.sync = True  # reduce in this backward? (False inside gradient accumulation)
@@ -76,7 +77,7 @@ class GradBuckets(InOrderReduction):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for ps in buckets for p in ps]
 
     def _add_bucket(self, params):
-        bucket = Bucket(len(self.buckets), params, params[0].dtype, params[0].device)
+        bucket = Bucket(len(self.buckets), params, self.groups.of(params[0]))
         bucket.attach()
         for i, p in enumerate(params):
             self._bucket_of[id(p)] = (bucket, i)
@@ -101,9 +102,11 @@ class GradBuckets(InOrderReduction):
         if self.reduce_dtype is not None and self.reduce_dtype != buf.dtype:
             bucket.comm_buffer = buf.to(self.reduce_dtype)
             buf = bucket.comm_buffer
-        if self.comm.size > 1:
-            buf.div_(self.comm.size)
-            bucket.work = self.comm.all_reduce(buf, async_op=True)
+        group = bucket.group
+        if group.replicas > 1:  # (an expert held by one rank still averages every replica's loss)
+            buf.div_(group.replicas)
+        if group.size > 1:
+            bucket.work = group.reduce.all_reduce(buf, async_op=True)
 
     # ---- after backward ---------------------------------------------------------------------
     def finish(self) -> None:
@@ -138,14 +141,17 @@ class ReplicatedStates:
     """Stage 0 behind the interface the engine drives (shared with `zero.sharded.ShardedStates`):
     full gradients all-reduced in buckets, full fp32 masters (separate only in bf16/fp16)."""
 
-    norm_group = None  # gradients are identical on every rank after the all-reduce
     host = None  # stage 0 never offloads
 
-    def __init__(self, buckets: list[list[torch.nn.Parameter]], comm: Comm, reduce_dtype: torch.dtype | None = None):
+    def __init__(self, buckets: list[list[torch.nn.Parameter]], groups: ShardGroups, reduce_dtype=None):
         from ..precision import MasterWeights
 
         params = [p for ps in buckets for p in ps]
-        self.grad_buckets = GradBuckets(buckets, comm, reduce_dtype)
+        self.groups = groups
+        # gradients are identical on every rank after the all-reduce; with expert parallelism each
+        # expert-parallel rank holds other experts: their norms are summed over the data-parallel ranks
+        self.norm_group = None if groups.expert is None else groups.norm_group
+        self.grad_buckets = GradBuckets(buckets, groups, reduce_dtype)
         self.buckets = self.grad_buckets.buckets
         self.master = MasterWeights(params)
         self._master_of = {id(p): m for p, m in zip(self.master.model_params, self.master.masters)}
@@ -178,6 +184,8 @@ class ReplicatedStates:
         from ..precision import norm_share
 
         weights = [norm_share(p, tp) for p in self.master.model_params]
+        if self.norm_group is not None:  # summed over every data-parallel rank: each copy counts 1/copies
+            weights = [w / self.groups.of(p).size for w, p in zip(weights, self.master.model_params)]
         return None if all(w == 1.0 for w in weights) else weights
 
     def reduce_accumulated(self):

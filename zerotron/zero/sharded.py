@@ -27,6 +27,7 @@ import torch
 from ..comm import Comm
 from .grads import AccumulatedGrads, StreamedGrads
 from .replicated import InOrderReduction
+from .shard_group import ShardGroups
 from .sharded_bucket import ShardedBucket
 from .steps import HostStep, step_for
 
@@ -41,8 +42,7 @@ class ShardedStates(InOrderReduction):
         buckets: list[ShardedBucket],
         partitioned: set[int],
         group_of: dict[int, int],
-        comm: Comm,
-        gather_comm: Comm,
+        groups: ShardGroups,
         stage: int,
         allgather_numel: int,
         reduce_dtype: torch.dtype | None = None,
@@ -56,8 +56,9 @@ class ShardedStates(InOrderReduction):
         self.partitioned = partitioned  # indices of buckets whose full parameters are not kept
         # Gradient reductions start from backward hooks, whose timing can differ between ranks
         # (a parameter unused on one rank); parameter gathers start from forward/backward order.
-        # Each kind gets its own process group, so only the order within a kind must agree.
-        self.comm, self.gather_comm, self.stage = comm, gather_comm, stage
+        # Each kind gets its own process group, so only the order within a kind must agree. Each
+        # bucket is reduced and gathered over its own ShardGroup (experts: their expert-data ranks).
+        self.groups, self.stage = groups, stage
         self.allgather_numel = allgather_numel
         self.reduce_dtype = reduce_dtype
         self.on_grads_done = on_grads_done  # stage 3: release a unit once its gradients are in
@@ -72,11 +73,7 @@ class ShardedStates(InOrderReduction):
         from .param_gather import ReplicatedParams
 
         self.params = ReplicatedParams(
-            [b for i, b in enumerate(buckets) if i not in partitioned],
-            gather_comm,
-            allgather_numel,
-            reshard,
-            overlap_gather,
+            [b for i, b in enumerate(buckets) if i not in partitioned], allgather_numel, reshard, overlap_gather
         )
         self._step = step_for(self, sub_group_numel)  # adopt may change it (the fused host step)
         self.peak_fp32_grad_numel = 0  # the most fp32 gradient elements held at once (a measurement)
@@ -223,7 +220,7 @@ class ShardedStates(InOrderReduction):
 
     @property
     def norm_group(self):
-        return self.gather_comm.group if self.comm.size > 1 else None
+        return self.groups.norm_group
 
     def bucket_of(self, param) -> ShardedBucket | None:
         where = self._where.get(id(param))
@@ -253,9 +250,9 @@ class ShardedStates(InOrderReduction):
             full = torch.zeros(bucket.padded_numel, dtype=bucket.dtype, device=bucket.device)
         if self.reduce_dtype is not None and self.reduce_dtype != full.dtype:
             full = full.to(self.reduce_dtype)
-        full.div_(self.comm.size)  # average; dividing first keeps fp16 sums in range
+        full.div_(bucket.group.replicas)  # average; dividing first keeps fp16 sums in range
         received = bucket.own_slice(full)  # reduced in place: no second buffer per bucket in flight
-        work = self.comm.reduce_scatter_flat(received, full, async_op=True)
+        work = bucket.group.reduce.reduce_scatter_flat(received, full, async_op=True)
         bucket.launched_in_backward = in_backward
         self._in_flight.append((bucket, work, received, full))
         if self.on_grads_done is not None:
@@ -377,10 +374,9 @@ class ShardedStates(InOrderReduction):
 
     @torch.no_grad()
     def republish(self, params, comm: Comm | None = None) -> None:
-        """publish(from_masters=True) for the buckets of `params` only."""
+        """publish(from_masters=True) for the buckets of `params` only (`comm`: for the dense ones)."""
         from ..comm import to_device
 
-        comm = comm or self.gather_comm
         replicated = []
         for b in sorted({id(b): b for b in map(self.bucket_of, params)}.values(), key=lambda b: b.index):
             if self.host is not None:
@@ -391,5 +387,6 @@ class ShardedStates(InOrderReduction):
             if b.shard is not None:
                 self._write_master(b, b.shard)
             if not b.residency.released:  # a stage-3 unit gathered right now too
-                comm.all_gather_flat(b.full, to_device(b.own_values(), b.full.device).clone())
-        self.params.gather(replicated, self._write_master, comm=comm, wait=True)
+                over = comm if comm is not None and b.group.dense else b.group.gather
+                over.all_gather_flat(b.full, to_device(b.own_values(), b.full.device).clone())
+        self.params.gather(replicated, self._write_master, dense_comm=comm, wait=True)

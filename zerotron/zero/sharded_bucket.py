@@ -7,14 +7,16 @@ import torch
 
 from .flat import FlatBucket
 from .residency import Residency
+from .shard_group import ShardGroup
 
 
 class ShardedBucket(FlatBucket):
-    def __init__(self, params: list[torch.nn.Parameter], world: int, rank: int, keep=None):
-        """The parameters become views into one new full buffer (their current values copied in);
-        `shard` is this rank's slice of it, or what `keep(slice)` returns (stage 3: a copy that
-        outlives the full buffer, in host memory with offload_param)."""
-        super().__init__(params, world, rank)
+    def __init__(self, params: list[torch.nn.Parameter], group: ShardGroup, keep=None):
+        """The parameters become views into one new full buffer (their current values copied in),
+        sharded over `group`; `shard` is this rank's slice of it, or what `keep(slice)` returns
+        (stage 3: a copy that outlives the full buffer, in host memory with offload_param)."""
+        super().__init__(params, group.size, group.rank)
+        self.group = group
         full = self.flatten_params()
         self.point_params_at(full)
         self.residency = Residency(self, full)

@@ -37,6 +37,7 @@ from . import offload as host_memory
 from .offload import Uploads, host_empty
 from .partitioned_init import ZeroParamStatus, _ds_ids, _gather_init, built_under_init, materialize
 from .residency import set_holder
+from .shard_group import ShardGroup, ShardGroups
 from .sharded import ShardedStates
 from .sharded_bucket import ShardedBucket
 from .units import KeptWhole, Unit, _recomputing, find_units
@@ -50,8 +51,7 @@ class Stage3States(ShardedStates):
         module: nn.Module,
         params: list[nn.Parameter],
         group_of: dict[int, int],
-        comm: Comm,
-        gather_comm: Comm,
+        groups: ShardGroups,
         zero,
         reduce_dtype=None,
         unit_classes: list[str] | None = None,
@@ -71,7 +71,7 @@ class Stage3States(ShardedStates):
         self.peak_live_numel = self.peak_ahead_numel = self.prefetch_hits = 0
         self.ahead: set[Unit] = set()  # units prefetched and not yet used
         self.units, buckets = self._build_units(
-            module, {id(p) for p in params}, comm, gather_comm, zero.stage3_param_persistence_threshold, unit_classes
+            module, {id(p) for p in params}, groups, zero.stage3_param_persistence_threshold, unit_classes
         )
         self.root_unit = self.units[-1]
         self.partitioned_buckets = {id(u.bucket) for u in self.units if u.bucket is not None}
@@ -79,8 +79,7 @@ class Stage3States(ShardedStates):
             buckets,
             {i for i, b in enumerate(buckets) if id(b) in self.partitioned_buckets},
             group_of,
-            comm,
-            gather_comm,
+            groups,
             zero.stage,
             zero.allgather_bucket_size,
             reduce_dtype,
@@ -108,16 +107,19 @@ class Stage3States(ShardedStates):
         ]
 
     def _build_units(
-        self, module, trainable: set[int], comm: Comm, gather_comm: Comm, threshold: int, unit_classes
+        self, module, trainable: set[int], groups: ShardGroups, threshold: int, unit_classes
     ) -> tuple[list[Unit], list[ShardedBucket]]:
         """Cut the model into units (the root last), one at a time: each unit's own parameters are
         materialized (meta device) or gathered from their zero.Init pieces, partitioned into its
         bucket (those under `threshold` into a bucket kept whole) and released, so only one unit is
-        ever whole on a rank. The buckets come back in the order their gradients complete."""
+        ever whole on a rank. A module whose parameters belong to two shard groups (a block holding
+        experts) is two units, one per group, the experts' first. The buckets come back in the order
+        their gradients complete."""
         units, buckets, claimed, owner = [], [], set(), {}
         uploads = Uploads() if self.param_host else None
-        seed = _agreed_seed(comm)
-        for index, (name, m) in enumerate(find_units(module, unit_classes) + [("", module)]):
+        seed = _agreed_seed(groups.dense.gather)
+        found = find_units(module, unit_classes) + [("", module)]
+        for index, (name, m) in enumerate(found):
             own = [p for p in m.parameters() if id(p) not in claimed]  # blocks claim theirs first; the root the rest
             claimed.update(id(p) for p in own)
             if any(p.is_meta for p in own):  # on the meta device: materialize this unit only
@@ -126,34 +128,41 @@ class Stage3States(ShardedStates):
             _gather_init(from_init)
             for p in from_init:  # whole now, handed to the unit: the per-parameter piece is dropped
                 del p.zt_holder, p.ds_tensor
-            big = [p for p in own if p.numel() >= threshold]
-            small = [p for p in own if p.numel() < threshold and id(p) in trainable]
-            unit = Unit(index, name, m, self._partition(big, comm) if big else None, gather_comm, uploads)
-            units.append(unit)
-            if unit.bucket is not None:
-                set_holder(big, unit)
-                _describe(unit.bucket, persist=False)
-                buckets.append(unit.bucket)
-                owner[id(unit.bucket)] = unit
-            if small:
-                kept = ShardedBucket(small, comm.size, comm.rank)
-                set_holder(small, KeptWhole(index, kept, gather_comm))
-                _describe(kept, persist=True)
-                buckets.append(kept)
-                owner[id(kept)] = unit
-            unit.release()  # one unit whole at a time
+            present = {id(groups.of(p)): groups.of(p) for p in own}
+            experts = [g for g in present.values() if g is not groups.dense]
+            # (the root always ends with a dense unit; a module without parameters is one too)
+            for group in experts + (
+                [groups.dense] if m is module or not experts or id(groups.dense) in present else []
+            ):
+                mine = [p for p in own if groups.of(p) is group]
+                big = [p for p in mine if p.numel() >= threshold]
+                small = [p for p in mine if p.numel() < threshold and id(p) in trainable]
+                unit = Unit(len(units), name, m, self._partition(big, group) if big else None, group.gather, uploads)
+                units.append(unit)
+                if unit.bucket is not None:
+                    set_holder(big, unit)
+                    _describe(unit.bucket, persist=False)
+                    buckets.append(unit.bucket)
+                    owner[id(unit.bucket)] = unit
+                if small:
+                    kept = ShardedBucket(small, group)
+                    set_holder(small, KeptWhole(unit.index, kept, group.gather))
+                    _describe(kept, persist=True)
+                    buckets.append(kept)
+                    owner[id(kept)] = unit
+                unit.release()  # one unit whole at a time
         # Gradients complete in reverse forward order: blocks last-to-first, the root at the end.
         rank_of = {id(u): i for i, u in enumerate(list(reversed(units[:-1])) + [units[-1]])}
         buckets.sort(key=lambda b: rank_of[id(owner[id(b)])])
         return units, buckets
 
-    def _partition(self, params, comm) -> ShardedBucket:
+    def _partition(self, params, group: ShardGroup) -> ShardedBucket:
         def keep(own):  # the only copy this rank keeps (in host memory with offload_param)
             if not self.param_host:
                 return own.clone()
             return host_empty(own.numel(), own.dtype, self.pin).copy_(own)
 
-        return ShardedBucket(params, comm.size, comm.rank, keep=keep)
+        return ShardedBucket(params, group, keep=keep)
 
     # ---- hooks ------------------------------------------------------------------------------
     def _make_pre_forward(self, unit: Unit):

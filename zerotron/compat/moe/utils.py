@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from ...moe.layer import MoE
+from ...zero.shard_group import is_expert_param as is_moe_param
 
 
 def has_moe_layers(m: nn.Module) -> tuple[bool, int]:
@@ -18,10 +19,6 @@ def has_moe_layers(m: nn.Module) -> tuple[bool, int]:
         if isinstance(module, MoE):
             return True, module.num_experts
     return False, 0
-
-
-def is_moe_param(param: torch.Tensor) -> bool:
-    return hasattr(param, "allreduce") and not param.allreduce
 
 
 def split_params_into_shared_and_expert_params(params):

@@ -1,0 +1,58 @@
+"""What expert parallelism asks of the engine: the expert-parallel size the model's MoE layers were
+built for, the groups each layer exchanges tokens over, the shard groups that reduce and shard expert
+parameters (zero/shard_group.py), and the names experts have in topology-free checkpoints (their
+global expert number, not their place on this rank: DeepSpeed's checkpoints number them so too)."""
+
+from __future__ import annotations
+
+import re
+
+import torch.nn as nn
+
+from ..comm import Comm
+from ..zero.shard_group import ShardGroup, ShardGroups
+from .layer import MoE
+
+
+def expert_parallel_size(module: nn.Module) -> int:
+    """The `ep_size` of the model's MoE layers (1 without any)."""
+    sizes = sorted({m.ep_size for m in module.modules() if isinstance(m, MoE)})
+    if len(sizes) > 1:
+        raise ValueError(
+            f"the model's MoE layers have ep_size {sizes}: zerotron needs one expert-parallel size for the whole "
+            "model (its groups are one layout); build every MoE layer with the same ep_size"
+        )
+    return sizes[0] if sizes else 1
+
+
+def shard_groups(module: nn.Module, topology, grad_comm: Comm, dp_comm: Comm) -> ShardGroups:
+    """The dense shard group and, with expert parallelism, the experts' (its groups handed to every
+    MoE layer)."""
+    dense = ShardGroup(grad_comm, dp_comm, topology.replicas)
+    if topology.ep == 1:
+        return ShardGroups(dense)
+    for m in module.modules():
+        if isinstance(m, MoE):
+            m.deepspeed_moe._set_ep_group(topology.group("ep"))
+    experts = ShardGroup(
+        Comm(topology.group("edp_grad"), "edp_grad"), Comm(topology.group("edp"), "edp"), dense.replicas
+    )
+    return ShardGroups(dense, experts)
+
+
+_LOCAL_EXPERT = re.compile(r"(^|\.)deepspeed_moe\.experts\.deepspeed_experts\.(\d+)\.")
+
+
+def global_expert_names(module: nn.Module, ep_rank: int) -> dict[str, str]:
+    """parameter name -> its name with the local expert number made global, for the experts of MoE
+    layers split over expert-parallel ranks (others keep their names)."""
+    local = {name: m.num_local_experts for name, m in module.named_modules() if isinstance(m, MoE) and m.ep_size > 1}
+    names = {}
+    for name, _ in module.named_parameters():
+        match = _LOCAL_EXPERT.search(name)
+        owner = name[: match.start()] if match else None
+        if match and owner in local:
+            number = ep_rank * local[owner] + int(match.group(2))
+            name_global = f"{name[: match.start(2)]}{number}{name[match.end(2) :]}"
+            names[name] = name_global
+    return names
