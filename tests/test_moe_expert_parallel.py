@@ -8,66 +8,10 @@ equal the routed rows that leave the rank, twice per pass; expert states per ran
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from distributed import run_ranks
+from moe_model import EXPERTS, HIDDEN, TOKENS, VOCAB, TinyMoE, batches, make_expert, reference
 
 from zerotron.moe import MoE
-
-VOCAB, HIDDEN, TOKENS, EXPERTS = 32, 16, 12, 4
-
-
-def _expert():
-    return nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN))
-
-
-class _TinyMoE(nn.Module):
-    """Embedding, an MoE layer, a head; the experts numbered globally get their own weights (seeded by
-    number), so a rank holding experts ep_rank * local ... is the one-process model's slice."""
-
-    def __init__(self, ep_size=1, ep_rank=0, k=2):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed, self.head = nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, VOCAB)
-        dropless = dict(drop_tokens=False, top2_2nd_expert_sampling=False) if k == 2 else dict(use_rts=False)
-        self.moe = MoE(HIDDEN, _expert(), num_experts=EXPERTS, ep_size=ep_size, k=k, min_capacity=2, **dropless)
-        local = EXPERTS // ep_size
-        for j, expert in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
-            torch.manual_seed(100 + ep_rank * local + j)
-            for p in expert.parameters():
-                nn.init.normal_(p, std=0.3)
-        with torch.no_grad():  # every token's feature 0 is 3 and expert 3's logit -50 times it: never
-            self.embed.weight[:, 0] = 3.0  # picked, so ZeRO-3 must finish steps where it gets no tokens
-            self.moe.deepspeed_moe.gate.wg.weight[3] = 0.0
-            self.moe.deepspeed_moe.gate.wg.weight[3, 0] = -50.0
-
-    def forward(self, ids, targets):
-        out, l_aux, _ = self.moe(self.embed(ids))
-        return F.cross_entropy(self.head(out).flatten(0, 1), targets.flatten()) + 0.01 * l_aux
-
-
-def _batches(steps, world):
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (world, TOKENS + 1), generator=g) for _ in range(steps)]
-
-
-def _optimizer(params, adam):
-    return torch.optim.AdamW(params, lr=0.01) if adam else torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
-def _reference(steps, world, k, adam, clip):
-    model = _TinyMoE(k=k)
-    opt = _optimizer(model.parameters(), adam)
-    losses = []
-    for b in _batches(steps, world):
-        loss = sum(model(b[r : r + 1, :-1], b[r : r + 1, 1:]) for r in range(world)) / world
-        opt.zero_grad()
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def _train(stage, ep, k, steps, adam, clip):
@@ -88,10 +32,10 @@ def _train(stage, ep, k, steps, adam, clip):
         "zero_allow_untested_optimizer": True,
     }
     rank, world = dist.get_rank(), dist.get_world_size()
-    engine, *_ = zerotron.initialize(model=_TinyMoE(ep, rank % ep, k), config=config)
+    engine, *_ = zerotron.initialize(model=TinyMoE(ep, rank % ep, k), config=config)
     losses = []
     engine.reset_comm_stats()
-    for b in _batches(steps, world):
+    for b in batches(steps, world):
         loss = engine(b[rank : rank + 1, :-1], b[rank : rank + 1, 1:])
         engine.backward(loss)
         engine.step()
@@ -120,19 +64,19 @@ CASES = [  # world, ep, ZeRO stage, k (ep 1: every expert on every rank)
 @pytest.mark.parametrize("world,ep,stage,k", CASES)
 def test_expert_parallel_trains_like_one_process(world, ep, stage, k):
     clip = 0.05  # below the gradients' norm: clipping acts every step
-    want_losses, want = _reference(4, world, k, False, clip)
+    want_losses, want = reference(4, world, k, False, clip)
     results = run_ranks(_train, world, stage, ep, k, 4, False, clip, timeout=120)
     for losses, state, _, _ in results:
         assert max(abs(a - b) / b for a, b in zip(losses, want_losses)) < 1e-6, (losses, want_losses)
         assert max((state[n] - want[n]).abs().max().item() for n in state) < 1e-5
     never_routed = "moe.deepspeed_moe.experts.deepspeed_experts.3.0.weight"  # on the ranks holding it
-    assert torch.equal(want[never_routed], _TinyMoE(k=k).state_dict()[never_routed])
+    assert torch.equal(want[never_routed], TinyMoE(k=k).state_dict()[never_routed])
     for _, state, _, _ in results:
         assert torch.equal(state.get(never_routed, want[never_routed]), want[never_routed])
 
 
 def test_ten_adamw_steps_at_ep2_times_dp2_zero3():
-    want_losses, want = _reference(10, 4, 2, True, 0.0)
+    want_losses, want = reference(10, 4, 2, True, 0.0)
     for losses, state, _, _ in run_ranks(_train, 4, 3, 2, 2, 10, True, 0.0, timeout=120):
         assert max(abs(a - b) / b for a, b in zip(losses, want_losses)) < 1e-6, (losses, want_losses)
         assert max((state[n] - want[n]).abs().max().item() for n in state) < 1e-5
@@ -147,7 +91,7 @@ def _exchange_bytes(ep, k):
     torch.manual_seed(0)
     layer = MoE(
         HIDDEN,
-        _expert(),
+        make_expert(),
         num_experts=8,
         ep_size=ep,
         k=k,
@@ -187,7 +131,7 @@ def _memory(stage, ep):
 
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}  # fmt: skip
-    model = _TinyMoE(ep, dist.get_rank() % ep)
+    model = TinyMoE(ep, dist.get_rank() % ep)
     expert = sum(p.numel() for p in model.parameters() if is_expert_param(p))
     dense = sum(p.numel() for p in model.parameters() if not is_expert_param(p))
     engine, *_ = zerotron.initialize(model=model, config=config)
@@ -201,10 +145,95 @@ def test_expert_states_per_rank_are_one_ep_th_of_all():
     """World 4, ep 2, ZeRO-2: a rank holds 2 of the 4 experts, and Adam's two moments of half of them (the
     expert-data group has 2 ranks); the dense moments are a quarter of the dense parameters."""
     for expert, dense, report in run_ranks(_memory, 4, 2, 2, timeout=60):
-        total_expert = EXPERTS * sum(p.numel() for p in _expert().parameters())
+        total_expert = EXPERTS * sum(p.numel() for p in make_expert().parameters())
         assert expert == total_expert // 2
         want = 2 * 4 * (expert / 2 + dense / 4)
-        assert abs(report["optimizer"] - want) <= 2 * 4 * 8, (
-            report["optimizer"],
-            want,
-        )  # padding: < 4 elements a bucket
+        slack = 2 * 4 * 8  # bucket padding: fewer than 4 elements a bucket
+        assert abs(report["optimizer"] - want) <= slack, (report["optimizer"], want)
+
+
+def _groups():
+    import torch.distributed as dist
+
+    import zerotron
+    from zerotron.compat.utils import groups
+
+    made_first = groups._create_expert_and_data_parallel(2) or groups._get_expert_parallel_group("ep_size_2")
+    with pytest.raises(KeyError, match="ep_size_4"):
+        groups._get_expert_parallel_group("ep_size_4")
+    with pytest.raises(NotImplementedError, match="tensor or pipeline"):
+        groups._create_expert_and_data_parallel(2, mp_size=2)
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}
+    engine, *_ = zerotron.initialize(model=TinyMoE(2, dist.get_rank() % 2), config=config)
+    name = "ep_size_2"
+    return {
+        "same group": made_first is groups._get_expert_parallel_group(name) is engine.module.moe.deepspeed_moe.ep_group,
+        "ep": (groups._get_expert_parallel_world_size(name), groups._get_expert_parallel_rank(name),
+               groups._get_expert_parallel_group_ranks(name), groups._get_expert_parallel_src_rank(name),
+               dist.get_process_group_ranks(groups._get_expert_parallel_group(name))),
+        "edp": (groups._get_expert_data_parallel_world_size(name), groups._get_expert_data_parallel_rank(name),
+                groups._get_expert_data_parallel_group_ranks(name), groups._get_expert_broadcast_src_rank(name),
+                dist.get_process_group_ranks(groups._get_expert_data_parallel_group(name))),
+        "dicts": (list(groups._get_expert_parallel_group_dict()), list(groups._get_expert_data_parallel_group_dict())),
+        "max": (groups._get_max_expert_size(), groups._get_max_expert_size_name()),
+    }  # fmt: skip
+
+
+def test_deepspeed_expert_group_accessors_at_ep2_on_four_ranks():
+    """DeepSpeed's layout (its groups.py docstring): ep groups [0, 1], [2, 3]; expert-data groups [0, 2],
+    [1, 3]; the groups a script makes first are the ones the engine and the layers use."""
+    for rank, r in enumerate(run_ranks(_groups, 4, timeout=60)):
+        run, place = divmod(rank, 2)
+        ep_ranks, edp_ranks = [2 * run, 2 * run + 1], [place, place + 2]
+        assert r["same group"]
+        assert r["ep"] == (2, place, ep_ranks, 2 * run, ep_ranks)
+        assert r["edp"] == (2, run, edp_ranks, place, edp_ranks)
+        assert r["dicts"] == (["ep_size_2"], ["ep_size_2"]) and r["max"] == (2, "ep_size_2")
+
+
+class _CopiedExperts(torch.nn.Module):
+    """DeepSpeed's usual model: every expert a copy of one template, nothing changed after construction
+    (under zero.Init parameters are pieces until gathered)."""
+
+    def __init__(self, ep_size):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(VOCAB, HIDDEN), torch.nn.Linear(HIDDEN, VOCAB)
+        self.moe = MoE(HIDDEN, make_expert(), num_experts=EXPERTS, ep_size=ep_size, k=2, drop_tokens=False,
+                       top2_2nd_expert_sampling=False)  # fmt: skip
+
+    def forward(self, ids, targets):
+        out, l_aux, _ = self.moe(self.embed(ids))
+        return torch.nn.functional.cross_entropy(self.head(out).flatten(0, 1), targets.flatten()) + 0.01 * l_aux
+
+
+def _built(ep, under_init):
+    import torch.distributed as dist
+
+    import zerotron
+    from zerotron.moe.expert_groups import gather_experts
+    from zerotron.zero import consolidated_state_dict
+
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}  # fmt: skip
+    with zerotron.zero.Init(config_dict_or_path=config, enabled=under_init):
+        model = _CopiedExperts(ep)
+    engine, *_ = zerotron.initialize(model=model, config=config)
+    rank, losses = dist.get_rank(), []
+    for b in batches(3, dist.get_world_size()):
+        loss = engine(b[rank : rank + 1, :-1], b[rank : rank + 1, 1:])
+        engine.backward(loss)
+        engine.step()
+        losses.append(engine._mean_over_dp(loss.detach()).item())
+    return losses, gather_experts(consolidated_state_dict(engine.module), engine.module, engine.topology)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_a_model_built_under_zero_init_trains_like_one_built_whole(ep):
+    """The experts are copies of a template zero.Init has already partitioned: each copy needs pieces of
+    its own (a plain deep copy shares the template's and fails in the first forward)."""
+    want = run_ranks(_built, 2, ep, False, timeout=60)
+    got = run_ranks(_built, 2, ep, True, timeout=60)
+    for (losses, state), (want_losses, want_state) in zip(got, want):
+        assert losses == want_losses
+        assert sorted(state) == sorted(want_state) and all(torch.equal(state[n], want_state[n]) for n in state)

@@ -13,6 +13,8 @@ import torch
 
 from ..comm import comm_for
 from ..log import logger
+from ..moe.expert_groups import gather_experts
+from ..zero import consolidated_state_dict
 from .files import META, StreamingSafetensors, read_meta
 from .load import SavedPieces, resolve_tag
 
@@ -106,12 +108,27 @@ def _numel(shape) -> int:
     return n
 
 
+def whole_state_dict(engine, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model's state dict in host memory on global rank 0 (empty elsewhere; every rank must
+    call it): ZeRO-3 units gathered one at a time, tensor-parallel slices joined, every expert-parallel
+    rank's experts under their global numbers, and rank 0 collecting every pipeline stage's layers."""
+    state = consolidated_state_dict(engine.module)
+    if exclude_frozen:
+        frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+        state = {k: v for k, v in state.items() if k not in frozen}
+    state = gather_experts(state, engine.module, engine.topology)
+    if engine.topology.pp > 1:  # each stage holds its own layers (in host memory): collect them on rank 0
+        if engine.dp_comm.rank == 0 and engine.coords.tp == 0:
+            parts = comm_for(engine.topology.group("pp"), "pp").gather_object(state)
+            if engine.global_rank == 0:
+                state = {k: v for part in parts for k, v in part.items()}
+    return state if engine.global_rank == 0 else {}
+
+
 def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors") -> bool:
     """Rank 0 writes the full model in the model dtype (every rank must call it). Under ZeRO-3 only
     with stage3_gather_16bit_weights_on_model_save, as in DeepSpeed."""
     from safetensors.torch import save_file
-
-    from ..zero import consolidated_state_dict
 
     zero = engine.config.zero_optimization
     if zero.stage == 3 and not (
@@ -122,12 +139,7 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
             " true (it gathers every parameter); nothing saved"
         )
         return False
-    state = consolidated_state_dict(engine.module)
-    if engine.topology.pp > 1:  # each stage holds its own layers (in host memory): collect them on rank 0
-        if engine.dp_comm.rank == 0 and engine.coords.tp == 0:
-            parts = comm_for(engine.topology.group("pp"), "pp").gather_object(state)
-            if engine.global_rank == 0:
-                state = {k: v for part in parts for k, v in part.items()}
+    state = whole_state_dict(engine)
     if engine.global_rank == 0:
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         unique, seen = {}, set()

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..moe.expert_groups import global_expert_names
 from ..tensor_parallel.split import join_parts, local_part
 
 
@@ -67,8 +68,6 @@ def rank_pieces(engine):
     names = {}
     source = getattr(engine.module, "source_names", {})  # a pipeline of an existing model: its names
     if engine.topology.ep > 1:  # experts by their global number
-        from ..moe.expert_groups import global_expert_names
-
         source = global_expert_names(engine.module, engine.coords.dp % engine.topology.ep)
     for name, p in engine.module.named_parameters():
         names.setdefault(id(p), source.get(name, name))

@@ -181,21 +181,10 @@ class EngineAccessors:
 
     def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
         """The whole model's state dict in the model dtype, in host memory, on global rank 0 (an
-        empty dict elsewhere, as DeepSpeed). Every rank must call it: ZeRO-3 units are gathered one
-        at a time and tensor-parallel slices joined (zerotron.zero.consolidated_state_dict); with
-        pipeline stages rank 0 collects every stage's layers."""
-        from ..comm import comm_for
-        from ..zero import consolidated_state_dict
+        empty dict elsewhere, as DeepSpeed; every rank must call it): checkpoint.export.whole_state_dict."""
+        from ..checkpoint.export import whole_state_dict
 
-        state = consolidated_state_dict(self.module)
-        if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-            state = {k: v for k, v in state.items() if k not in frozen}
-        if self.topology.pp > 1 and self.coords.dp == 0 and self.coords.tp == 0:
-            parts = comm_for(self.topology.group("pp"), "pp").gather_object(state)
-            if self.global_rank == 0:
-                state = {k: v for part in parts for k, v in part.items()}
-        return state if self.global_rank == 0 else {}
+        return whole_state_dict(self, exclude_frozen_parameters)
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
         """DeepSpeed's ZeRO-3 name for `_consolidated_16bit_state_dict` (any stage works here)."""

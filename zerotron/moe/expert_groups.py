@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import re
 
+import torch
 import torch.nn as nn
 
 from ..comm import Comm
 from ..zero.shard_group import ShardGroup, ShardGroups
+from . import ep_groups
 from .layer import MoE
 
 
@@ -31,6 +33,7 @@ def shard_groups(module: nn.Module, topology, grad_comm: Comm, dp_comm: Comm) ->
     dense = ShardGroup(grad_comm, dp_comm, topology.replicas)
     if topology.ep == 1:
         return ShardGroups(dense)
+    ep_groups.record(topology)
     for m in module.modules():
         if isinstance(m, MoE):
             m.deepspeed_moe._set_ep_group(topology.group("ep"))
@@ -44,15 +47,32 @@ _LOCAL_EXPERT = re.compile(r"(^|\.)deepspeed_moe\.experts\.deepspeed_experts\.(\
 
 
 def global_expert_names(module: nn.Module, ep_rank: int) -> dict[str, str]:
-    """parameter name -> its name with the local expert number made global, for the experts of MoE
+    """state-dict name -> its name with the local expert number made global, for the experts of MoE
     layers split over expert-parallel ranks (others keep their names)."""
     local = {name: m.num_local_experts for name, m in module.named_modules() if isinstance(m, MoE) and m.ep_size > 1}
     names = {}
-    for name, _ in module.named_parameters():
+    for name in module.state_dict(keep_vars=True):
         match = _LOCAL_EXPERT.search(name)
         owner = name[: match.start()] if match else None
         if match and owner in local:
             number = ep_rank * local[owner] + int(match.group(2))
-            name_global = f"{name[: match.start(2)]}{number}{name[match.end(2) :]}"
-            names[name] = name_global
+            names[name] = f"{name[: match.start(2)]}{number}{name[match.end(2) :]}"
     return names
+
+
+def gather_experts(state: dict[str, torch.Tensor], module: nn.Module, topology) -> dict[str, torch.Tensor]:
+    """`state` (the module's, experts under local numbers) with every expert-parallel rank's experts,
+    under their global numbers: what one process holding every expert would have (every rank of an
+    expert-parallel group must call it, with the same keys)."""
+    if topology.ep == 1:
+        return state
+    comm = Comm(topology.group("ep"), "ep")
+    names = [global_expert_names(module, r) for r in range(topology.ep)]
+    whole = {}
+    for name, tensor in state.items():
+        if name not in names[0]:
+            whole[name] = tensor
+            continue
+        for rank, part in enumerate(comm.all_gather_list(tensor.contiguous())):
+            whole[names[rank][name]] = part
+    return whole

@@ -14,7 +14,6 @@ happen on every rank whatever the routing).
 
 from __future__ import annotations
 
-import copy
 from typing import Optional
 
 import torch
@@ -22,6 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..comm import comm_for
+from ..zero.partitioned_init import copy_partitioned
+from . import ep_groups
 from .exchange import run_experts
 from .gating import Routes, agree_over, route
 
@@ -82,7 +83,8 @@ class Experts(nn.Module):
 
     def __init__(self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: Optional[str] = None):
         super().__init__()
-        self.deepspeed_experts = nn.ModuleList(copy.deepcopy(expert) for _ in range(num_local_experts))
+        # (under zero.Init the template is partitioned: each copy gets pieces of its own)
+        self.deepspeed_experts = nn.ModuleList(copy_partitioned(expert) for _ in range(num_local_experts))
         self.num_local_experts = num_local_experts
         for e in self.deepspeed_experts:
             for p in e.parameters():
@@ -150,13 +152,7 @@ class MoE(nn.Module):
                 "data-parallel ranks (DeepSpeed's default); leave it False"
             )
         if self.ep_size > 1:
-            import torch.distributed as dist
-
-            from ..topology import Topology
-
-            self.deepspeed_moe._set_ep_group(
-                Topology(dist.get_world_size(), ep=self.ep_size).build_groups().group("ep")
-            )
+            self.deepspeed_moe._set_ep_group(ep_groups.make(self.ep_size).group("ep"))
 
     def forward(self, hidden_states: torch.Tensor, used_token: Optional[torch.Tensor] = None):
         output = self.deepspeed_moe(hidden_states, used_token)

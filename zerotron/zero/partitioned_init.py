@@ -326,6 +326,27 @@ def _partition_param(p: nn.Parameter, comm, dtype=None) -> None:
     set_holder([p], InitPiece(p, comm, full))
 
 
+@torch.no_grad()
+def copy_partitioned(module: nn.Module) -> nn.Module:
+    """A deep copy of `module` whose parameters zero.Init partitioned are partitioned again, each the
+    copy's own (a plain deep copy would share the originals' pieces and ids). Collective over their
+    ranks, like building the module was."""
+    import copy
+
+    params = [p for p in module.parameters() if built_under_init(p)]
+    if not params:
+        return copy.deepcopy(module)
+    _gather_init(params)
+    try:
+        memo = {id(p): nn.Parameter(p.data.clone(), p.requires_grad) for p in params}
+        clone = copy.deepcopy(module, memo)
+    finally:
+        _reshard_init(params, modifier_rank=None, keep_values=False)
+    for p in params:
+        _partition_param(memo[id(p)], holder_of(p).comm)
+    return clone
+
+
 def _gather_init(params) -> None:
     """Make Init-partitioned parameters whole (nested calls count; one all-gather each, in ds_id order)."""
     for p in sorted(params, key=lambda p: p.ds_id):

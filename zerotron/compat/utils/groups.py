@@ -5,14 +5,15 @@ zerotron's layout (zerotron/topology.py) is pipeline x data x sequence x tensor,
 "Model parallel" here is tensor parallel, as in DeepSpeed with AutoTP. Without an engine the
 data-parallel group is the whole world and there is no model parallelism, as in DeepSpeed
 without an mpu. The sequence-parallel accessors answer from the engine, or before it from the
-sequence-parallel mpu (parallel_state_sp). zerotron has no expert parallelism: that world has one
-rank, and asking for its groups is an error that says so.
+sequence-parallel mpu (parallel_state_sp). The expert accessors answer from the expert-parallel
+layouts made so far (zerotron/moe/ep_groups.py).
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
+from ...moe import ep_groups
 from .engines import current_engine
 
 mpu = None  # DeepSpeed's module attributes, read by some scripts
@@ -20,8 +21,9 @@ mesh_device = None
 expert_tensor_parallel_world_size = 1
 
 _NO_EXPERTS = (
-    "zerotron has no expert parallelism (Mixture-of-Experts layers are not supported), "
-    "so there is no expert-parallel group; the expert-parallel world is 1 rank"
+    "no expert-parallel group has been made: build MoE layers with ep_size > 1 and pass the model to "
+    "deepspeed.initialize (or call groups._create_expert_and_data_parallel(N)); until then the "
+    "expert-parallel world is 1 rank"
 )
 _tp_world_size_override = None
 _tp_rank_override = None
@@ -205,57 +207,97 @@ def _get_sequence_data_parallel_group():
     return _get_data_parallel_group() if t is None else t.group("dp")
 
 
-# ---- expert parallel: not in zerotron ------------------------------------------------------------
-def _get_expert_parallel_world_size(group_name=None) -> int:
-    return 1
+# ---- expert parallel (DeepSpeed-MoE) -----------------------------------------------------------------
+# DeepSpeed names each layout "ep_size_N"; zerotron's live in zerotron/moe/ep_groups.py, one per size,
+# runs of N consecutive ranks trading tokens ("ep") and the ranks with the same place in their run
+# holding the same experts ("edp"), DeepSpeed's default layout. Without any, expert parallelism is 1
+# rank and the expert-data-parallel group is the data-parallel one.
+def _expert_layout(group_name):
+    """The layout `group_name` ("ep_size_N") names; None when there are none, or for ep_size_1."""
+    made = ep_groups.made()
+    if not made or group_name == "ep_size_1":
+        return None
+    if group_name is None:  # DeepSpeed requires a name; the one layout (or the largest) is meant
+        return made[max(made)]
+    size = str(group_name).removeprefix("ep_size_")
+    if not size.isdigit() or int(size) not in made:
+        raise KeyError(
+            f"expert parallel group {group_name!r} is not initialized (made: {sorted(f'ep_size_{n}' for n in made)}): "
+            "pass a model with MoE(ep_size=N) layers to deepspeed.initialize, call the layer's "
+            "set_deepspeed_parallelism(), or groups._create_expert_and_data_parallel(N) first"
+        )
+    return made[int(size)]
 
 
-def _get_expert_parallel_rank(group_name=None) -> int:
-    return 0
+def _expert_group(group_name, dim):
+    _require_dist(f"the expert {dim} group")
+    t = _expert_layout(group_name)
+    if t is None:
+        if dim == "edp":
+            return _get_data_parallel_group()
+        raise RuntimeError(_NO_EXPERTS)
+    return t.group(dim)
 
 
-def _get_expert_parallel_src_rank(group_name=None) -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+def _expert_ranks(group_name, dim) -> list[int]:
+    t = _expert_layout(group_name) if dist.is_initialized() else None
+    if t is None:
+        return _get_data_parallel_group_ranks() if dim == "edp" else [dist.get_rank() if dist.is_initialized() else 0]
+    return t.group_ranks(dim, dist.get_rank())
 
 
 def _get_expert_parallel_group(group_name=None):
-    raise RuntimeError(_NO_EXPERTS)
+    return _expert_group(group_name, "ep")
 
 
-def _get_expert_parallel_group_ranks(group_name=None):
-    raise RuntimeError(_NO_EXPERTS)
+def _get_expert_parallel_group_ranks(group_name=None) -> list[int]:
+    return _expert_ranks(group_name, "ep")
 
 
-def _get_expert_data_parallel_world_size(group_name=None) -> int:
-    return _get_data_parallel_world_size()  # with one expert-parallel rank, expert data parallel = data parallel
+def _get_expert_parallel_world_size(group_name=None) -> int:
+    return len(_expert_ranks(group_name, "ep"))
 
 
-def _get_expert_data_parallel_rank(group_name=None) -> int:
-    return _get_data_parallel_rank()
+def _get_expert_parallel_rank(group_name=None) -> int:
+    return _expert_ranks(group_name, "ep").index(dist.get_rank()) if dist.is_initialized() else 0
+
+
+def _get_expert_parallel_src_rank(group_name=None) -> int:
+    """The global rank of expert-parallel rank 0 in this rank's expert-parallel group."""
+    return _expert_ranks(group_name, "ep")[0]
 
 
 def _get_expert_data_parallel_group(group_name=None):
-    return _get_data_parallel_group()
+    return _expert_group(group_name, "edp")
 
 
-def _get_expert_data_parallel_group_ranks(group_name=None):
-    return _get_data_parallel_group_ranks()
+def _get_expert_data_parallel_group_ranks(group_name=None) -> list[int]:
+    return _expert_ranks(group_name, "edp")
+
+
+def _get_expert_data_parallel_world_size(group_name=None) -> int:
+    return len(_expert_ranks(group_name, "edp"))
+
+
+def _get_expert_data_parallel_rank(group_name=None) -> int:
+    return _expert_ranks(group_name, "edp").index(dist.get_rank()) if dist.is_initialized() else 0
 
 
 def _get_expert_broadcast_src_rank(group_name=None) -> int:
-    return _get_broadcast_src_rank()
+    """The global rank of expert-data-parallel rank 0 in this rank's expert-data-parallel group."""
+    return _expert_ranks(group_name, "edp")[0]
 
 
 def _get_expert_parallel_group_dict() -> dict:
-    return {}
+    return {f"ep_size_{n}": t.group("ep") for n, t in ep_groups.made().items()}
 
 
 def _get_expert_data_parallel_group_dict() -> dict:
-    return {}
+    return {f"ep_size_{n}": t.group("edp") for n, t in ep_groups.made().items()}
 
 
 def _get_max_expert_size():
-    return None
+    return max(ep_groups.made(), default=None)
 
 
 def _get_max_expert_size_name() -> str:
@@ -263,24 +305,45 @@ def _get_max_expert_size_name() -> str:
 
 
 def _get_max_expert_parallel_group():
-    raise RuntimeError(_NO_EXPERTS)
+    return _get_expert_parallel_group(_get_max_expert_size_name())
 
 
 def _get_expert_model_parallel_world_size() -> int:
     return expert_tensor_parallel_world_size
 
 
-def _create_expert_and_data_parallel(expert_parallel_size_, *args, **kwargs):
-    if expert_parallel_size_ != 1:
-        raise RuntimeError(_NO_EXPERTS)
+def _create_expert_and_data_parallel(
+    expert_parallel_size_, mp_size=None, pp_size=None, mp_mode="tp", use_data_before_expert_parallel_=False,
+    folding_spec=None,
+):  # fmt: skip
+    """DeepSpeed's default layout (consecutive ranks trade tokens) over data parallelism alone."""
+    _require_dist("expert-parallel groups")
+    if (mp_size or 1) > 1 or (pp_size or 1) > 1 or folding_spec is not None:
+        raise NotImplementedError(
+            "expert parallelism with tensor or pipeline parallelism is not supported by zerotron yet: "
+            "make the expert-parallel groups over data parallelism alone (mp_size and pp_size 1)"
+        )
+    if use_data_before_expert_parallel_:
+        raise NotImplementedError(
+            "use_data_before_expert_parallel_: zerotron lays expert-parallel groups out as consecutive ranks "
+            "(DeepSpeed's default); leave it False"
+        )
+    if expert_parallel_size_ > 1:
+        ep_groups.make(expert_parallel_size_)
 
 
-def _create_expert_data_and_model_parallel(expert_parallel_size_, mpu=None, *args, **kwargs):
-    _create_expert_and_data_parallel(expert_parallel_size_)
+def _create_expert_data_and_model_parallel(expert_parallel_size_, mpu=None, use_data_before_expert_parallel_=False):
+    mp = mpu.get_model_parallel_world_size() if mpu is not None else 1
+    _create_expert_and_data_parallel(
+        expert_parallel_size_, mp_size=mp, use_data_before_expert_parallel_=use_data_before_expert_parallel_
+    )
 
 
 def _get_local_all_to_all_group():
-    raise RuntimeError(_NO_EXPERTS)
+    raise RuntimeError(
+        "the local all-to-all group is ZeRO++'s hierarchical all-to-all (zero_quantized_gradients), "
+        "which zerotron does not have"
+    )
 
 
 def initialize(ep_size=1, mpu=None):
