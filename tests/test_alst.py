@@ -53,7 +53,10 @@ def test_alst_trains_like_one_process(world, sp, stage, kind, tiled, steps, gas)
     want_losses, want_weights = script.reference(data, world // sp, sp, steps, kind, gas)
     for rank, (losses, weights, sent) in enumerate(results):
         assert script.max_loss_rel(losses, want_losses) < 1e-6, (losses, want_losses)
-        assert script.max_weight_diff(weights, want_weights) < 1e-5
+        # AdamW divides each step by the gradient's magnitude: float rounding of a near-zero gradient
+        # element grows to a few 1e-5 over 10 steps at lr 1e-2 (2.2e-5 on this AMD EPYC, for the
+        # unchanged engine too); SGD's cases keep 1e-5 and catch a wrong gradient scale
+        assert script.max_weight_diff(weights, want_weights) < (1e-5 if kind == "sgd" else 5e-5)
         assert sent == _all_to_all_bytes(sp, steps, world, rank // sp)
 
 
