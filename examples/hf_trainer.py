@@ -17,7 +17,7 @@ import argparse
 import json
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Trainer, TrainingArguments
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -66,10 +66,11 @@ def main():
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--save-model", default=None)
     p.add_argument("--sp", type=int, default=1, help="Ulysses over N ranks (accelerate's ParallelismConfig, ALST)")
+    p.add_argument("--moe", action="store_true", help="a Mixtral (4 experts, top-2) instead of a Llama")
     a = p.parse_args()
 
     torch.manual_seed(0)
-    config = LlamaConfig(
+    sizes = dict(
         vocab_size=128,
         hidden_size=32,
         intermediate_size=64,
@@ -79,6 +80,7 @@ def main():
         max_position_embeddings=32,
         attn_implementation="sdpa",
     )
+    config = MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2) if a.moe else LlamaConfig(**sizes)
     model = AutoModelForCausalLM.from_config(config) if a.model_first else None
     args = TrainingArguments(
         output_dir=a.output_dir,

@@ -201,7 +201,7 @@ def _is_property(config_cls, k):
     return isinstance(getattr(config_cls, k, None), property)
 
 
-def _tiny_kwargs(config_cls):
+def _tiny_kwargs(config_cls, extra: dict | None = None):
     """Tiny constructor kwargs for config_cls: TINY where settable, derived dims, FAMILY extras; sub-configs recurse."""
     default = config_cls()  # a config only (no weights); sub-configs are made tiny below
     fields = default.to_dict()
@@ -247,16 +247,17 @@ def _tiny_kwargs(config_cls):
         kw["num_key_value_heads"] = kw["num_attention_heads"]
     for key, sub_cls in (getattr(config_cls, "sub_configs", None) or {}).items():
         # composite config (e.g. vision/audio towers inside a causal LM): never build the full-size default towers
-        kw[key] = sub_cls(**_tiny_kwargs(sub_cls))
+        kw[key] = sub_cls(**_tiny_kwargs(sub_cls, extra))
     kw.update(FAMILY.get(config_cls.model_type, {}))
+    kw.update((extra or {}).get(config_cls.model_type, {}))
     return kw
 
 
-def tiny_config(cls_name: str):
+def tiny_config(cls_name: str, extra: dict | None = None):
     """(model class, tiny config) for a causal-LM class name; every dropout off (the comparisons
-    are exact)."""
+    are exact). `extra`: model type -> kwargs over FAMILY's, for one sweep's needs."""
     model_cls = getattr(transformers, cls_name)
-    config = model_cls.config_class(**_tiny_kwargs(model_cls.config_class))
+    config = model_cls.config_class(**_tiny_kwargs(model_cls.config_class, extra))
     _no_dropout(config)
     return model_cls, config
 

@@ -6,12 +6,10 @@ the generic rules of hf_families.py do not fit yet) is no finding about zerotron
 named apart ("unbuilt"). `python tests/test_hf_tensor_parallel.py` prints the table."""
 
 import sys
-import time
-from collections import Counter
 
+import family_sweep
 import pytest
 import torch
-import torch.distributed as dist
 from distributed import run_ranks
 from hf_families import SAMPLES_IN_TRAINING, families, tiny_config
 from parity import EPS, hf_loss, reference_training
@@ -78,71 +76,13 @@ def _split(cls_name, stage, ref_losses, ref_weights):
 
 def sweep(names=None) -> dict:
     """On each of 4 ranks: every family (or those named), under each layout."""
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    out = {}
-    for family, cls_name in families():
-        if names and family not in names:
-            continue
-        start = time.monotonic()
-        try:
-            ref_losses, ref_weights = _reference(cls_name)
-        except Exception as e:  # noqa: BLE001 - the tiny model or plain PyTorch failed: not zerotron's
-            out[family] = {layout: ("unbuilt", f"{type(e).__name__}: {str(e)[:300]}") for layout in LAYOUTS}
-        else:
-            try:
-                out[family] = {
-                    layout: _split(cls_name, stage, ref_losses, ref_weights) for layout, stage in LAYOUTS.items()
-                }
-            except Exception as e:  # noqa: BLE001 - a family that breaks the sweep is a finding, not a crash
-                out[family] = {layout: ("FAIL", f"{type(e).__name__}: {str(e)[:300]}") for layout in LAYOUTS}
-        out[family]["seconds"] = round(time.monotonic() - start, 2)
-        if dist.get_rank() == 0:
-            print(
-                f"[sweep] {family}: {out[family]['tp2'][0]} / {out[family]['tp2_zero3'][0]} "
-                f"in {out[family]['seconds']} s",
-                file=sys.stderr,
-                flush=True,
-            )
-        dist.barrier()
-    return out
-
-
-def _table(results: dict) -> str:
-    lines = []
-    for family, r in results.items():
-        cells = "  ".join(f"{r[layout][0]:8s}" for layout in LAYOUTS)
-        note = next((r[layout][1] for layout in LAYOUTS if r[layout][0] != "ok"), r["tp2"][1])
-        lines.append(f"{family:24s} {cells} {note[:160]}")
-    counts = {layout: Counter(r[layout][0] for r in results.values()) for layout in LAYOUTS}
-    unbuilt = sorted(f for f, r in results.items() if r["tp2"][0] == "unbuilt")
-    lines.append(
-        f"{len(results)} families; "
-        + "; ".join(
-            f"{layout}: {c['ok']} match, {c['refused']} refused, {c['FAIL']} failed" for layout, c in counts.items()
-        )
-        + f"; {len(unbuilt)} cannot be built tiny{' (' + ', '.join(unbuilt) + ')' if unbuilt else ''}"
-    )
-    return "\n".join(lines)
+    return family_sweep.sweep(families(), LAYOUTS, _reference, _split, names)
 
 
 @pytest.mark.timeout(1500)
 def test_every_transformers_family_matches_or_is_refused_under_tensor_parallelism():
-    results = run_ranks(sweep, 4, timeout=1400)
-    assert all(_verdicts(r) == _verdicts(results[0]) for r in results), "the ranks disagree"
-    print("\n" + _table(results[0]))
-    failed = {f: r for f, r in results[0].items() if any(r[layout][0] == "FAIL" for layout in LAYOUTS)}
-    assert not failed, "\n" + _table(failed)
-    matched = sum(r["tp2"][0] == "ok" for r in results[0].values())
-    assert matched >= len(results[0]) // 2, _table(results[0])  # the sweep is not vacuous
-    unbuilt = sum(r["tp2"][0] == "unbuilt" for r in results[0].values())
-    assert unbuilt <= len(results[0]) // 10, _table(results[0])  # hf_families.py still fits nearly every family
-
-
-def _verdicts(results: dict) -> dict:
-    return {f: tuple(r[layout][0] for layout in LAYOUTS) for f, r in results.items()}
+    print("\n" + family_sweep.check(run_ranks(sweep, 4, timeout=1400), LAYOUTS))
 
 
 if __name__ == "__main__":
-    print(_table(run_ranks(sweep, 4, sys.argv[1:] or None, timeout=3000)[0]))
+    print(family_sweep.table(run_ranks(sweep, 4, sys.argv[1:] or None, timeout=3000)[0], LAYOUTS))

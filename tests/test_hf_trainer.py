@@ -300,3 +300,27 @@ def test_ulysses_through_parallelism_config_matches_one_process(tmp_path, name, 
     _assert_same_losses(_losses(got), _losses(want))
     assert all(_close(a, b) for a, b in zip(_norms(got), _norms(want))) and len(_norms(got)) == 6, (got, want)
     assert _close(got["eval"]["eval_loss"], want["eval"]["eval_loss"])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_expert_parallel_mixtral_matches_ddp_and_saves_under_its_own_names(tmp_path, stage):
+    """DeepSpeed's AutoEP section on a Transformers Mixtral (4 experts, top-2) over 2 ranks: each rank
+    holds 2 experts, the Trainer's losses match DDP holding all 4, and save_model writes what DDP's does:
+    every expert, under the names Transformers saves Mixtral with (its router `block_sparse_moe.gate`;
+    DeepSpeed's AutoEP renames it `router.gate`), which Mixtral loads strictly."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import MixtralForCausalLM
+
+    ddp = _run(tmp_path, "ddp", None, "--moe", "--save-model", str(tmp_path / "ddp_model"))
+    config = dict(ZERO2 if stage == 2 else ZERO3, expert_parallel={"enabled": True, "autoep_size": 2})
+    if stage == 3:
+        config["zero_optimization"] = dict(config["zero_optimization"], stage3_gather_16bit_weights_on_model_save=True)
+    ep = _run(tmp_path, "ep", config, "--moe", "--save-model", str(tmp_path / "ep_model"))
+    _assert_same_losses(_losses(ep), _losses(ddp))
+    got, want = (load_file(str(tmp_path / m / "model.safetensors")) for m in ("ep_model", "ddp_model"))
+    assert set(got) == set(want) and {"model.layers.1.block_sparse_moe.gate.weight",
+                                       "model.layers.1.block_sparse_moe.experts.3.w2.weight"} <= set(got)  # fmt: skip
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-6, msg=k)
+    MixtralForCausalLM.from_pretrained(tmp_path / "ep_model")  # (strict: every key found, none left over)

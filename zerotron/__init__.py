@@ -93,7 +93,7 @@ def initialize(
         pp=cfg.pipeline.stages,
         sp=cfg.sequence_parallel_size,
         cp=cfg.zerotron.context_parallel_size,
-        ep=expert_parallel_size(model),
+        ep=expert_parallel_size(model, cfg.expert_parallel.size),
     )
 
     init_distributed()

@@ -19,6 +19,7 @@ from .sections import (
     AUTO,
     ActivationCheckpointingConfig,
     BF16Config,
+    ExpertParallelConfig,
     FP16Config,
     IntOrInf,
     MonitorConfig,
@@ -61,6 +62,7 @@ class Config(Mapping):
     bf16: BF16Config = field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     zerotron: ZerotronConfig = field(default_factory=ZerotronConfig)
@@ -177,6 +179,7 @@ class Config(Mapping):
     def _validate(self):
         check(self.world_size >= 1, "world_size", self.world_size, "the number of processes must be >= 1")
         self.tensor_parallel.validate("tensor_parallel")
+        self.expert_parallel.validate("expert_parallel")
         self.pipeline.validate("pipeline")
         self.zerotron.validate("zerotron")
         tp, pp = self.tensor_parallel.autotp_size, self.pipeline.stages

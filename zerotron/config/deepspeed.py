@@ -32,7 +32,6 @@ _NOT_IMPLEMENTED = {
     'set "bf16": {"enabled": true}',
     "amp": "apex AMP (the model runs in its dtype, use the 'fp16' or 'bf16' section)",
     "data_types": "data_types (gradients accumulate in the model dtype, the optimizer sees fp32)",
-    "expert_parallel": "expert parallelism",
     "comet": "Comet logging (use 'tensorboard' or 'csv_monitor')",
     "datastates_ckpt": "DataStates checkpointing",
 }
@@ -76,6 +75,46 @@ _NOT_IMPLEMENTED_IN = {
     "fp16": {"fp16_master_weights_and_grads": "fp16 master weights and gradients (zerotron keeps them in fp32)"},
     "optimizer": {"legacy_fusion": "legacy optimizer fusion"},
     "zero_optimization.offload_optimizer": {"super_offload": "SuperOffload (for superchips)"},
+    # AutoEP's description of the model to its replacement layer (zerotron runs the model's own router
+    # and experts, which need none of it) and its kernel and communication options
+    "expert_parallel": {
+        k: "AutoEP's description of the model and its kernels: zerotron runs the model's own router and experts"
+        for k in (
+            "expert_tensor_parallel_size",
+            "validate_folding_routing",
+            "async_split_plan",
+            "moe_layer_pattern",
+            "expert_pattern",
+            "router_pattern",
+            "use_grouped_mm",
+            "disable_triton_grouped_mm",
+            "route_norm",
+            "route_scale",
+            "score_apply",
+            "combine_impl",
+            "row_weighting_impl",
+            "gate_up_impl",
+            "comm_backend",
+            "comm_num_sm",
+            "comm_qp_margin",
+            "comm_max_tokens_per_rank",
+            "num_expert_groups",
+            "num_limited_groups",
+            "score_func",
+            "top_k",
+            "load_balance_coeff",
+            "routed_scaling_factor",
+            "expert_w1",
+            "expert_w2",
+            "expert_w3",
+            "num_experts_attr",
+            "top_k_attr",
+            "has_shared_experts",
+            "shared_experts_pattern",
+            "shared_experts_gate_pattern",
+            "expert_activation",
+        )
+    },
     # AutoTP's inference and kernel-injection options, and its own partition specs: zerotron splits
     # by the model's plan (parallelize/registry.py), which gives the same math
     "tensor_parallel": {

@@ -249,6 +249,27 @@ class TensorParallelConfig:
 
 
 @dataclass
+class ExpertParallelConfig:
+    """DeepSpeed's AutoEP section ("expert_parallel"): the experts of a Hugging Face MoE model split over
+    `autoep_size` ranks (zerotron/moe/hf_experts.py). The model's own router and expert code run, so
+    DeepSpeed's keys that describe the model to its replacement layer are not needed (warned about)."""
+
+    enabled: bool = False
+    autoep_size: int = 1
+    preset_model: Optional[str] = None  # DeepSpeed's preset name; zerotron finds the experts by their class
+
+    def validate(self, p: str):
+        check(self.autoep_size >= 1, p + ".autoep_size", self.autoep_size, "use a positive integer")
+        if self.enabled and self.autoep_size == 1:  # as DeepSpeed: a warning, training goes on unsplit
+            warn(f"{p}.enabled with autoep_size 1 splits nothing: every rank keeps every expert")
+
+    @property
+    def size(self) -> int:
+        """The expert-parallel size it asks for (1 when disabled)."""
+        return self.autoep_size if self.enabled else 1
+
+
+@dataclass
 class PipelineConfig:
     """DeepSpeed's "pipeline" section. The PipelineModule decides the stages ("auto" takes its
     num_stages) and the partition; zerotron adds the schedule."""

@@ -10,21 +10,38 @@ import re
 import torch
 import torch.nn as nn
 
-from ..comm import Comm
+from ..comm import Comm, comm_for
+from ..errors import ConfigError
 from ..zero.shard_group import ShardGroup, ShardGroups
 from . import ep_groups
+from .hf_experts import hf_experts, split_hf_experts
 from .layer import MoE
 
 
-def expert_parallel_size(module: nn.Module) -> int:
-    """The `ep_size` of the model's MoE layers (1 without any)."""
+def expert_parallel_size(module: nn.Module, autoep_size: int = 1) -> int:
+    """The `ep_size` of the model's MoE layers, or the config's `expert_parallel.autoep_size` for a
+    Hugging Face MoE model (1 without either)."""
     sizes = sorted({m.ep_size for m in module.modules() if isinstance(m, MoE)})
     if len(sizes) > 1:
         raise ValueError(
             f"the model's MoE layers have ep_size {sizes}: zerotron needs one expert-parallel size for the whole "
             "model (its groups are one layout); build every MoE layer with the same ep_size"
         )
-    return sizes[0] if sizes else 1
+    if sizes and autoep_size > 1:
+        raise ConfigError(
+            "expert_parallel.enabled",
+            True,
+            f"the model's DeepSpeed MoE layers split their experts themselves (ep_size {sizes[0]}); remove the "
+            "expert_parallel section (it is for Hugging Face MoE models)",
+        )
+    if autoep_size > 1 and not hf_experts(module):
+        raise ConfigError(
+            "expert_parallel.enabled",
+            True,
+            "the model has no Hugging Face experts module (a Transformers MoE family's experts) to split; "
+            "disable expert_parallel, or build the MoE layers with deepspeed.moe.layer.MoE(ep_size=...)",
+        )
+    return sizes[0] if sizes else autoep_size
 
 
 def shard_groups(module: nn.Module, topology, grad_comm: Comm, dp_comm: Comm) -> ShardGroups:
@@ -34,9 +51,11 @@ def shard_groups(module: nn.Module, topology, grad_comm: Comm, dp_comm: Comm) ->
     if topology.ep == 1:
         return ShardGroups(dense)
     ep_groups.record(topology)
-    for m in module.modules():
-        if isinstance(m, MoE):
-            m.deepspeed_moe._set_ep_group(topology.group("ep"))
+    layers = [m for m in module.modules() if isinstance(m, MoE)]
+    for m in layers:
+        m.deepspeed_moe._set_ep_group(topology.group("ep"))
+    if not layers:  # a Hugging Face MoE model (the config's expert_parallel section)
+        split_hf_experts(module, comm_for(topology.group("ep"), "ep"))
     experts = ShardGroup(
         Comm(topology.group("edp_grad"), "edp_grad"), Comm(topology.group("edp"), "edp"), dense.replicas
     )
@@ -66,7 +85,7 @@ def gather_experts(state: dict[str, torch.Tensor], module: nn.Module, topology) 
     expert-parallel group must call it, with the same keys)."""
     if topology.ep == 1:
         return state
-    comm = Comm(topology.group("ep"), "ep")
+    comm = comm_for(topology.group("ep"), "ep")
     names = [global_expert_names(module, r) for r in range(topology.ep)]
     whole = {}
     for name, tensor in state.items():

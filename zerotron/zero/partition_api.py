@@ -81,7 +81,7 @@ def consolidated_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
                 host = value.to("cpu", copy=True)
                 for name in names[id(t)]:
                     state[name] = host
-    return {name: state[name] for name in module.state_dict()}
+    return {name: state[name] for name in module.state_dict(keep_vars=True)}
 
 
 def _gather_tensor_parallel(shard: torch.Tensor, dim: int, comm, stride: int = 1) -> torch.Tensor:

@@ -347,6 +347,15 @@ def copy_partitioned(module: nn.Module) -> nn.Module:
     return clone
 
 
+def take_whole(params) -> None:
+    """Make Init-partitioned parameters plain whole ones, their pieces dropped: for a caller that takes
+    them over (ZeRO-3's units, the expert-parallel split), collective over their ranks like building."""
+    params = [p for p in params if built_under_init(p)]
+    _gather_init(params)
+    for p in params:
+        del p.zt_holder, p.ds_tensor
+
+
 def _gather_init(params) -> None:
     """Make Init-partitioned parameters whole (nested calls count; one all-gather each, in ds_id order)."""
     for p in sorted(params, key=lambda p: p.ds_id):

@@ -35,7 +35,7 @@ from ..nested import tensors_in
 from . import gather_rules
 from . import offload as host_memory
 from .offload import Uploads, host_empty
-from .partitioned_init import ZeroParamStatus, _ds_ids, _gather_init, built_under_init, materialize
+from .partitioned_init import ZeroParamStatus, _ds_ids, materialize, take_whole
 from .residency import set_holder
 from .shard_group import ShardGroup, ShardGroups
 from .sharded import ShardedStates
@@ -124,10 +124,7 @@ class Stage3States(ShardedStates):
             claimed.update(id(p) for p in own)
             if any(p.is_meta for p in own):  # on the meta device: materialize this unit only
                 materialize(m, module, own, local_device(), seed + index)
-            from_init = [p for p in own if built_under_init(p)]
-            _gather_init(from_init)
-            for p in from_init:  # whole now, handed to the unit: the per-parameter piece is dropped
-                del p.zt_holder, p.ds_tensor
+            take_whole(own)  # (built under zero.Init: whole now, handed to the unit)
             present = {id(groups.of(p)): groups.of(p) for p in own}
             experts = [g for g in present.values() if g is not groups.dense]
             # (the root always ends with a dense unit; a module without parameters is one too)
