@@ -109,6 +109,35 @@ def test_train_with_tensor_and_sequence_parallelism():
     assert after < before - 0.5, line
 
 
+def test_train_a_mixture_of_experts_with_expert_parallelism():
+    out = _zerotron(
+        "train",
+        "--model",
+        "moe-tiny",
+        "--ep",
+        "2",
+        "--zero",
+        "2",
+        "--steps",
+        "20",
+        "--nproc",
+        "2",
+        "--seq-len",
+        "64",
+        "--eval-batches",
+        "2",
+        "--sample-bytes",
+        "16",
+        "--corpus-bytes",
+        "300000",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "moe-tiny GPT" in out.stdout and "dp 2 (experts over ep 2)" in out.stdout, out.stdout
+    line = next(ln for ln in out.stdout.splitlines() if "validation loss" in ln)
+    before, after = (float(v) for v in line.split("validation loss ")[1].split(" (")[0].split(" -> "))
+    assert after < before - 1.0, line
+
+
 def test_train_on_a_3d_mesh_of_eight_processes():
     out = _zerotron(
         "train",

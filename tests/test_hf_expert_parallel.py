@@ -78,10 +78,10 @@ def _reference(cls_name):
 
 def _split(cls_name, stage, ref_losses, ref_weights):
     """('ok' | 'refused' | 'FAIL', detail) on this rank."""
-    from zerotron.moe.hf_experts import hf_experts
+    from zerotron.moe.stacked_experts import stacked_experts
 
     model = _build(cls_name)
-    experts_before = sum(p.numel() for _, m in hf_experts(model) for p in m.parameters(recurse=False))
+    experts_before = sum(p.numel() for _, m in stacked_experts(model) for p in m.parameters(recurse=False))
     config = {
         "train_micro_batch_size_per_gpu": ROWS // 2,
         "gradient_clipping": 1.0,
@@ -96,7 +96,7 @@ def _split(cls_name, stage, ref_losses, ref_weights):
     except zerotron.ConfigError as e:
         return "refused", str(e)
     experts_after = sum(math.prod(getattr(p, "ds_shape", p.shape))  # (ZeRO-3: the unit's full shape)
-                        for _, m in hf_experts(engine.module) for p in m.parameters(recurse=False))  # fmt: skip
+                        for _, m in stacked_experts(engine.module) for p in m.parameters(recurse=False))  # fmt: skip
     losses = []
     for x in _batches():
         mine = x.chunk(2)[engine.coords.dp]

@@ -19,7 +19,9 @@ from .planner.hardware import peak_flops_of
 
 
 def add_train_arguments(p: argparse.ArgumentParser):
-    p.add_argument("--model", default="small", help="reference GPT size: tiny, small, medium, large, 125m, ... 13b")
+    p.add_argument(
+        "--model", default="small", help="reference GPT size: tiny, small, ... 13b; mixtures of experts: moe-tiny, ..."
+    )
     p.add_argument("--steps", type=int, default=300, help="optimizer steps")
     p.add_argument("--nproc", type=int, default=None, help="processes (default: all GPUs, else 2 CPU processes)")
     p.add_argument("--config", default=None, help="DeepSpeed JSON config; the flags below override it")
@@ -40,6 +42,7 @@ def add_train_arguments(p: argparse.ArgumentParser):
         "--cp", type=int, default=None, help="ring attention (context parallelism): each sequence over this many ranks"
     )
     p.add_argument("--pp", type=int, default=None, help="pipeline-parallel stages")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel size: a moe-* model's experts split over it")
     p.add_argument(
         "--schedule",
         choices=list(SCHEDULES),
@@ -134,6 +137,8 @@ def build_config(args, gpu: bool) -> dict:
         cfg.setdefault("zerotron", {})["checkpoint_policy"] = args.checkpoint
     if args.pp is not None:
         cfg.setdefault("pipeline", {})["stages"] = args.pp
+    if args.ep is not None:
+        cfg["expert_parallel"] = {"enabled": args.ep > 1, "autoep_size": args.ep}
     if args.schedule is not None or args.virtual_stages > 1:
         cfg.setdefault("pipeline", {})["schedule"] = args.schedule or "interleaved"
     return cfg
@@ -217,6 +222,10 @@ def _sequence_slices(engine, batches):
         yield split.take(x), split.take(y)
 
 
+def _expert_dim(topology) -> str:
+    return f" (experts over ep {topology.ep})" if topology.ep > 1 else ""
+
+
 def _sequence_dims(topology) -> str:
     return "".join(f" x {d} {getattr(topology, d)}" for d in ("cp", "sp") if getattr(topology, d) > 1)
 
@@ -291,7 +300,7 @@ def train(args) -> None:
     say(
         f"zerotron train: {args.model} GPT, {n_params / 1e6:.2f}M parameters, "
         f"{engine.world_size} x {engine.device.type} ({dist.get_backend()}), "
-        f"dp {engine.topology.dp}{_sequence_dims(engine.topology)} x tp "
+        f"dp {engine.topology.dp}{_expert_dim(engine.topology)}{_sequence_dims(engine.topology)} x tp "
         f"{engine.topology.tp} x pp {engine.topology.pp}, "
         f"{engine.config.model_dtype_name}, "
         f"batch {engine.train_batch_size()} x {seq} tokens, {args.steps} steps"

@@ -251,7 +251,7 @@ class TensorParallelConfig:
 @dataclass
 class ExpertParallelConfig:
     """DeepSpeed's AutoEP section ("expert_parallel"): the experts of a Hugging Face MoE model split over
-    `autoep_size` ranks (zerotron/moe/hf_experts.py). The model's own router and expert code run, so
+    `autoep_size` ranks (zerotron/moe/stacked_experts.py). The model's own router and expert code run, so
     DeepSpeed's keys that describe the model to its replacement layer are not needed (warned about)."""
 
     enabled: bool = False

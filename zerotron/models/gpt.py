@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .moe import Experts, MoEMLP
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -27,6 +29,10 @@ class GPTConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dropout: float = 0.0
+    n_experts: int = 0  # > 0: every block's MLP is a mixture of this many experts (models/moe.py)
+    top_k: int = 2  # experts per token
+    expert_ffn: int = 0  # each expert's hidden size; 0: ffn
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss in the training loss
 
     def __post_init__(self):
         if self.d_model % self.n_head:
@@ -35,6 +41,8 @@ class GPTConfig:
             raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
         if (self.d_model // self.n_head) % 2:
             raise ValueError("the head size d_model / n_head must be even for rotary positions")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be between 1 and n_experts ({self.n_experts})")
 
     @property
     def head_dim(self) -> int:
@@ -43,6 +51,10 @@ class GPTConfig:
     @property
     def ffn(self) -> int:
         return self.ffn_hidden or 32 * math.ceil(8 * self.d_model / 3 / 32)
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.expert_ffn or self.ffn
 
 
 # Sizes by name, from ~0.1M parameters (tests) to billions (GPUs). Vocabulary: bytes unless overridden.
@@ -57,6 +69,10 @@ SIZES = {
     "2.7b": GPTConfig(n_layer=32, n_head=32, n_kv_head=32, d_model=2560, max_seq_len=2048),
     "7b": GPTConfig(n_layer=32, n_head=32, n_kv_head=32, d_model=4096, ffn_hidden=11008, max_seq_len=4096),
     "13b": GPTConfig(n_layer=40, n_head=40, n_kv_head=40, d_model=5120, ffn_hidden=13824, max_seq_len=4096),
+    # mixtures of experts: each block's MLP is n_experts SwiGLU experts, top_k of them per token
+    "moe-tiny": GPTConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=64, n_experts=4, top_k=2, expert_ffn=96),
+    "moe-small": GPTConfig(n_layer=4, n_head=4, n_kv_head=2, d_model=128, n_experts=8, top_k=2, expert_ffn=192),
+    "moe-medium": GPTConfig(n_layer=6, n_head=8, n_kv_head=4, d_model=256, n_experts=8, top_k=2, expert_ffn=384),
 }
 
 
@@ -141,7 +157,7 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoEMLP(cfg.d_model, cfg.n_experts, cfg.top_k, cfg.expert_hidden) if cfg.n_experts else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, cos, sin):
@@ -170,10 +186,13 @@ class GPT(nn.Module):
 
     def _init_weights(self, m: nn.Module):
         """Per-module init (also what zero.Init runs when it materializes a partitioned model)."""
+        # GPT-2's scaled init for projections that write into the residual stream.
+        scale = math.sqrt(2 * self.config.n_layer)
         if isinstance(m, (nn.Linear, nn.Embedding)):
-            # GPT-2's scaled init for projections that write into the residual stream.
-            scale = math.sqrt(2 * self.config.n_layer) if getattr(m, "residual_projection", False) else 1.0
-            nn.init.normal_(m.weight, std=0.02 / scale)
+            nn.init.normal_(m.weight, std=0.02 / (scale if getattr(m, "residual_projection", False) else 1.0))
+        elif isinstance(m, Experts):
+            nn.init.normal_(m.gate_up_proj, std=0.02)
+            nn.init.normal_(m.down_proj, std=0.02 / scale)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits (batch, seq, vocab); or, given targets, the mean cross-entropy loss."""
@@ -189,15 +208,23 @@ class GPT(nn.Module):
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits if self.output_fn is None else self.output_fn(logits)
-        return self.loss_fn(logits, targets)
+        loss = self.loss_fn(logits, targets)
+        if self.config.n_experts and self.config.aux_loss_coef:
+            loss = loss + self.config.aux_loss_coef * sum(layer.mlp.aux_loss for layer in self.layers)
+        return loss
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, seq_len: int) -> float:
-        """6N + 12·L·d·s: N counts every weight used in a matmul (the embedding lookup is not one)."""
-        n = self.num_params() - (0 if self.config.tie_embeddings else self.tok_emb.weight.numel())
-        return 6 * n + 12 * self.config.n_layer * self.config.d_model * seq_len
+        """6N + 12·L·d·s: N counts every weight a token meets in a matmul (the embedding lookup is not
+        one; of a mixture's experts, its top_k)."""
+        cfg = self.config
+        n = self.num_params() - (0 if cfg.tie_embeddings else self.tok_emb.weight.numel())
+        if cfg.n_experts:
+            per_expert = 3 * cfg.d_model * cfg.expert_hidden
+            n -= cfg.n_layer * (cfg.n_experts - cfg.top_k) * per_expert
+        return 6 * n + 12 * cfg.n_layer * cfg.d_model * seq_len
 
     @torch.no_grad()
     def generate(

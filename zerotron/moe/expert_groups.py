@@ -14,8 +14,8 @@ from ..comm import Comm, comm_for
 from ..errors import ConfigError
 from ..zero.shard_group import ShardGroup, ShardGroups
 from . import ep_groups
-from .hf_experts import hf_experts, split_hf_experts
 from .layer import MoE
+from .stacked_experts import split_stacked_experts, stacked_experts
 
 
 def expert_parallel_size(module: nn.Module, autoep_size: int = 1) -> int:
@@ -34,11 +34,12 @@ def expert_parallel_size(module: nn.Module, autoep_size: int = 1) -> int:
             f"the model's DeepSpeed MoE layers split their experts themselves (ep_size {sizes[0]}); remove the "
             "expert_parallel section (it is for Hugging Face MoE models)",
         )
-    if autoep_size > 1 and not hf_experts(module):
+    if autoep_size > 1 and not stacked_experts(module):
         raise ConfigError(
             "expert_parallel.enabled",
             True,
-            "the model has no Hugging Face experts module (a Transformers MoE family's experts) to split; "
+            "the model has no stacked experts module (a Transformers MoE family's experts, or the reference "
+            "MoE model's) to split; "
             "disable expert_parallel, or build the MoE layers with deepspeed.moe.layer.MoE(ep_size=...)",
         )
     return sizes[0] if sizes else autoep_size
@@ -55,7 +56,7 @@ def shard_groups(module: nn.Module, topology, grad_comm: Comm, dp_comm: Comm) ->
     for m in layers:
         m.deepspeed_moe._set_ep_group(topology.group("ep"))
     if not layers:  # a Hugging Face MoE model (the config's expert_parallel section)
-        split_hf_experts(module, comm_for(topology.group("ep"), "ep"))
+        split_stacked_experts(module, comm_for(topology.group("ep"), "ep"))
     experts = ShardGroup(
         Comm(topology.group("edp_grad"), "edp_grad"), Comm(topology.group("edp"), "edp"), dense.replicas
     )

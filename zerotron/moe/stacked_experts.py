@@ -1,4 +1,5 @@
-"""Expert parallelism for Hugging Face MoE models (DeepSpeed's AutoEP config, "expert_parallel").
+"""Expert parallelism for models whose experts are stacked (DeepSpeed's AutoEP config, "expert_parallel"):
+Hugging Face MoE families and zerotron's reference MoE model, which follows their interface.
 
 Transformers 5 gives every MoE family one experts interface: a module (its class decorated with
 `use_experts_implementation`) holding each projection of all its experts stacked in one parameter,
@@ -27,7 +28,7 @@ from .exchange import run_experts
 from .gating import Routes
 
 
-def is_hf_experts(module: nn.Module) -> bool:
+def is_stacked_experts(module: nn.Module) -> bool:
     """A Transformers experts module: the decorator's marks and parameters stacked by expert."""
     return (
         hasattr(module, "is_transposed")
@@ -41,15 +42,15 @@ def _shape(p: torch.Tensor) -> tuple:
     return tuple(p.shape if p.numel() else getattr(p, "ds_shape", p.shape))  # (released by ZeRO-3: empty)
 
 
-def hf_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(name, m) for name, m in model.named_modules() if is_hf_experts(m)]
+def stacked_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if is_stacked_experts(m)]
 
 
 @torch.no_grad()
-def split_hf_experts(model: nn.Module, comm: Comm) -> int:
+def split_stacked_experts(model: nn.Module, comm: Comm) -> int:
     """Keep this rank's experts of every experts module (`comm`: the expert-parallel group, experts
     numbered in rank order); returns how many modules were split."""
-    found = hf_experts(model)
+    found = stacked_experts(model)
     for name, m in found:
         total = m.num_experts
         if total % comm.size:
