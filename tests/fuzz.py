@@ -5,13 +5,13 @@ against plain single-process PyTorch.
     python -m tests.fuzz --seeds 10 --start 200 --verbose
 
 A draw picks a model (the reference GPT, its pipeline form with the embedding tied across the first
-and last stage, or a tiny Transformers family), a layout (data x tensor x pipeline x sequence <= 8 ranks, ZeRO
-0-3, accumulation 1-4, schedule, activation checkpointing, optimizer offload, Megatron's sequence
-parallelism, Ulysses and ring attention splitting each sequence; fp32), how the parameters and
-optimizer reach `initialize`, and a save at a random step resumed under a second, different random
-layout with the same global batch. Every draw must match single-process training (each step's loss
-within 1e-5 relative, final weights within 1e-5) or be refused with a ConfigError before its first
-step; anything else is a finding.
+and last stage, its mixture-of-experts form, or a tiny Transformers family), a layout (data x tensor x
+pipeline x sequence <= 8 ranks, experts over data ranks, ZeRO 0-3, accumulation 1-4, schedule,
+activation checkpointing, optimizer offload, Megatron's sequence parallelism, Ulysses and ring
+attention splitting each sequence; fp32), how the parameters and optimizer reach `initialize`, and a
+save at a random step resumed under a second, different random layout with the same global batch.
+Every draw must match single-process training (each step's loss within 1e-5 relative, final weights
+within 1e-5) or be refused with a ConfigError before its first step; anything else is a finding.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from parity import EPS, LR, global_batches, hf_loss, micro_batches, param_groups
 from zerotron.parallelize import to_pipeline
 
 STEPS = 4
-MODELS = ("gpt", "gpt_tied", "llama", "qwen2", "gpt2")
+MODELS = ("gpt", "gpt_tied", "moe", "llama", "qwen2", "gpt2")  # moe: the reference GPT with 4 experts, top-2
 # How parameters and the optimizer reach initialize; with two parameter groups (decay / no decay,
 # as the Hugging Face Trainer builds them) or one.
 HANDED_IN = {False: ("nothing", "generator", "list", "client", "callable"), True: ("groups", "client", "callable")}
@@ -56,6 +56,7 @@ class Layout:
     handed_in: str = "nothing"
     ulysses: int = 1  # sequence_parallel_size
     ring: int = 1  # zerotron.context_parallel_size
+    ep: int = 1  # expert_parallel.autoep_size (the moe model's experts over ep of the data ranks)
 
     @property
     def world(self) -> int:
@@ -90,6 +91,7 @@ def _short(lay: Layout) -> str:
             ("sp", lay.sequence_parallel),
             (f"ulysses{lay.ulysses}", lay.ulysses > 1),
             (f"ring{lay.ring}", lay.ring > 1),
+            (f"ep{lay.ep}", lay.ep > 1),
         )
         if on
     ]
@@ -108,7 +110,7 @@ def _layout(rng: random.Random, model: str, batch: int, grouped: bool, max_world
     # Mostly what is supported, sometimes what must be refused (ZeRO-3 or sequence parallelism with
     # pipelines, sequence parallelism with Transformers models).
     stage = rng.choice([0, 1, 2, 3] if pp == 1 or rng.random() < 0.1 else [0, 1, 2])
-    sp_supported = pp == 1 and model in ("gpt", "gpt_tied")
+    sp_supported = pp == 1 and model in ("gpt", "gpt_tied", "moe")
     sequence_parallel = tp > 1 and rng.random() < (0.4 if sp_supported else 0.05)
     # Each sequence split over Ulysses x ring ranks: the GPT without tensor or pipeline parallelism
     # (its adapter applies both); now and then where it must be refused (with tp or pp).
@@ -118,6 +120,12 @@ def _layout(rng: random.Random, model: str, batch: int, grouped: bool, max_world
     splits = [(u, r) for u in (1, 2) for r in (1, 2, 4) if 1 < u * r <= room and not _is_hf(model)]
     if splits and rng.random() < (0.35 if sp_supported and tp == 1 else 0.05):
         ulysses, ring = rng.choice(splits)
+    # Experts over data ranks (4 experts); now and then with tensor, pipeline or sequence splits, refused
+    ep = 1
+    if model == "moe" and tp == pp == ulysses * ring == 1:
+        ep = rng.choice([e for e in (1, 2, 2, 4) if dp % e == 0])
+    elif model == "moe" and rng.random() < 0.1:
+        ep = 2
     return Layout(
         dp=dp,
         tp=tp,
@@ -133,6 +141,7 @@ def _layout(rng: random.Random, model: str, batch: int, grouped: bool, max_world
         handed_in=rng.choice(HANDED_IN[grouped]),
         ulysses=ulysses,
         ring=ring,
+        ep=ep,
     )
 
 
@@ -158,10 +167,12 @@ def _layers(*layouts: Layout) -> int:
 def build_model(name: str, layers: int = 4):
     """The draw's model, seeded: every rank and the reference build the same weights."""
     torch.manual_seed(0)
-    if name in ("gpt", "gpt_tied"):
+    if name in ("gpt", "gpt_tied", "moe"):
         from zerotron.models.gpt import GPT, config_for
 
-        return GPT(config_for("tiny", max_seq_len=16, n_layer=layers, n_kv_head=4, tie_embeddings=name == "gpt_tied"))
+        experts = dict(n_experts=4, top_k=2, expert_ffn=64, aux_loss_coef=0.0) if name == "moe" else {}
+        tied = name == "gpt_tied"
+        return GPT(config_for("tiny", max_seq_len=16, n_layer=layers, n_kv_head=4, tie_embeddings=tied, **experts))
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
     if name == "gpt2":
@@ -193,7 +204,7 @@ def build_model(name: str, layers: int = 4):
 
 
 def _is_hf(name: str) -> bool:
-    return name not in ("gpt", "gpt_tied")
+    return name not in ("gpt", "gpt_tied", "moe")
 
 
 def reference(d: Draw):
@@ -226,6 +237,8 @@ def _config(lay: Layout) -> dict:
     }
     if lay.offload:
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if lay.ep > 1:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": lay.ep}
     return config
 
 

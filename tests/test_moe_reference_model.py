@@ -47,7 +47,7 @@ def test_uniform_routing_has_load_balancing_loss_one():
     assert all(abs(layer.mlp.aux_loss.item() - 1.0) < 1e-6 for layer in model.layers)
 
 
-def _train(stage, ep, gas):
+def _train(stage, ep, gas, policy="none"):
     import torch.distributed as dist
 
     import zerotron
@@ -55,7 +55,8 @@ def _train(stage, ep, gas):
 
     dp = dist.get_world_size()
     config = ds_config(BATCH // (dp * gas), gas, zero_optimization={"stage": stage},
-                       expert_parallel={"enabled": True, "autoep_size": ep})  # fmt: skip
+                       expert_parallel={"enabled": True, "autoep_size": ep},
+                       zerotron={"checkpoint_policy": policy})  # fmt: skip
     engine, *_ = zerotron.initialize(model=make_model(**MOE), config=config)
     losses = [
         engine.train_batch(iter(micro_batches(b, engine.coords.dp, dp, gas))).item()
@@ -64,9 +65,44 @@ def _train(stage, ep, gas):
     return losses, consolidated_state_dict(engine.module), engine.comm_stats()["all_to_all"]
 
 
-@pytest.mark.parametrize("world,ep,stage,gas", [(2, 2, 1, 2), (2, 2, 3, 1), (4, 2, 2, 1)])
-def test_expert_parallel_reference_moe_trains_like_one_process(world, ep, stage, gas):
+@pytest.mark.parametrize(
+    "world,ep,stage,gas,policy",
+    [(2, 2, 1, 2, "none"), (2, 2, 3, 1, "every_block"), (4, 2, 2, 1, "none")],  # every_block: the
+)  # recomputed forward exchanges its tokens again
+def test_expert_parallel_reference_moe_trains_like_one_process(world, ep, stage, gas, policy):
     want_losses, want = reference_training(global_batches(STEPS, BATCH), **MOE)
-    for losses, state, exchanged in run_ranks(_train, world, stage, ep, gas, timeout=120):
+    for losses, state, exchanged in run_ranks(_train, world, stage, ep, gas, policy, timeout=120):
         assert_losses_close(losses, want_losses, 1e-5)
         assert max_weight_diff(state, want) < 1e-5 and exchanged > 0
+
+
+def _overflow_on_one_rank():
+    """fp16 at ep 2 (ZeRO-2, each rank the only holder of its experts): at step 1 rank 1's expert
+    gradient overflows, nowhere else."""
+    import torch.distributed as dist
+
+    import zerotron
+
+    fp16 = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}  # (halves at the first overflow)
+    config = ds_config(BATCH // 2, 1, zero_optimization={"stage": 2}, fp16=fp16,
+                       expert_parallel={"enabled": True, "autoep_size": 2})  # fmt: skip
+    engine, *_ = zerotron.initialize(model=make_model(**MOE), config=config)
+    expert = engine.module.layers[0].mlp.experts.down_proj
+    hook = None
+    out = []
+    for step, b in enumerate(global_batches(3, BATCH)):
+        if step == 1 and dist.get_rank() == 1:
+            hook = expert.register_hook(lambda g: g * float("inf"))
+        loss = engine.train_batch(iter(micro_batches(b, engine.coords.dp, 2, 1)))
+        if hook is not None:
+            hook = hook.remove()
+        out.append((engine.skipped_steps, engine.loss_scaler.scale, bool(torch.isfinite(loss))))
+    return out
+
+
+def test_an_overflow_in_one_ranks_experts_skips_the_step_everywhere():
+    """The expert's gradient is reduced with nobody (the expert-data group has one rank), so only the
+    global agreement can tell rank 0: both skip step 1 and halve the loss scale alike."""
+    first, second = run_ranks(_overflow_on_one_rank, 2, timeout=60)
+    assert first == second, (first, second)
+    assert [skipped for skipped, _, _ in first] == [0, 1, 1] and first[2][1] == first[0][1] / 2
