@@ -1,5 +1,6 @@
 """TRL's SFTTrainer on zerotron's ZeRO-3 ("ds"), ZeRO-3 with each sequence split over 2 ranks by
-Ulysses ("sp": accelerate's ParallelismConfig(sp_backend="deepspeed"), ALST) or plain DDP ("ddp"):
+Ulysses ("sp": accelerate's ParallelismConfig(sp_backend="deepspeed"), ALST), ZeRO-3 with a MoE
+model's experts split over 2 ranks ("ep": DeepSpeed's AutoEP section) or plain DDP ("ddp"):
 
     torchrun --nproc_per_node 2 examples/hf_trl_sft.py ds MODEL_DIR OUT
 
@@ -15,7 +16,7 @@ import sys
 import zerotron
 
 mode, model_dir, out = sys.argv[1], sys.argv[2], sys.argv[3]
-if mode in ("ds", "sp"):
+if mode in ("ds", "sp", "ep"):
     zerotron.as_deepspeed()  # before transformers/accelerate/trl say `import deepspeed`
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
@@ -30,8 +31,9 @@ ds = (
         "gradient_clipping": "auto",
         "steps_per_print": 10**6,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        **({"expert_parallel": {"enabled": True, "autoep_size": 2}} if mode == "ep" else {}),
     }
-    if mode in ("ds", "sp")
+    if mode in ("ds", "sp", "ep")
     else None
 )
 parallelism = None

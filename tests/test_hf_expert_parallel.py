@@ -157,5 +157,47 @@ def test_a_checkpoint_saved_with_split_experts_resumes_with_them_whole_or_split(
         assert abs(losses[0] - want[2]) / want[2] < 1e-5, (losses, want)
 
 
+def _first_half_only(model):
+    """Every router's choices folded onto experts 0 and 1: rank 1's experts (2 and 3) get no tokens."""
+    for layer in model.model.layers:
+        router = layer.mlp.gate
+        routed = router.forward
+        router.forward = lambda hidden, routed=routed: (lambda out: (*out[:2], out[2] % 2))(routed(hidden))
+    return model
+
+
+def _starved(stage):
+    config = {
+        "train_micro_batch_size_per_gpu": ROWS // 2,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+        "zero_allow_untested_optimizer": True,
+        "expert_parallel": {"enabled": True, "autoep_size": 2},
+    }
+    engine, *_ = zerotron.initialize(model=_first_half_only(_build("MixtralForCausalLM")), config=config)
+    losses = []
+    for x in _batches():
+        mine = x.chunk(2)[engine.coords.dp]
+        losses.append(engine.train_batch(iter([{"input_ids": mine, "labels": mine}])).item())
+    return losses
+
+
+def test_a_rank_whose_experts_get_no_tokens_does_not_hang_zero3():
+    """Rank 1 runs its experts on no rows every step: its ZeRO-3 gathers and reductions still match
+    rank 0's (the experts' parameters get zero gradients), and training matches one process."""
+    model = _first_half_only(_build("MixtralForCausalLM"))
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    want = []
+    for x in _batches():
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    for losses in run_ranks(_starved, 2, 3, timeout=60):
+        assert max(abs(a - b) / b for a, b in zip(losses, want)) < 1e-5, (losses, want)
+
+
 if __name__ == "__main__":
     print(family_sweep.table(run_ranks(sweep, 2, sys.argv[1:] or None, timeout=3000)[0], LAYOUTS))

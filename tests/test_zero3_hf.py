@@ -328,6 +328,27 @@ def test_trl_sft_trainer_under_zero3_matches_ddp(tmp_path):
     assert_losses_close(ds["losses"], ddp["losses"], rtol=1e-5)
 
 
+def test_trl_sft_trainer_with_expert_parallelism_matches_ddp(tmp_path):
+    """A Mixtral (4 experts, top-2) loaded by from_pretrained inside zero.Init, its experts split over
+    the 2 ranks by the config's expert_parallel section under ZeRO-3: DDP's losses."""
+    import json
+
+    import pytest
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    torch.manual_seed(5)
+    sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    cfg = MixtralConfig(**sizes, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    MixtralForCausalLM(cfg).save_pretrained(tmp_path / "model")
+    for mode in ("ddp", "ep"):
+        _torchrun(SFT_SCRIPT, mode, tmp_path / "model", tmp_path)
+    ddp, ep = (json.loads((tmp_path / f"{m}.json").read_text()) for m in ("ddp", "ep"))
+    assert ep["engine"].startswith("zerotron.engine") and ep["partitioned"] and len(ep["losses"]) == 3
+    assert_losses_close(ep["losses"], ddp["losses"], rtol=1e-5)
+
+
 def test_trl_sft_trainer_with_ulysses_matches_one_process(tmp_path):
     """SFTConfig(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2)) at ZeRO-3:
     each sequence split over the 2 ranks, the ranks' batches in turn: one process's losses."""

@@ -109,7 +109,4 @@ def _local_experts(module, rows: torch.Tensor, counts: list[int]) -> torch.Tenso
     """Rows grouped by local expert through the family's own expert code, each with weight 1."""
     index = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), torch.tensor(counts)).unsqueeze(1)
     weights = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
-    out = type(module).forward(module, rows, index, weights)
-    if rows.shape[0] == 0:  # no rows: the parameters still get a (zero) gradient, so every rank's
-        out = out + sum(p.reshape(-1)[:1].sum() for p in module.parameters(recurse=False)) * 0  # ZeRO steps agree
-    return out
+    return type(module).forward(module, rows, index, weights)  # (no rows: no gradient, which ZeRO handles)
