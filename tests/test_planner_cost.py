@@ -121,20 +121,36 @@ def test_timeline_plays_the_engines_issue_order():
 
 
 def test_planner_cuts_the_gradient_buckets_the_engine_cuts():
+    from types import SimpleNamespace
+
     from zerotron.planner.overlap import grad_buckets
     from zerotron.zero import _bucketed
     from zerotron.zero.flat import bucket_numel
+    from zerotron.zero.shard_group import is_expert_param
 
-    for overrides in ({}, {"n_layer": 4, "n_kv_head": 4}, {"tie_embeddings": True}):
+    # a mixture at ep 2: a rank holds 2 of the 4 experts, each bucket of one shard group (dense or experts)
+    moe = dict(n_experts=4, top_k=2, expert_ffn=96)
+    for overrides, ep in (
+        ({}, 1),
+        ({"n_layer": 4, "n_kv_head": 4}, 1),
+        ({"tie_embeddings": True}, 1),
+        (moe, 1),
+        (moe, 2),
+    ):
         model = make_model(**overrides)
+        shape = ModelShape.of_gpt(model.config)
+        for name, p in model.named_parameters():
+            if ep > 1 and "experts" in name:  # this rank's experts, marked as the engine marks them
+                p.data, p.allreduce = p.data[: 4 // ep].clone(), False
+        groups = SimpleNamespace(of=lambda p: "expert" if is_expert_param(p) else "dense")
         params = list(model.parameters())
         for configured in (None, 20_000, 5e8):
             engine = [
-                sum(p.numel() for p in b)
-                for b in _bucketed(params, bucket_numel(configured, sum(p.numel() for p in params)))
+                (sum(p.numel() for p in b), is_expert_param(b[0]))
+                for b in _bucketed(params, bucket_numel(configured, sum(p.numel() for p in params)), groups)
             ]
-            planner = [n for n, _ in grad_buckets(ModelShape.of_gpt(model.config), 1, 1, 16, configured)]
-            assert planner == engine, (overrides, configured)
+            planner = [(k.elements, k.expert) for k in grad_buckets(shape, 1, 1, 16, configured, ep)]
+            assert planner == engine, (overrides, ep, configured)
 
 
 def test_step_time_models_bucketed_reduction_prefetch_depth_and_tp_overlap():

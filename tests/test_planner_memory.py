@@ -1,6 +1,7 @@
 """The planner's memory against real runs: model-state memory against what engines really hold
-(memory_report), the parameter count, the estimate command, and activation memory against the tensors a
-forward keeps for backward, on one process and under tensor / sequence parallelism."""
+(memory_report), a mixture of experts' under expert parallelism too, the parameter count, the estimate
+command, and activation memory against the tensors a forward keeps for backward, on one process (dense
+and mixtures of experts) and under tensor / sequence parallelism."""
 
 import pytest
 import torch
@@ -11,18 +12,24 @@ import zerotron
 from zerotron.parallelize import to_pipeline
 from zerotron.planner import ModelShape, model_state_bytes
 
+DENSE = dict(n_layer=4, n_kv_head=4)
+MOE = dict(n_experts=4, top_k=2, expert_ffn=96)  # moe-tiny's shape
 
-def _report(stage, tp, pp, bf16, offload, threshold):
+
+def _report(stage, tp, pp, bf16, offload, threshold, ep=1, model=DENSE):
     zero = {"stage": stage, "stage3_param_persistence_threshold": threshold}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
-    model = make_model(n_layer=4, n_kv_head=4)
+    model = make_model(**model)
     module = to_pipeline(model, pp, partition_method="type:_PipeBlock") if pp > 1 else model
     # Two micro-batches: stage 1 holds the full buckets it accumulates (the paper's 2Ψ). A one-micro-batch
     # step never holds them all: the boundary backward reduces each bucket as soon as it is filled.
+    extra = {"expert_parallel": {"enabled": True, "autoep_size": ep}} if ep > 1 else {}
     engine, *_ = zerotron.initialize(
         model=module,
-        config=ds_config(1, 2, zero_optimization=zero, tensor_parallel={"autotp_size": tp}, bf16={"enabled": bf16}),
+        config=ds_config(
+            1, 2, zero_optimization=zero, tensor_parallel={"autotp_size": tp}, bf16={"enabled": bf16}, **extra
+        ),
     )
     x = torch.randint(0, 256, (1, 16))
     engine.train_batch(iter([(x, x)] * 2))  # optimizer states exist after a step
@@ -82,10 +89,32 @@ def test_model_state_memory_matches_the_engine(world, stage, tp, pp, bf16, offlo
     assert predicted.get("host", 0) == pytest.approx(measured.get("host", 0), rel=0.01, abs=64)
 
 
+@pytest.mark.parametrize("world,stage,bf16", [(2, 1, False), (2, 2, True), (2, 3, False), (4, 2, False)])
+def test_expert_parallel_model_states_match_the_engine(world, stage, bf16):
+    """moe-tiny at ep 2: each rank holds 2 of the 4 experts, their states sharded over the world/2 ranks
+    holding the same ones, the dense tensors' over all; the planner's formula against memory_report()."""
+    reports, own = zip(*run_ranks(_report, world, stage, 1, 1, bf16, False, 0, 2, MOE, timeout=120))
+    shape = ModelShape.of_gpt(make_model(**MOE).config)
+    dtype = "bf16" if bf16 else "fp32"
+    predicted = model_state_bytes(shape, dp=world, ep=2, stage=stage, dtype=dtype, persistence_threshold=0)
+    for measured, engine in zip(reports, own):
+        for key in ("params", "grads", "master_weights", "optimizer", "total"):
+            assert predicted[key] == pytest.approx(measured[key], rel=0.01, abs=64), key
+            assert engine[key] == predicted[key], key  # the engine's own prediction is the planner's
+    # against ep 1: fully sharded states are the same (experts/ep over dp/ep ranks = experts/dp); the
+    # parameters ZeRO 1-2 keep whole hold half the experts
+    no_ep = model_state_bytes(shape, dp=world, stage=stage, dtype=dtype, persistence_threshold=0)
+    assert no_ep["optimizer"] == pytest.approx(predicted["optimizer"], abs=64)
+    if stage < 3:
+        b = 2 if bf16 else 4
+        assert no_ep["params"] - predicted["params"] == b * shape.expert_parameters // 2
+
+
 def test_parameter_count_matches_the_model():
-    for overrides in ({}, {"tie_embeddings": True}, {"n_kv_head": 2}):
+    for overrides in ({}, {"tie_embeddings": True}, {"n_kv_head": 2}, MOE):
         model = make_model(**overrides)
-        assert ModelShape.of_gpt(model.config).parameters == model.num_params()
+        shape = ModelShape.of_gpt(model.config)
+        assert shape.parameters == model.num_params() and shape.flops_per_token(16) == model.flops_per_token(16)
 
 
 def test_estimate_command():
@@ -151,7 +180,7 @@ def _kept_by_forward(model, tokens, targets) -> int:
     return sum(e.self_cpu_memory_usage for e in prof.events())
 
 
-@pytest.mark.parametrize("size,batch,seq", [("small", 8, 128), ("large", 1, 64)])
+@pytest.mark.parametrize("size,batch,seq", [("small", 8, 128), ("large", 1, 64), ("moe-small", 8, 128)])
 @pytest.mark.parametrize("policy", ["none", "every_block", "every_k", "selective"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_activation_memory_matches_what_backward_keeps(size, batch, seq, policy, dtype):

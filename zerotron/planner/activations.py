@@ -12,6 +12,16 @@ bytes per activation (4 in fp32, 2 in bf16/fp16) and tensor-parallel size t:
                             head and token layouts; log-sum-exp in fp32           + 4h / t
     MLP                     gate, silu(gate), up, their product                   4·a·f / t
 
+A mixture of experts' MLP (E experts, k per token, expert hidden f_e; models/moe.py, moe/exchange.py)
+keeps, per token: the router's probabilities in fp32, the top-k indices (int64), the chosen probabilities
+and their sum (fp32), 4E + 12k + 4 bytes; and per row its experts run (k per token on one rank):
+the rows, gate/up, silu, their product, the weighted output and the combine's copy, one weight and three
+int64 indices, 3·a·d + 4·a·f_e + a + 24 (two-matrix experts: 2·a·f_e). Under expert parallelism a
+rank's experts run the rows the others send it, imbalance x k per token on the busiest rank, each with
+another index and a·d more (the regrouped copy); each of its own k routes keeps its index, weight (fp32)
+and output back, a·d + 12. Tensor parallelism keeps the experts whole. A shared MLP keeps what a dense
+MLP of its width does.
+
 Sequence parallelism splits the norms by t. Ring attention (context parallelism) keeps its own
 inventory of the attention core (long_context/ring.py): q, k and v as they arrive (k, v not repeated:
 GQA groups are expanded block by block), the merged output in fp32, the output in token layout, and
@@ -46,9 +56,16 @@ def bytes_per_activation(dtype: str) -> int:
 
 
 def block_bytes_per_token(
-    shape: ModelShape, dtype: str = "fp32", tp: int = 1, sp: bool = False, ring: bool = False
+    shape: ModelShape,
+    dtype: str = "fp32",
+    tp: int = 1,
+    sp: bool = False,
+    ring: bool = False,
+    ep: int = 1,
+    imbalance: float = 1.0,
 ) -> dict[str, float]:
-    """What one un-checkpointed block keeps per token, by part (`ring`: attention is ring attention)."""
+    """What one un-checkpointed block keeps per token, by part (`ring`: attention is ring attention;
+    `ep`, `imbalance`: a mixture's experts over expert-parallel ranks)."""
     a, d, f, h = bytes_per_activation(dtype), shape.hidden, shape.ffn, shape.heads
     kv = d // h * shape.kv_heads
     sp = sp and tp > 1
@@ -56,24 +73,48 @@ def block_bytes_per_token(
         "norms": 2 * (8 * d + 4) / (tp if sp else 1),
         "linear inputs": 2 * a * d,
         "attention": ((2 * a * d + 2 * a * kv + 4 * d if ring else 5 * a * d) + 4 * h) / tp,
-        "mlp": (4 if shape.gated else 2) * a * f / tp,
-    }  # two-matrix MLPs: input and activation
+        "mlp": moe_bytes_per_token(shape, dtype, tp, ep, imbalance) if shape.experts else _mlp(shape, f, a) / tp,
+    }
+
+
+def _mlp(shape: ModelShape, width: int, a: int) -> float:
+    return (4 if shape.gated else 2) * a * width  # two-matrix MLPs: input and activation
+
+
+def moe_bytes_per_token(shape: ModelShape, dtype: str = "fp32", tp: int = 1, ep: int = 1, imbalance: float = 1.0):
+    """What a mixture of experts' MLP keeps per token of this rank (the module docstring's inventory);
+    `imbalance`: the busiest rank's rows over the mean, under expert parallelism."""
+    a, d, k = bytes_per_activation(dtype), shape.hidden, shape.top_k
+    router = 4 * shape.experts + 12 * k + 4
+    row = 3 * a * d + _mlp(shape, shape.expert_ffn, a) + a + 24
+    routes = 0.0
+    if ep > 1:  # the rows arriving from the other ranks, regrouped; each own route's way back
+        row += 8 + a * d
+        routes = k * (a * d + 12)
+    rows = k * (imbalance if ep > 1 else 1.0)
+    return router + rows * row + routes + _mlp(shape, shape.shared_ffn, a) / tp
 
 
 def selective_bytes_per_token(shape: ModelShape, dtype: str = "fp32", tp: int = 1) -> float:
-    """What a block under selective checkpointing keeps per token besides its input: the matmul outputs."""
+    """What a block under selective checkpointing keeps per token besides its input: the matmul outputs
+    (column outputs split, row outputs whole before the all-reduce). A mixture's experts multiply by
+    grouped GEMMs, which the policy recomputes: of its MLP only the router's logits (and a shared MLP's
+    outputs) are kept."""
     a, d, f = bytes_per_activation(dtype), shape.hidden, shape.ffn
     kv = d // shape.heads * shape.kv_heads
-    return a * (
-        (d + 2 * kv + (2 if shape.gated else 1) * f) / tp + 2 * d
-    )  # column outputs split, row outputs whole (before all-reduce)
+    columns = 2 if shape.gated else 1
+    if shape.experts:
+        shared = (columns * shape.shared_ffn / tp + d) if shape.shared_ffn else 0
+        return a * ((d + 2 * kv) / tp + d + shape.experts + shared)
+    return a * ((d + 2 * kv + columns * f) / tp + 2 * d)
 
 
 def op_sac_bytes_per_token(shape: ModelShape, dtype: str = "fp32", tp: int = 1) -> float:
     """What a block under torchtitan's op-level policy keeps per token besides its input: every
     other matmul output from the first (column outputs split by t, row outputs whole), the
-    attention's output and its log-sum-exp (fp32)."""
-    a, d, f = bytes_per_activation(dtype), shape.hidden, shape.ffn
+    attention's output and its log-sum-exp (fp32). A mixture's MLP counted as a dense one of the width a
+    token runs (not checked against a run)."""
+    a, d, f = bytes_per_activation(dtype), shape.hidden, shape.mlp_width
     kv = d // shape.heads * shape.kv_heads
     outputs = [d / tp, kv / tp, kv / tp, d] + ([f / tp, f / tp, d] if shape.gated else [f / tp, d])
     return a * (sum(outputs[0::2]) + d / tp) + 4 * shape.heads / tp
@@ -94,17 +135,20 @@ def activation_bytes(
     first_stage: bool = True,
     last_stage: bool = True,
     ring: bool = False,
+    ep: int = 1,
+    imbalance: float = 1.0,
 ) -> int:
     """Bytes one micro-batch keeps for backward on one rank. `layers`: the blocks this rank runs
     (all of them by default); `first_stage`/`last_stage`: whether it runs the embedding / head;
-    `ring`: attention is ring attention; `seq`: the tokens of each sequence this rank holds."""
+    `ring`: attention is ring attention; `seq`: the tokens of each sequence this rank holds; `ep`,
+    `imbalance`: a mixture's experts over expert-parallel ranks, the busiest one's load over the mean."""
     if policy not in POLICIES:
         raise ValueError(f"activation memory is modelled for policies {', '.join(POLICIES)}, not {policy!r}")
     tokens = micro_batch * seq
     a, d = bytes_per_activation(dtype), shape.hidden
     layers = shape.layers if layers is None else layers
     sp = sp and tp > 1
-    full = sum(block_bytes_per_token(shape, dtype, tp, sp, ring).values())
+    full = sum(block_bytes_per_token(shape, dtype, tp, sp, ring, ep, imbalance).values())
     kept_input = a * d / (tp if (sp or partition_activations) else 1)
     per_block = {
         "none": [full] * layers,

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from .hardware import PRESETS, hardware
+from .layout import EXPERT_IMBALANCE
 
 HARDWARE_FIELDS = ("memory_gib", "peak_tflops", "intra_gbps", "inter_gbps", "host_gib", "efficiency", "pcie_gbps")
 
@@ -15,8 +16,8 @@ def _model_argument(p, default: str):
     p.add_argument(
         "--model",
         default=default,
-        help="a zerotron size (1.3b), an architecture (llama3-8b), a config.json "
-        "path, or layers=..,hidden=..,heads=..,vocab=..",
+        help="a zerotron size (1.3b, moe-small), an architecture (llama3-8b, mixtral-8x7b), a config.json "
+        "path, or layers=..,hidden=..,heads=..,vocab=..[,experts=..,top_k=..,expert_ffn=..]",
     )
 
 
@@ -25,6 +26,7 @@ def add_estimate_arguments(p):
     p.add_argument("--dp", type=int, default=8)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size: a mixture's experts split over it")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
     p.add_argument("--offload-optimizer", action="store_true")
     p.add_argument("--offload-param", action="store_true")
@@ -55,6 +57,12 @@ def add_plan_arguments(p):
         help="each sequence over Ulysses x ring ranks (sequence_parallel_size, context_parallel_size): auto "
         "considers it when no layout fits without recomputation or offload",
     )
+    p.add_argument(
+        "--expert-imbalance",
+        type=float,
+        default=EXPERT_IMBALANCE,
+        help="a mixture of experts: the busiest expert-parallel rank's routed rows over the mean",
+    )
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--out", default="plan.json", help="where to write the best layout's DeepSpeed config")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw the top layouts' memory breakdown here")
@@ -76,6 +84,7 @@ def estimate(args) -> int:
             args.offload_optimizer,
             args.offload_param,
             args.persistence_threshold,
+            args.ep,
         )
     )
     if args.seq:
@@ -89,10 +98,17 @@ def estimate(args) -> int:
             sp=args.sequence_parallel,
             partition_activations=args.checkpoint != "none" and args.tp > 1,
             layers=-(-shape.layers // args.pp),
+            ep=args.ep,
+            imbalance=EXPERT_IMBALANCE,
         )
         print(
             f"activations of one micro-batch ({args.micro_batch} x {args.seq} tokens, checkpointing "
             f"{args.checkpoint}): {act / 2**30:.2f} GiB per GPU"
+            + (
+                f" (the busiest expert-parallel rank: {EXPERT_IMBALANCE:g} x the mean routed rows)"
+                if args.ep > 1
+                else ""
+            )
         )
     return 0
 
@@ -118,9 +134,15 @@ def plan_command(args) -> int:
         zero_stages=tuple(args.zero),
         offload=not args.no_offload,
         sequence_splits=args.sequence_splits,
+        expert_imbalance=args.expert_imbalance,
+    )
+    experts = (
+        f" ({shape.active_parameters / 1e9:.2f}B active: {shape.top_k} of {shape.experts} experts)"
+        if shape.experts
+        else ""
     )
     print(
-        f"{args.model}: {shape.parameters / 1e9:.2f}B parameters, {args.gpus} x {hw.name}, seq {args.seq}, "
+        f"{args.model}: {shape.parameters / 1e9:.2f}B parameters{experts}, {args.gpus} x {hw.name}, seq {args.seq}, "
         f"global batch {args.global_batch} sequences, {args.precision}"
     )
     print(table(candidates, hw, args.top))

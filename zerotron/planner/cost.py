@@ -1,123 +1,22 @@
-"""The cost model: memory per GPU and time per step of one training layout.
+"""The cost model: memory per GPU (footprint.py, re-exported here) and time per step of one training
+layout.
 
-Memory is what the engine holds (model states: memory.py; activations: activations.py) plus the
-pipeline's micro-batches in flight and the buffers collectives need. Time is compute (FLOPs at the
-hardware's calibrated efficiency, recomputation included) stretched by the pipeline bubble, plus
-the communication the engine cannot hide behind compute, from an alpha-beta model per link level.
+Time is compute (FLOPs at the hardware's calibrated efficiency, recomputation included) stretched by
+the pipeline bubble, plus the communication the engine cannot hide behind compute, from an alpha-beta
+model per link level.
 """
 
 from __future__ import annotations
 
-import functools
-
-from ..pipe.schedule import build_schedule, splits_backward
-from .activations import activation_bytes, bytes_per_activation
-from .hardware import GIB, Hardware
+from .activations import bytes_per_activation
+from .experts import expert_flops, expert_time
+from .footprint import fits, in_flight, memory  # noqa: F401 (the cost model's public face, with time)
+from .hardware import Hardware
 from .layout import CHECKPOINT_EVERY, Layout
-from .memory import model_state_bytes
 from .model import ModelShape
 from .overlap import added_time, grad_buckets, timeline, zero3_forward
 from .reuse import gathered
 from .sequence import sequence_time
-
-
-@functools.lru_cache(maxsize=4096)
-def in_flight(schedule: str, stages: int, micro_batches: int, chunks: int) -> tuple[int, ...]:
-    """Per stage, the most chunk-micro-batches whose activations are alive at once."""
-    peaks = []
-    for actions in build_schedule(schedule, stages, micro_batches, chunks):
-        alive = peak = 0
-        frees = "W" if splits_backward(actions) else "B"  # zero bubble: activations live until W
-        for a in actions:
-            alive += 1 if a.kind == "F" else -1 if a.kind == frees else 0
-            peak = max(peak, alive)
-        peaks.append(peak)
-    return tuple(peaks)
-
-
-def memory(
-    shape: ModelShape, layout: Layout, seq: int, dtype: str = "bf16", bucket_elements: int | None = None
-) -> dict[str, int]:
-    """Bytes per GPU, by part, on the most loaded rank: model states, activations, buffers; and
-    "host" for what offload puts in host memory (per GPU)."""
-    L = layout
-    states = model_state_bytes(
-        shape,
-        dp=L.replicas,  # ZeRO shards over every rank holding the same parameters, sequence ranks included
-        tp=L.tp,
-        pp=L.pp,
-        stage=L.zero,
-        dtype=dtype,
-        offload_optimizer=L.offload != "none" and L.zero > 0,
-        offload_param=L.offload == "optimizer+param" and L.zero == 3,
-    )
-    host = states.pop("host", 0)
-    states.pop("total")
-    if host:  # what lives on the host is not GPU memory
-        shard = _shard(shape, L)
-        if dtype == "fp32":  # the masters' fp32 gradients (bf16/fp16 keep none: CPU Adam reads the staging buffer)
-            states["grads"] -= 4 * shard
-        states["master_weights"] = states["optimizer"] = 0
-        if L.offload == "optimizer+param" and L.zero == 3:
-            states["params"] -= (4 if dtype == "fp32" else 2) * shard
-    out = dict(states)
-    out["activations"] = _activations(shape, L, seq, dtype)
-    out["buffers"] = _buffers(shape, L, seq, dtype, bucket_elements)
-    out["total"] = sum(out.values())
-    out["host"] = host
-    return out
-
-
-def _shard(shape: ModelShape, L: Layout) -> int:
-    """Parameters in this rank's data-parallel shard (largest pipeline stage)."""
-    stage_params = -(-shape.parameters // (L.tp * L.pp))
-    return -(-stage_params // L.replicas)
-
-
-def _activations(shape: ModelShape, L: Layout, seq: int, dtype: str) -> int:
-    """Activations alive at the peak: one micro-batch without pipelining, the schedule's
-    micro-batches in flight on each stage with it (the larger of the first and last stage). A rank
-    of a split sequence keeps those of its own tokens."""
-    kw = dict(dtype=dtype, tp=L.tp, sp=L.sequence_parallel, partition_activations=L.checkpoint != "none" and L.tp > 1)
-    kw["ring"] = L.ring > 1
-    if L.sequence_ranks > 1:
-        seq = seq / L.sequence_ranks
-    policy = L.checkpoint
-    if L.pp == 1:
-        return activation_bytes(shape, L.micro_batch, seq, policy, **kw)
-    chunk_layers = -(-shape.layers // (L.pp * L.chunks))
-    flight = in_flight(L.schedule, L.pp, L.grad_accum, L.chunks)
-    per_chunk = activation_bytes(
-        shape, L.micro_batch, seq, policy, layers=chunk_layers, first_stage=False, last_stage=False, **kw
-    )
-    embedding = activation_bytes(shape, L.micro_batch, seq, policy, layers=0, last_stage=False, **kw)
-    head = activation_bytes(shape, L.micro_batch, seq, policy, layers=0, first_stage=False, **kw)
-    first = flight[0] * (per_chunk + embedding)
-    last = flight[-1] * (per_chunk + head)
-    return max(first, last)
-
-
-def _buffers(shape: ModelShape, L: Layout, seq: int, dtype: str, bucket_elements: int | None) -> int:
-    """Transient buffers: ZeRO-2/3's gradient buckets in flight (two, while the previous one
-    reduces; ZeRO-3's buckets are its layers), ZeRO-3's gathered layers (the one running and the
-    one prefetched), pipeline send/receive buffers, and the logits' gradient in the head's backward.
-    Ring attention's backward adds, for its layer: dq and the key/value gradients in fp32 with those
-    arriving, and two key/value blocks (the one in use, the next arriving)."""
-    b, a = (4 if dtype == "fp32" else 2), bytes_per_activation(dtype)
-    layer = sum(n for where, n, _ in shape.tensors() if where == "block") // shape.layers // L.tp
-    out = 0
-    if L.zero == 2 and L.replicas > 1:  # two of the largest gradient buckets (zero/flat.py's rule)
-        out += 2 * b * max(n for n, _ in grad_buckets(shape, L.tp, L.pp, seq, bucket_elements))
-    if L.zero == 3:  # two layers gathered, and (data-parallel) two layers' gradient buckets: a unit is one
-        out += (4 if L.replicas > 1 else 2) * b * layer
-    tokens = L.micro_batch * seq // L.sequence_ranks  # this rank's
-    if L.ring > 1:
-        kv = shape.hidden // shape.heads * shape.kv_heads
-        out += tokens * (4 * shape.hidden + 16 * kv + 4 * a * kv) // L.tp
-    if L.pp > 1:
-        out += 2 * 2 * a * tokens * shape.hidden
-    out += 4 * tokens * shape.vocab // L.tp
-    return out
 
 
 # ---- time ---------------------------------------------------------------------------------------
@@ -164,7 +63,7 @@ def step_time(
         tokens_micro /= L.sequence_ranks
     fpt = shape.flops_per_token(seq)
     block_flops = (
-        6 * (shape.parameters - shape.vocab * shape.hidden * (1 if shape.tied else 2))
+        6 * (shape.active_parameters - shape.vocab * shape.hidden * (1 if shape.tied else 2))
         + 12 * shape.layers * shape.hidden * seq
     )
     # every_k checkpoints one block in CHECKPOINT_EVERY (the config's default checkpoint_every, and
@@ -177,13 +76,18 @@ def step_time(
         "every_k": -(-shape.layers // CHECKPOINT_EVERY) / shape.layers,
     }[L.checkpoint]
     recompute = block_flops / 3 * recomputed
-    if L.checkpoint == "selective":  # the attention's score and softmax recomputed: 4·L·d·s per token
-        recompute = 4 * shape.layers * shape.hidden * seq
+    if L.checkpoint == "selective":  # the attention's score and softmax recomputed: 4·L·d·s per token,
+        # and a mixture's grouped expert GEMMs (no matmul the policy keeps)
+        recompute = 4 * shape.layers * shape.hidden * seq + shape.expert_flops_per_token() / 3
     if L.checkpoint == "op_sac":  # torchtitan's op-level policy: every second matmul of a block again
         recompute = 2 * shape.layers * sum(shape.linears()[1::2])
     width = shape.hidden / L.tp
     rate = hw.peak_flops * hw.efficiency * width / (width + hw.knee)
-    micro_compute = tokens_micro * (fpt + recompute) / (L.tp * L.pp) / rate
+    # A mixture's routed experts (part of the above): whole on every tensor-parallel rank, which runs them
+    # on all its tokens, and on the busiest expert-parallel rank `expert_imbalance` times the mean (experts.py)
+    experts = expert_flops(shape, L.checkpoint) * (L.expert_imbalance if L.ep > 1 else 1.0)
+    dense = fpt + recompute - expert_flops(shape, L.checkpoint)
+    micro_compute = tokens_micro * (dense / L.tp + experts) / L.pp / rate
 
     # Tensor parallelism: per layer and micro-batch an attention and an MLP block, each with one
     # collective forward and one backward (the forward's again when a checkpointed block is
@@ -197,7 +101,10 @@ def step_time(
     # groups of them (sequence.py)
     links = _group_link(hw, L.ulysses * L.tp, hw.gpus_per_node // L.tp), _group_link(hw, L.sequence_ranks * L.tp, 1)
     micro_ulysses, micro_ring = sequence_time(shape, L, seq, hw, a, rate, *links)
-    micro_stage = micro_compute + micro_scores + micro_tp + micro_ulysses + micro_ring
+    # Expert parallelism: the tokens' all-to-alls among ep consecutive ranks (experts.py)
+    near, far = (hw.intra_gbps, hw.intra_latency_us), _group_link(hw, L.ep, 1)  # (far: beyond a node, a GPU's NIC)
+    micro_a2a = expert_time(shape, L, tokens_micro, a, hw.gpus_per_node, near, far)
+    micro_stage = micro_compute + micro_scores + micro_tp + micro_ulysses + micro_ring + micro_a2a
     # Pipeline: m micro-batches through p stages; idle fill and drain of (p - 1) / v stage-steps.
     pipeline = micro_stage * (m + (L.pp - 1) / L.chunks)
     out = {
@@ -206,6 +113,7 @@ def step_time(
         "tensor_parallel": micro_tp * m,
         "ulysses_all_to_all": micro_ulysses * m,
         "ring_p2p": micro_ring * m,
+        "expert_all_to_all": micro_a2a * m,
         "bubble": pipeline - micro_stage * m,
     }
     # Pipeline transfers during fill and drain sit on the critical path; in steady state they overlap.
@@ -214,15 +122,23 @@ def step_time(
     out["pipeline_p2p"] = 2 * (L.pp - 1) * L.chunks * p2p if L.pp > 1 else 0.0
 
     # Data parallelism over the stage's parameters on this GPU, among every rank holding them (the
-    # sequence ranks too: ZeRO shards over them and gradients are averaged over them).
+    # sequence ranks too: ZeRO shards over them and gradients are averaged over them); a rank's experts
+    # under expert parallelism among the n/ep ranks holding the same ones, ep apart.
     psi = shape.parameters / (L.tp * L.pp)
     n = L.replicas
     dp_bw, dp_lat = _group_link(hw, n * L.tp, hw.gpus_per_node // L.tp if L.pooled_nics else 1)
+    edp = _group_link(hw, n, max(1, hw.gpus_per_node // L.ep) if L.pooled_nics else 1)
+
+    def reduction(bucket, passes: int) -> float:
+        if bucket.expert:
+            return _ring(b * bucket.elements, n // L.ep, *edp, passes)
+        return _ring(b * bucket.elements, n, dp_bw, dp_lat, passes)
+
     backward = micro_compute * 2 / 3
-    buckets = grad_buckets(shape, L.tp, L.pp, seq, bucket_elements)
-    flops = [f for _, f in buckets]
+    buckets = grad_buckets(shape, L.tp, L.pp, seq, bucket_elements, L.ep)
+    flops = [k.flops for k in buckets]
     if L.zero <= 2:  # reduced bucket by bucket as backward fills them (overlap.py), at the boundary
-        costs = [_ring(b * e, n, dp_bw, dp_lat, 2 if L.zero == 0 else 1) for e, _ in buckets]
+        costs = [reduction(k, 2 if L.zero == 0 else 1) for k in buckets]
         if L.pp > 1 and L.zero <= 1:  # a pipeline reduces after its last backward: nothing hides it
             exposed = sum(costs)
         else:  # (ZeRO-2: every micro-batch; stages 1-2: one bucket in flight)
@@ -231,10 +147,10 @@ def step_time(
             exposed = (m if L.zero == 2 else 1) * added_time(finish, backward, sum(costs), hw.overlap)
     else:  # ZeRO-3: each layer gathered for its forward and its backward (prefetched), its
         # gradients reduce-scattered after its backward (overlap.py)
-        exposed = m * _stage3(shape, L, seq, hw, b, tokens_micro, rate, recompute, dp_bw, dp_lat)
+        exposed = m * _stage3(shape, L, seq, hw, b, tokens_micro, rate, recompute, (dp_bw, dp_lat), edp)
     gather_after_step = 0.0
     if L.zero in (1, 2):  # the step's all-gather, bucket by bucket
-        costs = [_ring(b * e, n, dp_bw, dp_lat, 1) for e, _ in buckets]
+        costs = [reduction(k, 1) for k in buckets]
         gather_after_step = sum(costs)
         if L.overlap_param_gather:  # all issued at the step, each waited on at its first use in the next forward
             forward = micro_compute / 3
@@ -254,11 +170,12 @@ def step_time(
 
 
 def _block_flops(shape: ModelShape, seq: int) -> dict[str, float]:
-    """Forward FLOPs per token of one layer's attention block (projections and attention) and MLP."""
+    """Forward FLOPs per token of one layer's attention block (projections and attention) and MLP (a
+    mixture's: its router and the top_k experts and shared MLP a token runs)."""
     d, kv = shape.hidden, shape.hidden // shape.heads * shape.kv_heads
     return {
         "attention": 2 * (2 * d * d + 2 * d * kv) + 4 * seq * d,
-        "mlp": 2 * (3 if shape.gated else 2) * d * shape.ffn,
+        "mlp": 2 * shape.mlp_matrices * d * shape.mlp_width + 2 * d * shape.experts,
     }
 
 
@@ -268,7 +185,8 @@ def _tensor_parallel(
     """What the blocks' tensor-parallel collectives add to one micro-batch on one pipeline stage:
     per block and direction, the block as one segment, or with tp_overlap_comm two halves, each
     half's exit (forward) or entry (backward) collective issued as it ends and, with sequence
-    parallelism, both halves' gathers issued at the start (parallel/overlap.py)."""
+    parallelism, both halves' gathers issued at the start (parallel/overlap.py). A mixture's MLP is
+    no tensor-parallel block: every rank runs it whole, with no collective."""
     bw, lat = _group_link(hw, L.tp, L.tp)
     halves = 2 if L.tp_overlap_comm and L.micro_batch >= 2 else 1
     act = a * tokens * shape.hidden / halves
@@ -276,7 +194,9 @@ def _tensor_parallel(
     scatter = _ring(act, L.tp, bw, lat, 1 if L.sequence_parallel else 2)
     forwards = 1 + recomputed  # checkpointed blocks run their forward again
     per_layer = 0.0
-    for flops in _block_flops(shape, seq).values():
+    for part, flops in _block_flops(shape, seq).items():
+        if part == "mlp" and shape.experts:
+            continue
         forward = tokens * flops / L.tp / rate
         for compute, times in ((forward, forwards), (2 * forward, 1)):
             finish = timeline([compute / halves] * halves, pre=[gather] * halves, post=[scatter] * halves, ahead=None)
@@ -293,8 +213,8 @@ def _stage3(
     tokens: int,
     rate: float,
     recompute: float,
-    bw: float,
-    lat: float,
+    link: tuple[float, float],
+    expert_link: tuple[float, float],
 ) -> float:
     """What ZeRO-3's collectives add to one micro-batch: the root unit (embedding, norm, head)
     gathered as forward starts, each layer's unit gathered `depth` units ahead
@@ -303,18 +223,22 @@ def _stage3(
     backward with one reduction in flight (zero/stage3.py). `zero3_regather` (DeepSpeed): what each
     block's forward and backward gather follows DeepSpeed's release per sub-module (reuse.py): a
     checkpointed block's recomputed forward gathers it again, and its backward gathers again the
-    linears not reused within the distance."""
-    layer = sum(n for where, n, _ in shape.tensors() if where == "block") // shape.layers // L.tp
-    root = int(shape.parameters // L.tp) - shape.layers * layer
-    whole = _ring(b * root, L.replicas, bw, lat, 1)
+    linears not reused within the distance. Under expert parallelism a unit's experts (the rank's) are
+    gathered among the ranks holding the same ones, over `expert_link`."""
+    dense, experts = shape.layer_elements(L.tp, L.ep)
+    layer = dense + experts
+    root = sum(-(-n // L.tp) if split else n for where, n, split in shape.tensors() if where in ("embed", "head"))
+    whole = _ring(b * root, L.replicas, *link, 1)
 
-    def gather(elements: float) -> float:
-        if not elements:
+    def gather(elements: float, expert: float = 0.0) -> float:
+        if not elements + expert:
             return 0.0
-        host = b * elements / L.replicas / (hw.pcie_gbps * 1e9) if L.offload == "optimizer+param" else 0.0
-        return _ring(b * elements, L.replicas, bw, lat, 1) + host  # (offloaded: the shard first crosses PCIe)
+        time = _ring(b * elements, L.replicas, *link, 1) + _ring(b * expert, L.replicas // L.ep, *expert_link, 1)
+        if L.offload == "optimizer+param":  # the shard first crosses PCIe
+            time += b * (elements / L.replicas + expert / (L.replicas // L.ep)) / (hw.pcie_gbps * 1e9)
+        return time
 
-    unit = gather(layer)
+    unit = gather(dense, experts) if L.ep > 1 else gather(layer)
     ahead, kept = zero3_forward(
         shape.layers, layer, root, L.stage3_prefetch, L.stage3_max_live, L.stage3_max_reuse_distance
     )
@@ -359,14 +283,3 @@ def throughput(shape: ModelShape, layout: Layout, seq: int, hw: Hardware, dtype:
         "mfu": tps * shape.flops_per_token(seq) / (layout.gpus * hw.peak_flops),
         "time": t,
     }
-
-
-def fits(mem: dict[str, int], hw: Hardware, gpus_per_node: int | None = None) -> str | None:
-    """Why the layout does not fit, or None."""
-    usable = (hw.memory_gib - hw.reserve_gib) * GIB
-    if mem["total"] > usable:
-        return f"needs {mem['total'] / GIB:.1f} GiB per GPU, {hw.memory_gib - hw.reserve_gib:.0f} usable"
-    per_node = gpus_per_node or hw.gpus_per_node
-    if mem["host"] * per_node > hw.host_gib * GIB * 0.9:
-        return f"offload needs {mem['host'] * per_node / GIB:.0f} GiB of host memory per node, {hw.host_gib:.0f} there"
-    return None

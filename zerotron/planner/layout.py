@@ -1,6 +1,6 @@
 """A training layout, as the planner costs it: how the GPUs split the work (dp x tp x pp, each sequence
-over Ulysses x ring ranks, ZeRO stage, pipeline schedule and chunks, micro-batches) and the memory
-savers used (checkpointing, offload)."""
+over Ulysses x ring ranks, a mixture's experts over expert-parallel ranks, ZeRO stage, pipeline schedule
+and chunks, micro-batches) and the memory savers used (checkpointing, offload)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from ..config import ZeroConfig, ZerotronConfig
 
 STAGE3_MAX_REUSE_DISTANCE = ZeroConfig.stage3_max_reuse_distance  # the config's default, which zero/stage3.py applies
 CHECKPOINT_EVERY = ZerotronConfig.checkpoint_every  # the every_k policy's k: the config's default
+# The busiest expert-parallel rank's rows over the mean (an assumption, like a capacity factor: routing
+# that a load-balancing loss keeps near uniform, with some skew left)
+EXPERT_IMBALANCE = 1.25
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,24 @@ class Layout:
     # hold the same parameters, so ZeRO shards over dp x ulysses x ring (`replicas`)
     ulysses: int = 1  # Ulysses: all-to-alls trade the sequence split for a head split around attention
     ring: int = 1  # ring attention: key/value blocks passed around the ring, causal halves load-balanced
+    # A mixture's experts split over runs of `ep` consecutive data-parallel ranks (expert_parallel.autoep_size),
+    # which trade each token's routes by all-to-all; the busiest rank's expert rows are `expert_imbalance`
+    # times the mean (planner/experts.py)
+    ep: int = 1
+    expert_imbalance: float = EXPERT_IMBALANCE
+
+    def __post_init__(self):
+        if self.ep < 1 or self.dp % self.ep:
+            raise ValueError(f"ep ({self.ep}) must divide dp ({self.dp}): the experts split over data-parallel ranks")
+        if self.ep > 1 and self.tp * self.pp * self.sequence_ranks > 1:
+            raise ValueError(
+                f"expert parallelism (ep {self.ep}) runs with data parallelism only, as the engine does: set tp, pp, "
+                "ulysses and ring to 1, or ep to 1"
+            )
+        if self.expert_imbalance < 1:
+            raise ValueError(
+                f"expert_imbalance ({self.expert_imbalance}) is the busiest rank's load over the mean: >= 1"
+            )
 
     @property
     def sequence_ranks(self) -> int:
@@ -65,6 +86,7 @@ class Layout:
     def describe(self) -> str:
         parts = [
             f"dp{self.dp}",
+            *([f"ep{self.ep}"] if self.ep > 1 else []),
             f"tp{self.tp}{'+sp' if self.sequence_parallel else ''}",
             f"pp{self.pp}",
             *([f"u{self.ulysses}"] if self.ulysses > 1 else []),
@@ -92,6 +114,8 @@ class Layout:
         ]
         if self.tp_overlap_comm:
             parts.append("tp-halves")
+        if self.ep > 1 and self.expert_imbalance != EXPERT_IMBALANCE:
+            parts.append(f"imbalance:{self.expert_imbalance:g}")
         if self.zero == 3 and self.stage3_prefetch != 50_000_000:
             parts.append(f"prefetch:{self.stage3_prefetch:g}")
         if self.zero == 3 and self.stage3_max_reuse_distance != STAGE3_MAX_REUSE_DISTANCE:

@@ -12,6 +12,13 @@ data-parallel size; b = bytes per element of the model dtype), as zerotron's eng
 With optimizer offload the masters (also in fp32 training), their fp32 gradients, a staging copy
 in the model dtype and the optimizer states live in host memory instead. Stage 3 keeps parameters
 under `stage3_param_persistence_threshold` whole on every rank.
+
+Expert parallelism over `ep` of the N data-parallel ranks: each rank holds experts/ep of every block's
+experts, and ZeRO shards their states over the N/ep ranks holding the same ones (the expert-data-parallel
+group), so the table applies twice: to the dense tensors over N, to the rank's experts over N/ep (the
+engine's shard groups, zero/shard_group.py). Fully sharded states (8Ψ/N) come out the same either way;
+what expert parallelism saves is the experts' parameters and gradients ZeRO leaves whole (stages 0-2)
+and the layer ZeRO-3 gathers.
 """
 
 from __future__ import annotations
@@ -23,23 +30,43 @@ from .model import ModelShape
 
 
 @functools.lru_cache(maxsize=1024)
-def stage_tensors(shape: ModelShape, pp: int, stage: int) -> tuple[tuple[int, bool], ...]:
-    """The tensors of one pipeline stage when blocks are split evenly (embedding with the first
-    stage, norm and head with the last, a tied embedding on both)."""
+def stage_tensors(shape: ModelShape, pp: int, stage: int) -> tuple[tuple[str, int, bool], ...]:
+    """The tensors of one pipeline stage (as `shape.tensors()` lists them) when blocks are split evenly
+    (embedding with the first stage, norm and head with the last, a tied embedding on both)."""
     per = [shape.layers // pp + (s < shape.layers % pp) for s in range(pp)]
     first = sum(per[:stage])
     tensors, block = [], 0
-    for where, n, split in shape.tensors():
+    for t in shape.tensors():
+        where = t[0]
         if where == "embed" and (stage == 0 or (shape.tied and stage == pp - 1)):
-            tensors.append((n, split))
-        elif where == "block":
+            tensors.append(t)
+        elif where in ("block", "expert"):
             layer = block // shape.tensors_per_block
             block += 1
             if first <= layer < first + per[stage]:
-                tensors.append((n, split))
+                tensors.append(t)
         elif where == "head" and stage == pp - 1:
-            tensors.append((n, split))
+            tensors.append(t)
     return tuple(tensors)
+
+
+def shard_groups(
+    shape: ModelShape, dp: int, tp: int = 1, pp: int = 1, ep: int = 1, pipeline_stage: int = 0
+) -> list[tuple[list[int], int]]:
+    """(element counts of the tensors a rank trains, the ranks ZeRO shards them over) for each of its
+    shard groups: the dense tensors over `dp`; under expert parallelism the rank's experts over dp/ep."""
+    if ep > 1 and (dp % ep or shape.experts % ep or tp * pp > 1):
+        raise ValueError(
+            f"expert parallelism over {ep} ranks needs a mixture whose experts ({shape.experts}) and data-parallel "
+            f"size ({dp}) it divides, without tensor ({tp}) or pipeline ({pp}) parallelism; choose another ep"
+        )
+    dense, experts = [], []
+    for where, n, split in stage_tensors(shape, pp, pipeline_stage):
+        if where == "expert" and ep > 1:
+            experts.append(n // ep)
+        else:
+            dense.append(-(-n // tp) if split else n)
+    return [(dense, dp)] + ([(experts, dp // ep)] if experts else [])
 
 
 def model_state_bytes(
@@ -54,23 +81,26 @@ def model_state_bytes(
     offload_param: bool = False,
     persistence_threshold: int = 100_000,
     pipeline_stage: int | None = None,
+    ep: int = 1,
 ) -> dict[str, int]:
     """Bytes of params, grads, master_weights and optimizer states on one rank (the keys of
     engine.memory_report()), plus "host" for offloaded states. `pipeline_stage`: which stage (the
-    largest one when None)."""
+    largest one when None); `ep`: expert-parallel ranks (a mixture's experts split over them)."""
     stages = [pipeline_stage] if pipeline_stage is not None else range(pp)
-    reports = [
-        rank_state_bytes(
-            [(math.ceil(n / tp) if split else n) for n, split in stage_tensors(shape, pp, s)],
-            dp=dp,
-            stage=stage,
-            dtype=dtype,
-            offload_optimizer=offload_optimizer,
-            offload_param=offload_param,
-            persistence_threshold=persistence_threshold,
-        )
-        for s in stages
-    ]
+    kw = dict(
+        stage=stage,
+        dtype=dtype,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
+        persistence_threshold=persistence_threshold,
+    )
+    reports = []
+    for s in stages:
+        report: dict[str, int] = {}
+        for tensors, size in shard_groups(shape, dp, tp, pp, ep, s):  # summed over groups, as the engine's
+            for key, value in rank_state_bytes(tensors, dp=size, **kw).items():
+                report[key] = report.get(key, 0) + value
+        reports.append(report)
     return max(reports, key=lambda r: r["total"])
 
 
@@ -129,11 +159,14 @@ def estimate_table(
     offload_optimizer: bool = False,
     offload_param: bool = False,
     persistence_threshold: int = 100_000,
+    ep: int = 1,
 ) -> str:
     """Model-state memory per rank for each ZeRO stage, as text (`zerotron estimate`)."""
     gib = 2**30
+    experts = f" ({shape.active_parameters / 1e6:,.1f}M active per token)" if shape.experts else ""
     lines = [
-        f"{shape.parameters / 1e6:,.1f}M parameters, dp {dp} x tp {tp} x pp {pp}, {dtype}"
+        f"{shape.parameters / 1e6:,.1f}M parameters{experts}, dp {dp}{f' (experts over ep {ep})' if ep > 1 else ''}"
+        f" x tp {tp} x pp {pp}, {dtype}"
         f"{', optimizer offload' if offload_optimizer else ''}{', parameter offload' if offload_param else ''}",
         f"{'ZeRO':>4}  {'params':>9}  {'grads':>9}  {'masters':>9}  {'optimizer':>9}  {'device GiB':>10}  "
         f"{'host GiB':>8}",
@@ -149,6 +182,7 @@ def estimate_table(
             offload_optimizer=offload_optimizer and stage > 0,
             offload_param=offload_param and stage == 3,
             persistence_threshold=persistence_threshold,
+            ep=ep,
         )
         device = r["total"] - r.get("host", 0)
         lines.append(

@@ -23,6 +23,8 @@ collective's time that compute running beside it hides (bench/planner.py measure
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ..zero.flat import bucket_numel, cut
 from ..zero.gather_rules import forward_plan
 from .model import ModelShape
@@ -75,30 +77,41 @@ def added_time(finish: float, compute: float, comm: float, overlap: float) -> fl
     return exposed + (1.0 - overlap) * max(0.0, comm - exposed)
 
 
-def grad_buckets(shape: ModelShape, tp: int, pp: int, seq: int, configured: int | None) -> list[tuple[int, float]]:
-    """(elements, backward FLOPs per token) of each gradient bucket of one rank, in the order the
-    engine launches them: its parameters in reverse module order, cut by zero/flat.py's rule (with
-    pipeline stages: the first stage's, embedding and its share of the blocks)."""
+class Bucket(NamedTuple):
+    elements: int
+    flops: float  # backward FLOPs per token that produce its gradients
+    expert: bool  # a mixture's experts under expert parallelism: reduced over the expert-data group
+
+
+def grad_buckets(shape: ModelShape, tp: int, pp: int, seq: int, configured: int | None, ep: int = 1) -> list[Bucket]:
+    """Each gradient bucket of one rank, in the order the engine launches them: its parameters in
+    reverse module order, cut by zero/flat.py's rule (with pipeline stages: the first stage's,
+    embedding and its share of the blocks); under expert parallelism (`ep` > 1) the rank's experts,
+    1/ep of them, in buckets of their own, as the engine keeps each bucket in one shard group."""
     tensors, block = [], 0
     stage_blocks = -(-shape.layers // pp)
     for where, n, split in shape.tensors():
-        if where == "block":
+        if where in ("block", "expert"):
             block += 1
             if block > stage_blocks * shape.tensors_per_block:
                 continue
         elif where == "head" and pp > 1:
             continue
-        numel = n // tp if split else n
-        # dgrad and wgrad of a matrix; the attention's own matmuls ride with its first projection
+        numel = n // tp if split else n // ep if where == "expert" else n
+        # dgrad and wgrad of a matrix; the attention's own matmuls ride with its first projection; an
+        # expert tensor's rows are top_k / experts of the tokens (the rank's experts, ep x their share)
         flops = 4.0 * numel if split and where != "embed" else 0.0
+        if where == "expert":
+            flops = 4.0 * n * shape.top_k / shape.experts
         if where == "block" and (block - 1) % shape.tensors_per_block == 1:
             flops += 8.0 * seq * shape.hidden / tp
-        tensors.append((numel, flops))
+        tensors.append(Bucket(numel, flops, where == "expert" and ep > 1))
     if shape.tied and pp == 1:  # the head's backward comes first, the tied embedding's gradient last
-        tensors.append((0, 4.0 * shape.vocab * shape.hidden / tp))
+        tensors.append(Bucket(0, 4.0 * shape.vocab * shape.hidden / tp, False))
     tensors.reverse()
-    limit = bucket_numel(configured, sum(n for n, _ in tensors))
-    return [(sum(n for n, _ in b), sum(f for _, f in b)) for b in cut(tensors, lambda t: t[0], limit)]
+    limit = bucket_numel(configured, sum(t.elements for t in tensors))
+    runs = cut(tensors, lambda t: t.elements, limit, lambda first, t: first.expert == t.expert)
+    return [Bucket(sum(t.elements for t in b), sum(t.flops for t in b), b[0].expert) for b in runs]
 
 
 def zero3_forward(

@@ -2,7 +2,10 @@
 
 Valid means what the engine runs: tensor parallelism inside a node and dividing the heads,
 pipeline stages no more than layers (and without ZeRO-3 or sequence parallelism), the global
-batch split evenly over data-parallel ranks and micro-batches, offload only with ZeRO.
+batch split evenly over data-parallel ranks and micro-batches, offload only with ZeRO. A mixture of
+experts adds expert parallelism: ep of each run of data-parallel ranks, ep dividing dp and the experts,
+only without tensor, pipeline or sequence splits (the engine's rule); its experts are no tensor-parallel
+block, so tensor parallelism runs without sequence parallelism there (the engine refuses the pair).
 
 Splitting each sequence (Ulysses x ring, `sequence_splits`) is a memory saver like checkpointing and
 offload, and costs communication: by default ("auto") the search adds those layouts when every layout
@@ -12,13 +15,14 @@ without them that fits needs recomputation or offload, or none fits; "always" ad
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
 from ..long_context.layout import SequenceSplit
 from .cost import fits, memory, throughput
 from .hardware import Hardware
-from .layout import Layout
+from .layout import EXPERT_IMBALANCE, Layout
 from .model import ModelShape
 
 CHECKPOINTS = ("none", "selective", "every_block")
@@ -39,6 +43,15 @@ class Candidate:
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def expert_splits(shape: ModelShape, dp: int, tp: int, pp: int, sequence_ranks: int) -> list[int]:
+    """The expert-parallel sizes to try: 1, and for a mixture of experts on data parallelism alone every
+    divisor of dp that divides the number of experts (the engine composes ep with nothing else yet;
+    lifting that is this condition)."""
+    if not shape.experts or tp * pp * sequence_ranks > 1:
+        return [1]
+    return [ep for ep in _divisors(dp) if shape.experts % ep == 0]
 
 
 def sequence_splits(shape: ModelShape, gpus: int, gpus_per_node: int, seq: int, tp: int, pp: int):
@@ -70,8 +83,10 @@ def layouts(
     offload: bool = True,
     seq: int | None = None,
     split: bool = False,
+    expert_imbalance: float = EXPERT_IMBALANCE,
 ):
-    """Every valid layout; with `split`, only those splitting each sequence (of `seq` tokens)."""
+    """Every valid layout; with `split`, only those splitting each sequence (of `seq` tokens);
+    `expert_imbalance`: a mixture's busiest expert-parallel rank's load over the mean."""
     if split and not seq:
         raise ValueError("the layouts that split each sequence depend on its length: give seq")
     for tp in _divisors(min(gpus, gpus_per_node)):
@@ -106,25 +121,27 @@ def layouts(
                         else [("1f1b", 1)]
                         + ([("interleaved", 2)] if accum % pp == 0 and shape.layers % (2 * pp) == 0 else [])
                     )
-                    for ckpt in CHECKPOINTS:
-                        for off in offloads:
-                            for schedule, chunks in schedules:
-                                yield Layout(
-                                    dp=dp,
-                                    tp=tp,
-                                    pp=pp,
-                                    zero=zero,
-                                    micro_batch=micro,
-                                    grad_accum=accum,
-                                    checkpoint=ckpt,
-                                    offload=off,
-                                    schedule=schedule,
-                                    chunks=chunks,
-                                    sequence_parallel=tp > 1 and pp == 1,
-                                    overlap_param_gather=zero in (1, 2) and pp == 1 and dp * u * c > 1,
-                                    ulysses=u,
-                                    ring=c,
-                                )
+                    for ckpt, off, (schedule, chunks), ep in itertools.product(
+                        CHECKPOINTS, offloads, schedules, expert_splits(shape, dp, tp, pp, u * c)
+                    ):
+                        yield Layout(
+                            dp=dp,
+                            tp=tp,
+                            pp=pp,
+                            zero=zero,
+                            micro_batch=micro,
+                            grad_accum=accum,
+                            checkpoint=ckpt,
+                            offload=off,
+                            schedule=schedule,
+                            chunks=chunks,
+                            sequence_parallel=tp > 1 and pp == 1 and not shape.experts,
+                            overlap_param_gather=zero in (1, 2) and pp == 1 and dp * u * c > 1,
+                            ulysses=u,
+                            ring=c,
+                            ep=ep,
+                            expert_imbalance=expert_imbalance,
+                        )
 
 
 def plan(
@@ -190,6 +207,8 @@ def deepspeed_config(layout: Layout, global_batch: int, dtype: str = "bf16", lr:
         config["sequence_parallel_size"] = layout.ulysses
     if layout.ring > 1:
         config["zerotron"]["context_parallel_size"] = layout.ring
+    if layout.ep > 1:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": layout.ep}
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     elif dtype == "fp16":
