@@ -106,3 +106,13 @@ def test_an_overflow_in_one_ranks_experts_skips_the_step_everywhere():
     first, second = run_ranks(_overflow_on_one_rank, 2, timeout=60)
     assert first == second, (first, second)
     assert [skipped for skipped, _, _ in first] == [0, 1, 1] and first[2][1] == first[0][1] / 2
+
+
+def test_its_pipeline_form_is_refused_while_it_has_a_load_balancing_loss():
+    import zerotron
+    from zerotron.models.gpt import GPT, config_for
+    from zerotron.parallelize import to_pipeline
+
+    with pytest.raises(zerotron.ConfigError, match="load-balancing loss"):
+        to_pipeline(GPT(config_for("moe-tiny")), 2)
+    to_pipeline(GPT(config_for("moe-tiny", aux_loss_coef=0.0)), 1)  # without it, the same loss: allowed

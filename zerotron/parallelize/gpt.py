@@ -91,6 +91,14 @@ def gpt_pipeline(model: GPT, num_stages: int, partition_method: str = "parameter
     embedding, one layer per block, final norm, head. With tied embeddings the embedding is a
     TiedLayerSpec shared by the first and last stage. kwargs go to PipelineModule."""
     cfg = model.config
+    if cfg.n_experts and cfg.aux_loss_coef:
+        raise ConfigError(
+            "pipeline.stages",
+            num_stages,
+            "the mixture-of-experts GPT's load-balancing loss sums over every block, which no pipeline stage "
+            "sees: its pipeline form would train without it. Split the experts instead (expert_parallel, "
+            "zerotron train --ep N), or build the model with aux_loss_coef=0",
+        )
     embed = _Embedding(model.tok_emb, model.lm_head if cfg.tie_embeddings else None)
     blocks = [LayerSpec(_PipeBlock, block, cfg) for block in model.layers]
     if cfg.tie_embeddings:

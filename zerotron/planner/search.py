@@ -97,7 +97,9 @@ def layouts(
             for pp in _divisors(gpus // tp)
             for u, c in (sequence_splits(shape, gpus, gpus_per_node, seq, tp, pp) if split else [(1, 1)])
         ):
-            if pp > shape.layers:
+            # (no pipelines of mixtures: the reference MoE's pipeline form would drop its load-balancing
+            # loss, so the engine refuses it, and Transformers' MoE families have none)
+            if pp > shape.layers or (pp > 1 and shape.experts):
                 continue
             dp = gpus // (tp * pp * u * c)
             if global_batch % dp:
