@@ -29,7 +29,8 @@ from .gating import Routes
 
 
 def is_stacked_experts(module: nn.Module) -> bool:
-    """A Transformers experts module: the decorator's marks and parameters stacked by expert."""
+    """An experts module on Transformers' interface (a family's, or the reference MoE model's): the
+    decorator's marks and parameters stacked by expert."""
     return (
         hasattr(module, "is_transposed")
         and hasattr(module, "has_gate")
