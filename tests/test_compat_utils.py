@@ -309,3 +309,26 @@ def test_zero_to_fp32_gives_the_models_state_dict(tmp_path):
         zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(tmp_path)
     with pytest.raises(FileNotFoundError, match="global_step9"):
         zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(ckpt, tag="global_step9")
+
+
+def test_deepspeed_chats_module_helpers_and_epoch_count():
+    """DeepSpeed-Chat's LoRA code imports recursive_getattr/recursive_setattr from
+    deepspeed.compression.helper (DeepSpeed keeps them there and in utils.module_utils); its training
+    loop calls engine.tput_timer.update_epoch_count() at each epoch."""
+    import importlib
+
+    from zerotron.engine.accessors import ThroughputTimer
+
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.ReLU())
+    for path in ("zerotron.compat.utils.module_utils",):
+        helper = importlib.import_module(path)
+        assert helper.recursive_getattr(model, "0.0") is model[0][0]
+        replacement = torch.nn.Linear(2, 3)
+        helper.recursive_setattr(model, "0.0", replacement)
+        assert model[0][0] is replacement
+        helper.recursive_setattr(model, "1", torch.nn.Tanh())
+        assert isinstance(model[1], torch.nn.Tanh)
+    timer = ThroughputTimer(batch_size=4)
+    timer.stop(global_step=False)
+    timer.update_epoch_count()
+    assert (timer.epoch_count, timer.micro_step_count) == (1, 0)

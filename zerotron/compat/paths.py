@@ -29,6 +29,10 @@ PATHS: dict[str, str] = {
     "utils": "zerotron.compat.utils",
     "utils.groups": "zerotron.compat.utils.groups",
     "utils.zero_to_fp32": "zerotron.compat.utils.zero_to_fp32",
+    "utils.module_utils": "zerotron.compat.utils.module_utils",
+    # compression: DeepSpeed removed the library and kept helper's two functions (DeepSpeed-Chat imports them)
+    "compression": "zerotron.compat.utils.module_utils",
+    "compression.helper": "zerotron.compat.utils.module_utils",
     # runtime
     "runtime": "zerotron.compat.runtime",
     "runtime.engine": "zerotron.compat.runtime.engine",

@@ -18,6 +18,7 @@ class ThroughputTimer:
         self.batch_size = batch_size
         self.global_step_count = 0
         self.micro_step_count = 0
+        self.epoch_count = 0
         self.total_elapsed_time = 0.0
         self.step_elapsed_time = 0.0
         self._started = None
@@ -37,6 +38,11 @@ class ThroughputTimer:
             self.step_elapsed_time = now - self._last
             self.total_elapsed_time += self.step_elapsed_time
         self._last = now
+
+    def update_epoch_count(self):
+        """A new epoch (DeepSpeed-Chat calls it at each): counted, and the micro-steps counted anew."""
+        self.epoch_count += 1
+        self.micro_step_count = 0
 
     def avg_samples_per_sec(self) -> float:
         counted = self.global_step_count - 1

@@ -5,7 +5,7 @@ Functions that take no engine answer for the most recently initialized one (engi
 `register_engine(engine)` makes that explicit)."""
 
 from ..runtime.dataloader import RepeatingLoader
-from . import engines, groups, logging, nvtx, tensor_fragment, zero_to_fp32  # noqa: F401
+from . import engines, groups, logging, module_utils, nvtx, tensor_fragment, zero_to_fp32  # noqa: F401
 
 # (as in DeepSpeed, the attribute z3_leaf_module is the function; from-imports still reach the module)
 from .engines import current_engine, register_engine
