@@ -232,16 +232,21 @@ def test_zerotron_run_as_deepspeed_aliases_deepspeed_in_the_workers(tmp_path):
     script = tmp_path / "uses_deepspeed.py"
     script.write_text(
         textwrap.dedent("""
-        import importlib.metadata, os, sys
+        import argparse, importlib.metadata, os, sys
         import deepspeed
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         assert deepspeed is sys.modules["zerotron"], deepspeed
+        p = argparse.ArgumentParser()
+        p.add_argument("--local_rank", type=int, default=-1)  # DeepSpeed's launcher passes it
+        p.add_argument("--steps", type=int)
+        args = p.parse_args()
         print("alias:", os.environ["RANK"], os.environ["ZEROTRON_AS_DEEPSPEED"],
-              importlib.metadata.version("deepspeed"))
+              importlib.metadata.version("deepspeed"), "local_rank", args.local_rank, "steps", args.steps,
+              "main", __name__, "path", os.path.dirname(__file__) in sys.path)
     """)
     )
     out = subprocess.run(
-        [sys.executable, "-m", "zerotron.cli", "run", "-n", "1", "--as-deepspeed", str(script)],
+        [sys.executable, "-m", "zerotron.cli", "run", "-n", "2", "--as-deepspeed", str(script), "--steps", "3"],
         cwd=str(tmp_path),
         env=_env(),
         capture_output=True,
@@ -249,4 +254,6 @@ def test_zerotron_run_as_deepspeed_aliases_deepspeed_in_the_workers(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    assert "alias: 0 1 0.18.2+zerotron." in out.stdout
+    for rank in (0, 1):  # DeepSpeed's launcher's --local_rank, before the script's own arguments
+        assert f"alias: {rank} 1 0.18.2+zerotron." in out.stdout
+        assert f"local_rank {rank} steps 3 main __main__ path True" in out.stdout

@@ -120,6 +120,11 @@ def _add_run_arguments(p: argparse.ArgumentParser):
         action="store_true",
         help="`import deepspeed` in the workers gives zerotron (sets ZEROTRON_AS_DEEPSPEED=1 for them)",
     )
+    p.add_argument(
+        "--no_local_rank",
+        action="store_true",
+        help="with --as-deepspeed: do not pass the script --local_rank=N (DeepSpeed's launcher flag)",
+    )
     p.add_argument("script", help="the training script (or -m module)")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
 
@@ -150,6 +155,8 @@ def _run(args) -> int:
             )
             return 2
         os.environ[ENV] = "1"
+        if not args.no_local_rank:  # as DeepSpeed's launcher: the script gets --local_rank=N
+            return _torchrun([*argv, "-m", "zerotron.compat.local_rank", args.script, *args.script_args])
     return _torchrun([*argv, args.script, *args.script_args])
 
 
