@@ -62,8 +62,9 @@ def _build(cls_name):
     return model.eval() if cfg.model_type in SAMPLES_IN_TRAINING else model
 
 
-def _reference(cls_name):
-    model = _build(cls_name)
+def _reference(cls_name, model=None):
+    """One process holding every expert: SGD with momentum and clipping, as the engines below."""
+    model = model if model is not None else _build(cls_name)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses = []
     for x in _batches():
@@ -76,31 +77,42 @@ def _reference(cls_name):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _config(stage, ep=2):
+    config = {
+        "train_micro_batch_size_per_gpu": ROWS // 2,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**6,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+        "zero_allow_untested_optimizer": True,
+    }
+    if ep > 1:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": ep}
+    return config
+
+
+def _train(engine, steps=STEPS):
+    """This rank's half of each of the next `steps` batches."""
+    losses = []
+    for x in _batches()[engine.global_steps : engine.global_steps + steps]:
+        mine = x.chunk(2)[engine.coords.dp]
+        losses.append(engine.train_batch(iter([{"input_ids": mine, "labels": mine}])).item())
+    return losses
+
+
 def _split(cls_name, stage, ref_losses, ref_weights):
     """('ok' | 'refused' | 'FAIL', detail) on this rank."""
     from zerotron.moe.stacked_experts import stacked_experts
 
     model = _build(cls_name)
     experts_before = sum(p.numel() for _, m in stacked_experts(model) for p in m.parameters(recurse=False))
-    config = {
-        "train_micro_batch_size_per_gpu": ROWS // 2,
-        "gradient_clipping": 1.0,
-        "steps_per_print": 10**6,
-        "expert_parallel": {"enabled": True, "autoep_size": 2},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
-        "zero_allow_untested_optimizer": True,
-    }
     try:
-        engine, *_ = zerotron.initialize(model=model, config=config)
+        engine, *_ = zerotron.initialize(model=model, config=_config(stage))
     except zerotron.ConfigError as e:
         return "refused", str(e)
     experts_after = sum(math.prod(getattr(p, "ds_shape", p.shape))  # (ZeRO-3: the unit's full shape)
                         for _, m in stacked_experts(engine.module) for p in m.parameters(recurse=False))  # fmt: skip
-    losses = []
-    for x in _batches():
-        mine = x.chunk(2)[engine.coords.dp]
-        losses.append(engine.train_batch(iter([{"input_ids": mine, "labels": mine}])).item())
+    losses = _train(engine)
     exchanged = engine.comm_stats()["all_to_all"]
     weights = zerotron.zero.consolidated_state_dict(engine.module)
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
@@ -127,22 +139,10 @@ def test_every_transformers_moe_family_matches_or_is_refused_under_expert_parall
 
 def _train_saved(directory, ep, stage, load, steps):
     """Mixtral at (ep, stage): `load` from directory, train `steps` of the sweep's batches, save."""
-    config = {
-        "train_micro_batch_size_per_gpu": ROWS // 2,
-        "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": stage},
-        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
-        "zero_allow_untested_optimizer": True,
-    }
-    if ep > 1:
-        config["expert_parallel"] = {"enabled": True, "autoep_size": ep}
-    engine, *_ = zerotron.initialize(model=_build("MixtralForCausalLM"), config=config)
+    engine, *_ = zerotron.initialize(model=_build("MixtralForCausalLM"), config=_config(stage, ep))
     if load:
         engine.load_checkpoint(directory)
-    losses = []
-    for x in _batches()[engine.global_steps : engine.global_steps + steps]:
-        mine = x.chunk(2)[engine.coords.dp]
-        losses.append(engine.train_batch(iter([{"input_ids": mine, "labels": mine}])).item())
+    losses = _train(engine, steps)
     engine.save_checkpoint(directory)
     return losses
 
@@ -167,34 +167,14 @@ def _first_half_only(model):
 
 
 def _starved(stage):
-    config = {
-        "train_micro_batch_size_per_gpu": ROWS // 2,
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
-        "zero_allow_untested_optimizer": True,
-        "expert_parallel": {"enabled": True, "autoep_size": 2},
-    }
-    engine, *_ = zerotron.initialize(model=_first_half_only(_build("MixtralForCausalLM")), config=config)
-    losses = []
-    for x in _batches():
-        mine = x.chunk(2)[engine.coords.dp]
-        losses.append(engine.train_batch(iter([{"input_ids": mine, "labels": mine}])).item())
-    return losses
+    engine, *_ = zerotron.initialize(model=_first_half_only(_build("MixtralForCausalLM")), config=_config(stage))
+    return _train(engine)
 
 
 def test_a_rank_whose_experts_get_no_tokens_does_not_hang_zero3():
-    """Rank 1 runs its experts on no rows every step: its ZeRO-3 gathers and reductions still match
-    rank 0's (the experts' parameters get zero gradients), and training matches one process."""
-    model = _first_half_only(_build("MixtralForCausalLM"))
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    want = []
-    for x in _batches():
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
+    """Rank 1 runs its experts on no rows every step, so they get no gradient there: its ZeRO-3 gathers
+    and reductions still match rank 0's, and training matches one process."""
+    want, _ = _reference("MixtralForCausalLM", _first_half_only(_build("MixtralForCausalLM")))
     for losses in run_ranks(_starved, 2, 3, timeout=60):
         assert max(abs(a - b) / b for a, b in zip(losses, want)) < 1e-5, (losses, want)
 
