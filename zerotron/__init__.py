@@ -80,6 +80,9 @@ def initialize(
     from .pipe import PipelineModule
 
     pipelined = isinstance(model, PipelineModule)
+    from .autotuning import resolve as autotune
+
+    config = autotune(config, model, world_size)
     cfg = Config.load(
         config,
         world_size=world_size,

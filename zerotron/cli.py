@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"wrote {convert_checkpoint(args.checkpoint, args.out, args.dtype, int(args.max_shard_size))}")
             return 0
-        return _run(args)
+        return _run(args, argv if argv is not None else sys.argv[1:])
     except FileNotFoundError as e:
         print(f"zerotron: {e}", file=sys.stderr)
         return 1
@@ -125,14 +125,28 @@ def _add_run_arguments(p: argparse.ArgumentParser):
         action="store_true",
         help="with --as-deepspeed: do not pass the script --local_rank=N (DeepSpeed's launcher flag)",
     )
+    p.add_argument(
+        "--autotuning",
+        choices=["tune", "run"],
+        default=None,
+        help="DeepSpeed's flag: choose the ZeRO stage and micro-batch with the planner after one probe run "
+        "(tune), then train with them (run); docs/autotuning.md",
+    )
     p.add_argument("script", help="the training script (or -m module)")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
 
 
-def _run(args) -> int:
+def _run(args, argv: list[str]) -> int:
     if not os.path.exists(args.script) and args.script != "-m":
         print(f"zerotron run: no such script: {args.script}", file=sys.stderr)
         return 2
+    if args.autotuning:
+        from .autotuning.launch import tune_then_run
+
+        ours = argv[argv.index("run") + 1 : len(argv) - len(args.script_args) - 1]
+        at = next(i for i, a in enumerate(ours) if a.startswith("--autotuning"))
+        ours = ours[:at] + ours[at + (1 if "=" in ours[at] else 2) :]
+        return tune_then_run(args.autotuning, ours, args.script, args.script_args)
     argv = [f"--nproc-per-node={args.nproc or default_nproc()}", f"--nnodes={args.nnodes}"]
     multi_node = args.nnodes != "1" or args.master_addr or args.rdzv_endpoint
     if not multi_node:

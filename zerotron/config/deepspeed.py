@@ -13,7 +13,6 @@ from ..log import warn
 # different model than asked (they change speed, memory or tooling, or the script must call
 # DeepSpeed's own API for them, which then fails by name): accepted with a warning naming each.
 _NOT_IMPLEMENTED = {
-    "autotuning": "the autotuner (run your own sweep)",
     "compile": "DeepSpeed's compile/deepcompile (torch.compile the model yourself)",
     "compression_training": "model compression (deepspeed.compression: quantization, pruning, layer reduction)",
     "data_efficiency": "data efficiency (curriculum data sampling, random-LTD)",
@@ -300,6 +299,13 @@ def deepspeed_features(raw: dict) -> dict:
     for key in list(out):
         if key in _NOT_IMPLEMENTED:
             named.append(f"{key} ({_NOT_IMPLEMENTED[key]})")
+            del out[key]
+        elif key == "autotuning":  # initialize() applies an enabled section (zerotron/autotuning): not here
+            if _enabled(out[key]):
+                named.append(
+                    "autotuning (initialize() and `zerotron run --autotuning` apply it, as they see the model, "
+                    "not a config read on its own)"
+                )
             del out[key]
         elif key in ("progressive_layer_drop", "curriculum_learning", "elasticity"):  # present but disabled
             del out[key]

@@ -96,3 +96,22 @@ def hardware(name: str, **overrides) -> Hardware:
     if name not in PRESETS:
         raise ValueError(f"unknown hardware {name!r}; choose one of {', '.join(PRESETS)} (and override fields)")
     return PRESETS[name].with_overrides(**overrides)
+
+
+def this_machine(ranks_per_node: int) -> Hardware:
+    """The hardware the job runs on: a GPU by the name CUDA reports (its preset, or the H100's with this GPU's
+    peak), with the memory it really has; on CPUs the measured CPU row with the host's memory shared by the
+    node's ranks."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        preset = next((h for h in PRESETS.values() if h.name[:4] in props.name.lower()), PRESETS["h100"])
+        peak = peak_flops_of(props.name)
+        return preset.with_overrides(
+            memory_gib=props.total_memory / GIB, peak_tflops=peak / 1e12 if peak else None, gpus_per_node=ranks_per_node
+        )
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    return PRESETS["cpu"].with_overrides(memory_gib=host / ranks_per_node, host_gib=host, gpus_per_node=ranks_per_node)
