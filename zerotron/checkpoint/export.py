@@ -15,8 +15,8 @@ from ..comm import comm_for
 from ..log import logger
 from ..moe.expert_groups import gather_experts
 from ..zero import consolidated_state_dict
-from .files import META, StreamingSafetensors, read_meta
-from .load import SavedPieces, resolve_tag
+from .files import StreamingSafetensors
+from .load import checkpoint_directory, open_checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -28,30 +28,14 @@ def convert(checkpoint, out, dtype: str = "fp32", max_shard_size: int = 5 * 2**3
     model that came from Transformers also config.json, so `from_pretrained(OUT)` loads it."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-    directory = Path(checkpoint)
-    if not (directory / META).exists():
-        tag = resolve_tag(directory, None)
-        if not directory.exists():
-            raise FileNotFoundError(f"{directory} does not exist: pass a checkpoint directory or a save directory")
-        if tag is None:
-            raise FileNotFoundError(
-                f"{directory} is neither a checkpoint (no {META}) nor a save directory with a 'latest' file"
-            )
-        directory = directory / tag
-    meta = read_meta(directory)
-    saved = SavedPieces(directory, meta)
-    names = sorted(saved.by_name)
-    frozen = sorted(
-        {key for file in saved.rank_states for key in saved.keys(file) if key.startswith(("frozen/", "buffer/"))}
-    )
+    directory = checkpoint_directory(checkpoint)
+    saved = open_checkpoint(directory)  # zerotron's layout or DeepSpeed's
+    meta = saved.meta
+    names = sorted(saved.names())
     target = DTYPES[dtype]
-    entries = [(n, target, tuple(saved.by_name[n][0][2].shape)) for n in names]
-    extra = []
-    for key in frozen:
-        t = saved.find(key)
-        name = key.split("/", 1)[1].split("@")[0]
-        if name not in {e[0] for e in extra} and name not in names:
-            extra.append((name, t.dtype if not t.is_floating_point() else target, tuple(t.shape)))
+    entries = [(n, target, saved.shape(n)) for n in names]
+    whole = {k: v for k, v in {**saved.frozen(), **saved.buffers()}.items() if k not in names}
+    extra = [(k, target if t.is_floating_point() else t.dtype, tuple(t.shape)) for k, t in whole.items()]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     shards, size = [[]], 0
@@ -72,11 +56,7 @@ def convert(checkpoint, out, dtype: str = "fp32", max_shard_size: int = 5 * 2**3
             out / file, shard, metadata={"format": "pt", "zerotron_tag": meta["tag"], "zerotron_dtype": dtype}
         )
         for name, dt, _ in shard:  # one full tensor in memory at a time
-            if name in saved.by_name:
-                writer.write(name, saved.full(name, "master").to(target))
-            else:
-                key = next(k for k in frozen if k.split("/", 1)[1].split("@")[0] == name)
-                writer.write(name, saved.find(key).to(dt))
+            writer.write(name, whole[name].to(dt) if name in whole else saved.full(name, "master").to(target))
         writer.close()
     if len(files) > 1:
         total = sum(torch.empty((), dtype=e[1]).element_size() * _numel(e[2]) for e in entries + extra)

@@ -18,7 +18,9 @@ from safetensors import safe_open
 
 from ..comm import comm_for
 from ..log import logger
-from .files import LATEST, CheckpointError, read_meta, verify
+from .deepspeed_in import DeepSpeedPieces
+from .deepspeed_layout import LATEST_UNIVERSAL, is_deepspeed
+from .files import LATEST, META, CheckpointError, read_meta, verify
 from .layout import Piece, assemble, my_slice, rank_pieces, tensor_parallel_of
 
 
@@ -72,6 +74,51 @@ class SavedPieces:
                 parts.append((piece, handle.get_tensor(f"{kind}/{key}").clone()))
         return assemble(parts, name)
 
+    def names(self) -> list[str]:
+        """The trainable parameters, in the order the files list them (the model's, rank by rank)."""
+        return list(self.by_name)
+
+    def shape(self, name: str) -> tuple | None:
+        found = self.by_name.get(name)
+        return tuple(found[0][2].shape) if found else None
+
+    def state_keys(self, name: str) -> list[str]:
+        """The per-element optimizer states saved for `name` (exp_avg, exp_avg_sq, ...)."""
+        file, key, _ = self.by_name[name][0]
+        return sorted(
+            k.split("/", 1)[0][len("state.") :]
+            for k in self.keys(file)
+            if k.startswith("state.") and k.endswith("/" + key)
+        )
+
+    def frozen(self) -> dict[str, torch.Tensor]:
+        return self._whole("frozen")
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return self._whole("buffer")
+
+    def _whole(self, kind: str) -> dict[str, torch.Tensor]:
+        """Tensors stored whole ("frozen/<name>@<tp rank>", "buffer/<name>"), by name, first copy of each."""
+        found = {}
+        for file in self.rank_states:
+            for key in self.keys(file):
+                if key.startswith(kind + "/"):
+                    found.setdefault(key.split("/", 1)[1].split("@")[0], (file, key))
+        return {name: self.tensor(file, key) for name, (file, key) in found.items()}
+
+    def aliases(self) -> dict[str, str]:
+        return dict(self.meta.get("tied") or {})  # tied weights: saved once, named by engine.training_state()
+
+    def rng(self, rank: int):
+        """(torch, cuda or None, python random) state of `rank`, or None where none was saved."""
+        from .files import rank_file
+
+        name = rank_file(rank)
+        torch_state = self.tensor(name, "rng/torch") if name in self.rank_states else None
+        if torch_state is None:
+            return None
+        return torch_state, self.tensor(name, "rng/cuda"), self.rank_states[name]["python_random"]
+
     def keys(self, file: str) -> list[str]:
         with self._open(file) as handle:
             return list(handle.keys())
@@ -91,10 +138,32 @@ class SavedPieces:
 def resolve_tag(load_dir: Path, tag) -> str | None:
     if tag is not None:
         return str(tag)
-    latest = load_dir / LATEST
-    if not latest.exists():
-        return None
-    return latest.read_text().strip()
+    for name in (LATEST, LATEST_UNIVERSAL):  # (ds_to_universal's output names its tag in the second)
+        if (load_dir / name).exists():
+            return (load_dir / name).read_text().strip()
+    return None
+
+
+def checkpoint_directory(path) -> Path:
+    """A checkpoint directory itself (save_dir/tag), or the one a save directory's `latest` names."""
+    directory = Path(path)
+    if (directory / META).exists() or is_deepspeed(directory):
+        return directory
+    if not directory.exists():
+        raise FileNotFoundError(f"{directory} does not exist: pass a checkpoint directory or a save directory")
+    tag = resolve_tag(directory, None)
+    if tag is None:
+        raise FileNotFoundError(
+            f"{directory} is neither a checkpoint (no {META}) nor a save directory with a 'latest' file"
+        )
+    return directory / tag
+
+
+def open_checkpoint(directory: Path):
+    """The saved pieces of a checkpoint directory: zerotron's (meta.json) or one DeepSpeed wrote."""
+    if is_deepspeed(directory):
+        return DeepSpeedPieces(directory)
+    return SavedPieces(directory, read_meta(directory))
 
 
 @torch.no_grad()
@@ -117,28 +186,28 @@ def load_checkpoint(
     directory = root / tag
     if not directory.is_dir():
         raise CheckpointError(f"{directory} does not exist: no checkpoint with tag {tag!r} in {root}")
-    meta = read_meta(directory)
-    saved = SavedPieces(directory, meta)
+    saved = open_checkpoint(directory)
+    meta = saved.meta
 
     want_states = load_optimizer_states and not load_module_only
     for piece, param, master, offset in rank_pieces(engine):
-        found = saved.by_name.get(piece.name)
-        if not found:
+        shape = saved.shape(piece.name)
+        if shape is None:
             if load_module_strict:
                 raise CheckpointError(
                     f"parameter {piece.name!r} is not in {directory}: the checkpoint is from a "
                     "different model (load_module_strict=False keeps its current value)"
                 )
             continue
-        if tuple(found[0][2].shape) != tuple(piece.shape):
+        if shape != tuple(piece.shape):
             raise CheckpointError(
-                f"parameter {piece.name!r} has shape {tuple(found[0][2].shape)} in {directory} but "
+                f"parameter {piece.name!r} has shape {shape} in {directory} but "
                 f"{tuple(piece.shape)} in this model: the checkpoint is from a different model"
             )
         n = piece.hi - piece.lo
         master.reshape(-1)[offset : offset + n].copy_(my_slice(saved.full(piece.name, "master"), param, piece.lo, n))
         if want_states:
-            for key in _state_keys(saved, found):
+            for key in saved.state_keys(piece.name):
                 value = my_slice(saved.full(piece.name, f"state.{key}"), param, piece.lo, n)
                 state = engine.optimizer.state[master]
                 if key not in state:
@@ -156,15 +225,6 @@ def load_checkpoint(
         _load_rng(saved, meta)
     comm_for(None, "world").barrier()
     return str(directory), meta["client_state"]
-
-
-def _state_keys(saved: SavedPieces, found) -> list[str]:
-    file, key, _ = found[0]
-    return sorted(
-        k.split("/", 1)[0][len("state.") :]
-        for k in saved.keys(file)
-        if k.startswith("state.") and k.endswith("/" + key)
-    )
 
 
 def _load_scalars(engine, scalars: dict):
@@ -189,16 +249,13 @@ def _load_frozen_and_buffers(engine, saved: SavedPieces):
             b.copy_(value)
 
 
-def _load_rng(saved: SavedPieces, meta: dict):
+def _load_rng(saved, meta: dict):
     """The RNG state of this rank, when the checkpoint was written by as many ranks (exact resume)."""
-    if meta["world_size"] != dist.get_world_size():
+    rng = saved.rng(dist.get_rank()) if meta["world_size"] == dist.get_world_size() else None
+    if rng is None:
         return
-    from .files import rank_file
-
-    name = rank_file(dist.get_rank())
-    torch.set_rng_state(saved.tensor(name, "rng/torch"))
-    cuda = saved.tensor(name, "rng/cuda")
+    torch_state, cuda, state = rng
+    torch.set_rng_state(torch_state)
     if cuda is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(cuda)
-    state = saved.rank_states[name]["python_random"]
     random.setstate((state[0], tuple(state[1]), state[2]))

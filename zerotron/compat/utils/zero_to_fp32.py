@@ -1,5 +1,6 @@
 """`deepspeed.utils.zero_to_fp32`: the full fp32 weights of a checkpoint that zerotron saved under
-any topology, in one process, without a process group.
+any topology, or that DeepSpeed saved (ZeRO 1-3, or its universal layout), in one process, without a
+process group.
 
     from zerotron.compat.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     state_dict = get_fp32_state_dict_from_zero_checkpoint("ckpt")      # the tag in ckpt/latest
@@ -8,8 +9,9 @@ any topology, in one process, without a process group.
 The pieces are assembled by zerotron's checkpoint reader (zerotron/checkpoint/load.py), one
 parameter at a time; `lazy_mode=True` defers even that until each tensor's `.contiguous()`.
 Also runnable: `python -m zerotron.compat.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT_DIR [-t TAG]`.
-Weights tied to another parameter (an output head sharing the embedding) appear under the first
-name only, as the model's `named_parameters()` lists them.
+Weights tied to another parameter (an output head sharing the embedding) appear under each of their
+names, as in DeepSpeed, so the state dict loads with strict=True (from checkpoints that record the
+names; older ones give the first name only).
 """
 
 from __future__ import annotations
@@ -65,24 +67,18 @@ class LazyTensor:
 
 
 def _lazy_state_dict(directory: Path, exclude_frozen_parameters: bool) -> dict[str, LazyTensor]:
-    from ...checkpoint.files import read_meta
-    from ...checkpoint.load import SavedPieces
+    from ...checkpoint.load import open_checkpoint
 
-    saved = SavedPieces(directory, read_meta(directory))
+    saved = open_checkpoint(directory)  # zerotron's layout or DeepSpeed's
     state = {}
-    for name in sorted(saved.by_name):  # trainable parameters: their fp32 masters
-        shape = saved.by_name[name][0][2].shape
-        state[name] = LazyTensor(lambda name=name: saved.full(name, "master"), shape, torch.float32)
-    for file in saved.rank_states:  # frozen parameters and buffers, stored whole
-        for key in saved.keys(file):
-            kind, _, rest = key.partition("/")
-            name = rest.split("@")[0]
-            if kind not in ("frozen", "buffer") or name in state:
-                continue
-            if kind == "frozen" and exclude_frozen_parameters:
-                continue
-            value = saved.tensor(file, key)
-            state[name] = LazyTensor(lambda value=value: value, value.shape, value.dtype)
+    for name in sorted(saved.names()):  # trainable parameters: their fp32 masters
+        state[name] = LazyTensor(lambda name=name: saved.full(name, "master"), saved.shape(name), torch.float32)
+    whole = {**({} if exclude_frozen_parameters else saved.frozen()), **saved.buffers()}
+    for name, value in whole.items():  # frozen parameters and buffers, stored whole
+        state.setdefault(name, LazyTensor(lambda value=value: value, value.shape, value.dtype))
+    for alias, name in saved.aliases().items():  # DeepSpeed's shared (tied) parameters, under both names
+        if name in state:
+            state.setdefault(alias, state[name])
     return state
 
 
