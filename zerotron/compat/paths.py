@@ -30,6 +30,9 @@ PATHS: dict[str, str] = {
     "utils.groups": "zerotron.compat.utils.groups",
     "utils.zero_to_fp32": "zerotron.compat.utils.zero_to_fp32",
     "utils.module_utils": "zerotron.compat.utils.module_utils",
+    "utils.torch": "zerotron.compat.utils.torch_version",
+    # what this installation is (version, ops, torch's versions)
+    "git_version_info": "zerotron.compat.git_version_info",
     # compression: DeepSpeed removed the library and kept helper's two functions (DeepSpeed-Chat imports them)
     "compression": "zerotron.compat.utils.module_utils",
     "compression.helper": "zerotron.compat.utils.module_utils",
@@ -43,6 +46,7 @@ PATHS: dict[str, str] = {
     "runtime.lr_schedules": "zerotron.compat.runtime.lr_schedules",
     "runtime.zero": "zerotron.compat.runtime.zero",
     "runtime.zero.partition_parameters": "zerotron.compat.runtime.zero.partition_parameters",
+    "runtime.zero.config": "zerotron.compat.runtime.zero.config",
     "runtime.activation_checkpointing": "zerotron.compat.runtime.activation_checkpointing",
     "runtime.activation_checkpointing.checkpointing": "zerotron.activation_checkpointing",  # as deepspeed.checkpointing
     "runtime.pipe": "zerotron.compat.runtime.pipe",
@@ -84,6 +88,8 @@ PATHS: dict[str, str] = {
     "ops.lion.fused_lion": "zerotron.ops.lion",
     "ops.lamb": "zerotron.ops.lamb",
     "ops.lamb.fused_lamb": "zerotron.ops.lamb",
+    # which of DeepSpeed's ops exist (the Python optimizers above); nothing is compiled
+    "ops.op_builder": "zerotron.compat.op_builder",
 }
 
 # DeepSpeed's top-level names: name -> (DeepSpeed module path, attribute there).

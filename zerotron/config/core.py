@@ -19,6 +19,7 @@ from .sections import (
     AUTO,
     ActivationCheckpointingConfig,
     BF16Config,
+    CheckpointConfig,
     ExpertParallelConfig,
     FP16Config,
     IntOrInf,
@@ -65,6 +66,7 @@ class Config(Mapping):
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # saved training state (tag checks)
     zerotron: ZerotronConfig = field(default_factory=ZerotronConfig)
     tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
     csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
@@ -215,6 +217,7 @@ class Config(Mapping):
         )
         self.fp16.validate("fp16")
         self.zero_optimization.validate("zero_optimization")
+        self.checkpoint.validate("checkpoint")
         if self.zerotron.sequence_parallel and self.tensor_parallel.autotp_size == 1:
             warn(
                 "zerotron.sequence_parallel has no effect without tensor parallelism (tensor_parallel.autotp_size > 1)"

@@ -21,7 +21,6 @@ _NOT_IMPLEMENTED = {
     "sparse_attention": "sparse attention layouts",
     "hybrid_engine": "the RLHF hybrid engine",
     "weight_quantization": "quantized weights",
-    "checkpoint": "DeepSpeed's checkpoint options (tag validation, universal checkpoints, node-local storage)",
     "nebula": "Nebula checkpointing",
     "datastates": "DataStates checkpointing",
     "aio": "async I/O (NVMe)",

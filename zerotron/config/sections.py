@@ -299,6 +299,43 @@ class ActivationCheckpointingConfig:
     profile: bool = False
 
 
+TAG_VALIDATION = ("IGNORE", "WARN", "FAIL")  # checkpoint.tag_validation, any case (engine save_checkpoint applies it)
+# checkpoint keys DeepSpeed reads that change nothing here, and why (named in a warning when set)
+_CHECKPOINT_NOT_NEEDED = {
+    "load_universal": "zerotron's load_checkpoint reshards its own checkpoints to any layout without it",
+    "use_node_local_storage": "every rank writes its files under save_dir, which must be shared by the nodes",
+    "parallel_write": "zerotron writes each rank's files itself (no pipeline-stage writers)",
+    "writer": "zerotron writes with torch and safetensors (no DeepSpeed checkpoint writer)",
+}
+
+
+@dataclass
+class CheckpointConfig:
+    """DeepSpeed's "checkpoint" section. `tag_validation`: save_checkpoint compares the tag across ranks first
+    (Ignore: no check; Warn: a warning when they differ; Fail: an error), DeepSpeed's default Warn."""
+
+    tag_validation: str = "Warn"
+    load_universal: bool = False
+    use_node_local_storage: bool = False
+    parallel_write: dict = field(default_factory=dict)
+    writer: Optional[dict] = None
+
+    @property
+    def tag_validation_mode(self) -> str:
+        return self.tag_validation.upper()
+
+    def validate(self, p: str):
+        check(
+            self.tag_validation_mode in TAG_VALIDATION,
+            p + ".tag_validation",
+            self.tag_validation,
+            "use Ignore, Warn or Fail (whether save_checkpoint checks that every rank got the same tag)",
+        )
+        for key, why in _CHECKPOINT_NOT_NEEDED.items():
+            if getattr(self, key):
+                warn(f"{p}.{key} is ignored: {why}")
+
+
 @dataclass
 class ZerotronConfig:
     """Settings zerotron adds to DeepSpeed's schema, in their own "zerotron" section."""
