@@ -2,3 +2,17 @@
 `ops.adagrad` (DeepSpeedCPUAdagrad), `ops.lion` (FusedLion, DeepSpeedCPULion), `ops.lamb` (FusedLamb)."""
 
 from . import adagrad, adam, lamb, lion  # noqa: E402,F401  (deepspeed.ops.adam & co. as attributes, as DeepSpeed)
+
+# DeepSpeed's `deepspeed.ops.__compatible_ops__`: which of its op names work here. True for the optimizers above
+# (Python on torch's kernels, nothing to compile); False for the ops scripts probe before using (NVMe async I/O)
+# and for DeepSpeed's catch-all name. deepspeed.ops.op_builder's builders answer is_compatible() from this list.
+__compatible_ops__ = {
+    "cpu_adam": True,
+    "cpu_adagrad": True,
+    "cpu_lion": True,
+    "fused_adam": True,
+    "fused_lamb": True,
+    "fused_lion": True,
+    "async_io": False,
+    "deepspeed_not_implemented": False,
+}
