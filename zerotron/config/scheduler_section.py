@@ -8,7 +8,7 @@ import math
 from ..errors import ConfigError
 from .sections import is_auto
 
-SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
+SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 LOG, LINEAR = "log", "linear"
 WARMUP_TYPES = (LOG, LINEAR)
 DEFAULT_WARMUP_STEPS = 1000
@@ -83,6 +83,13 @@ _RULES = {
         "decay_mom_rate": _ANY_NUMBER,
         "last_batch_iteration": _ITERATION,
     },
+    "LRRangeTest": {
+        "lr_range_test_min_lr": _LR,
+        "lr_range_test_step_size": _POSITIVE_INT,
+        "lr_range_test_step_rate": _NON_NEGATIVE,
+        "lr_range_test_staircase": _BOOL,
+        "last_batch_iteration": _ITERATION,
+    },
 }
 # Parameters the scheduler cannot run without (no DeepSpeed default).
 _REQUIRED = {
@@ -90,6 +97,7 @@ _REQUIRED = {
     "WarmupDecayLR": ("total_num_steps",),
     "WarmupCosineLR": ("total_num_steps",),
     "OneCycle": ("cycle_min_lr", "cycle_max_lr"),
+    "LRRangeTest": (),
 }
 
 

@@ -1,14 +1,14 @@
-"""`deepspeed.runtime.lr_schedules`: the schedulers (zerotron/schedulers.py, plus LRRangeTest here),
+"""`deepspeed.runtime.lr_schedules`: the schedulers (zerotron/schedulers.py),
 the parameter-name constants and DeepSpeed's command-line tuning arguments."""
 
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 
 from ...schedulers import (  # noqa: F401  (DeepSpeed's names)
+    LRRangeTest,
     OneCycle,
     Scheduler,
     WarmupCosineLR,
@@ -56,43 +56,6 @@ WARMUP_LINEAR_RATE = "linear"
 WARMUP_MIN_RATIO = "warmup_min_ratio"
 COS_MIN_RATIO = "cos_min_ratio"
 TOTAL_NUM_STEPS = "total_num_steps"
-
-
-class LRRangeTest(Scheduler):
-    """The learning-rate range test: lr = lr_range_test_min_lr * (1 + step_rate * t), with
-    t = (step + 1) / step_size (rounded down with `lr_range_test_staircase`). The min lr is in the
-    optimizer from construction on. Built directly in a script; zerotron's config "scheduler"
-    section does not take this type."""
-
-    def __init__(
-        self,
-        optimizer,
-        lr_range_test_min_lr=1e-3,
-        lr_range_test_step_size: int = 2000,
-        lr_range_test_step_rate: float = 1.0,
-        lr_range_test_staircase: bool = False,
-        last_batch_iteration: int = -1,
-    ):
-        super().__init__(optimizer, last_batch_iteration)
-        if (
-            isinstance(lr_range_test_step_size, bool)
-            or not isinstance(lr_range_test_step_size, int)
-            or lr_range_test_step_size <= 0
-        ):
-            raise ValueError(f"lr_range_test_step_size must be a positive integer, got {lr_range_test_step_size!r}")
-        self.min_lr = per_group(self.optimizer, lr_range_test_min_lr, LR_RANGE_TEST_MIN_LR)
-        self.step_size, self.step_rate = lr_range_test_step_size, lr_range_test_step_rate
-        self.staircase = lr_range_test_staircase
-        if last_batch_iteration == -1:
-            self._last_lr = write_groups(self.optimizer.param_groups, "lr", self.min_lr)
-
-    def _interval(self) -> float:
-        t = (self.last_batch_iteration + 1) / self.step_size
-        return math.floor(t) if self.staircase else t
-
-    def get_lr(self):
-        factor = 1 + self.step_rate * self._interval()
-        return [lr * factor for lr in self.min_lr]
 
 
 def get_torch_optimizer(optimizer):

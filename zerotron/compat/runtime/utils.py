@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import itertools
+import math
 import os
 import random
 import resource
@@ -10,6 +12,9 @@ import sys
 
 import torch
 import torch.distributed as dist
+
+from ...pipe import partition as pipe_partition
+from ..utils import groups
 
 
 def set_random_seed(seed: int):
@@ -96,3 +101,69 @@ def move_to_device(item, device, criterion_func=None):
     if isinstance(item, dict):
         return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
     return item.to(device) if hasattr(item, "to") else item
+
+
+# ---- partitioning a list of weights (DeepSpeed's pipeline helpers) -------------------------------------------
+def prefix_sum_inc(weights) -> list:
+    """[3, 4, 5] -> [3, 7, 12]: the inclusive prefix sums."""
+    return list(itertools.accumulate(weights))
+
+
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """The num_parts + 1 boundaries of near-equal contiguous parts of num_items (the first parts one longer); with
+    fewer items than parts, one item per part and empty parts at the end, as DeepSpeed returns them."""
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    return pipe_partition.uniform(num_items, num_parts)
+
+
+def partition_balanced(weights, num_parts: int) -> list[int]:
+    """Boundaries of contiguous parts whose sums are as even as DeepSpeed's rule makes them (the smallest spread
+    between heaviest and lightest part: zerotron.pipe.partition, which PipelineModule cuts with); with no more
+    weights than parts, partition_uniform's."""
+    weights = list(weights)
+    if len(weights) <= num_parts:
+        return partition_uniform(len(weights), num_parts)
+    return pipe_partition.partition([float(w) for w in weights], num_parts)
+
+
+# ---- gradient clipping -------------------------------------------------------------------------------------
+def _model_parallel_parameter(p) -> bool:
+    return bool(getattr(p, "model_parallel", False) or getattr(p, "tensor_model_parallel", False))
+
+
+def clip_grad_norm_(parameters, max_norm, norm_type=2, mpu=None):
+    """Clip the gradients of `parameters` in place to a total norm of `max_norm`; return that norm (a tensor).
+
+    As DeepSpeed's: with `mpu`, the norm is over the model-parallel group (each replicated parameter counted once,
+    by model-parallel rank 0); then every rank's norm is averaged over the data-parallel group, so that all ranks
+    clip by the same factor even where their gradients differ (expert parameters, which are not all-reduced).
+    Must be called on every rank of that group."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    parameters = [p for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    device = parameters[0].grad.device if parameters else torch.device("cpu")
+    if mpu is not None:
+        keep = mpu.get_model_parallel_rank() == 0
+        counted = [p for p in parameters if keep or _model_parallel_parameter(p)]
+    else:
+        counted = parameters
+    norms = [p.grad.detach().float().norm(norm_type) for p in counted]
+    if norm_type == math.inf:
+        total = torch.stack(norms).max() if norms else torch.zeros((), device=device)
+        if mpu is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=mpu.get_model_parallel_group())
+    else:
+        total = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)
+        if mpu is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
+        total = total.pow(1.0 / norm_type)
+    if dist.is_initialized():
+        group = groups._get_data_parallel_group()
+        total = total / dist.get_world_size(group=group)
+        dist.all_reduce(total, group=group)
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for p in parameters:
+        p.grad.detach().mul_(coef.to(p.grad.device))
+    return total
