@@ -35,3 +35,9 @@ class NonFiniteError(ZerotronError, FloatingPointError):
 class BadBatchError(ZerotronError, ValueError):
     """A batch the model cannot take (token ids outside the vocabulary, an empty batch): named
     before the forward runs, so nothing is corrupted."""
+
+
+class MisuseError(ZerotronError, RuntimeError, AssertionError):
+    """A training verb called where it cannot work (engine.step() inside engine.no_sync(), no_sync() nested or
+    with partitioned gradients). An AssertionError too because DeepSpeed refuses these by assertion: code that
+    catches DeepSpeed's refusal catches zerotron's."""

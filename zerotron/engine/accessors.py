@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from ..errors import MisuseError
+
 
 class ThroughputTimer:
     """DeepSpeed's `engine.tput_timer`: samples per second over the steps since the first one
@@ -123,13 +125,13 @@ class EngineAccessors:
         rules: not with ZeRO 2/3, whose gradients are partitioned as they are reduced; step() is
         illegal inside; no re-entry). The next backward outside reduces everything accumulated."""
         stage = self.zero_optimization_stage()
-        if stage >= 2:
-            raise RuntimeError(
-                f"no_sync is incompatible with ZeRO stage {stage}, which partitions gradients as it "
-                "reduces them: accumulate with gradient_accumulation_steps instead"
+        if stage >= 2:  # the phrases DeepSpeed's refusals share, which callers match on
+            raise MisuseError(
+                f"engine.no_sync(): the no_sync context manager is incompatible with ZeRO stage {stage}, which "
+                "partitions gradients as it reduces them: accumulate with gradient_accumulation_steps instead"
             )
         if self._inside_no_sync:
-            raise RuntimeError("engine.no_sync() does not nest")
+            raise MisuseError("engine.no_sync(): no_sync context manager reentry is unsupported; leave the outer block")
         self._inside_no_sync = True
         try:
             yield

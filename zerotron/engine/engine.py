@@ -11,7 +11,7 @@ import torch.nn as nn
 from .. import preemption, watchdog
 from ..comm import Comm, comm_for, local_device
 from ..config import Config
-from ..errors import BadBatchError, ConfigError
+from ..errors import BadBatchError, ConfigError, MisuseError
 from ..moe.expert_groups import shard_groups
 from ..monitor import Monitor
 from ..nested import tensors_in, to_device
@@ -118,7 +118,7 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         self.input_guard = InputGuard(vocab_size(self.module))
         self._take_record()  # what this step gathers over its micro-batches
         self._boundary_override: bool | None = None
-        self.reporter = StepReport(config.steps_per_print, self.monitor)
+        self.reporter = StepReport(self)  # (and the flops profiler, when the config enables it)
         self._created_at = time.perf_counter()  # (compat/utils/engines.py orders engines it finds by it)
         self._step_applied = False
         self._inside_no_sync = False
@@ -282,9 +282,7 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
     def step(self, lr_kwargs: dict | None = None):
         """Count a micro-batch; at the accumulation boundary, update the weights."""
         if self._inside_no_sync:
-            raise RuntimeError(
-                "engine.step() inside engine.no_sync(): leave the block first (its gradients are not reduced yet)"
-            )
+            raise MisuseError("It is illegal to call Engine.step() inside no_sync context manager: leave it first")
         boundary = self.is_gradient_accumulation_boundary()
         self._step_applied = False
         if boundary:

@@ -7,7 +7,20 @@ from __future__ import annotations
 import torch
 
 from ..comm import Comm, comm_for
+from ..errors import MisuseError
+from ..log import warn
 from ..parallelize.hf import is_hf_model
+
+
+def tied_names(module: torch.nn.Module) -> dict[str, str]:
+    """{alias: first name} for every parameter `module` reaches under more than one name."""
+    first, tied = {}, {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return tied
 
 
 class EngineState:
@@ -86,6 +99,9 @@ class EngineState:
             "data": self.data_state(),
             # A Transformers model's config, so `zerotron convert` can write a Hugging Face directory.
             "hf_config": self.module.config.to_dict() if is_hf_model(self.module) else None,
+            # Names of weights tied to another parameter -> the name they are saved under, so that a state
+            # dict made from the checkpoint (zero_to_fp32) loads into the model with strict=True.
+            "tied": tied_names(self.module),
         }
 
     def load_training_state(self, state: dict, load_lr_scheduler_states: bool = True) -> None:
@@ -107,7 +123,26 @@ class EngineState:
         (a larger checkpoint, nothing lost)."""
         from ..checkpoint.save import save_checkpoint
 
+        if save_dir is None or str(save_dir) == "":
+            raise ValueError("save_checkpoint(save_dir=...): give the directory to save in (it is empty)")
+        tag = self._agreed_tag(str(tag if tag is not None else f"global_step{self.global_steps}"))
         return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def _agreed_tag(self, tag: str) -> str:
+        """The tag every rank saves under: this rank's, checked against the others' by the config's
+        checkpoint.tag_validation. All ranks write one checkpoint, so they must agree: with different tags
+        Fail raises (an AssertionError, as DeepSpeed's), Warn says so and Ignore does not, and both save under
+        rank 0's tag (each rank writing a directory of its own would leave no whole checkpoint, and hang)."""
+        tags = comm_for(None, "world").all_gather_object(tag)
+        if len(set(tags)) == 1:
+            return tag
+        mode = self.config.checkpoint.tag_validation_mode
+        differ = f"checkpoint tags differ across ranks ({', '.join(f'rank {r}: {t!r}' for r, t in enumerate(tags))})"
+        if mode == "FAIL":
+            raise MisuseError(f"save_checkpoint: {differ}; pass every rank the same tag (checkpoint.tag_validation)")
+        if mode == "WARN":
+            warn(f"save_checkpoint: {differ}; saving under rank 0's {tags[0]!r} (checkpoint.tag_validation: Warn)")
+        return tags[0]
 
     def load_checkpoint(
         self,
