@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -200,3 +201,19 @@ def test_zerotron_run_autotuning_probes_then_runs_the_tuned_config(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "--batch 7" in (tmp_path / "autotuning_results/cmd_optimal.txt").read_text()
     assert not (tmp_path / "autotuning_exps/profile_model_info/model_info.json").exists()
+
+
+def test_a_hugging_face_models_shape_counts_its_losss_logit_copies():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from zerotron.autotuning.model_info import model_shape
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, vocab_size=100))
+    shape = model_shape(model, None)
+    assert (shape.layers, shape.hidden, shape.vocab, shape.gated, shape.loss_copies) == (2, 32, 100, False, 2)
+    plain = Layout(dp=1, micro_batch=4)
+    extra = (
+        memory(shape, plain, 64, "fp32")["buffers"]
+        - memory(replace(shape, loss_copies=0), plain, 64, "fp32")["buffers"]
+    )
+    assert extra == 2 * 4 * 4 * 64 * 100  # two more fp32 logits of 4 x 64 tokens

@@ -38,7 +38,8 @@ def _init_and_gather():
     final = zerotron.zero.consolidated_state_dict(engine.module)
     # rank 0 zeroes a weight; every rank must see it, in its shard and in its fp32 master
     w = engine.module.layers[0].attn.wq.weight
-    with zerotron.zero.GatheredParameters([w], modifier_rank=0):
+    # (None: an absent bias, as Transformers hands in [lm_head.weight, lm_head.bias] to resize a head)
+    with zerotron.zero.GatheredParameters([w, None], modifier_rank=0):
         if rank == 0:
             w.data.zero_()
     with zerotron.zero.GatheredParameters([w]):

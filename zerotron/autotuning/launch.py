@@ -1,6 +1,7 @@
 """`zerotron run --autotuning tune|run`: DeepSpeed's launcher flag, with one probe run instead of a dozen trials.
 
-1. The probe: the script runs unchanged under the launcher, with the micro-batch mapped to 1; initialize()
+1. The probe: the script runs unchanged under the launcher, with the micro-batch mapped to 1 and the config
+   without its autotuning section (at ZeRO-3 where the stage is open, as DeepSpeed's model-info run); initialize()
    records the model and the first forward's sequence length (model_info.py) in
    `<exps_dir>/profile_model_info/model_info.json`, and the job stops there.
 2. The choice: the planner's (resolve.choose), written as `<results_dir>/ds_config_optimal.json` (the config
@@ -76,7 +77,7 @@ def tune_then_run(mode: str, launcher_argv: list[str], script: str, script_args:
         logger.info(f"autotuning: {config_path} exists and overwrite is false: using it")
         tuned = json.loads(config_path.read_text())
     else:
-        tuned = _probe_and_choose(raw, section, script, script_args, launch)
+        tuned = _probe_and_choose(raw, section, script, script_args, index, launch)
         if tuned is None:
             return 1
         results.mkdir(parents=True, exist_ok=True)
@@ -90,14 +91,29 @@ def tune_then_run(mode: str, launcher_argv: list[str], script: str, script_args:
     return launch(run_args, {ENV_TUNED: "1"})
 
 
-def _probe_and_choose(raw: dict, section: dict, script: str, script_args: list[str], launch) -> dict | None:
-    """Steps 1 and 2: the tuned config (without its autotuning section), or None when the probe failed."""
-    probe_path = Path(section.get("exps_dir", "autotuning_exps")) / "profile_model_info" / "model_info.json"
-    probe_path.unlink(missing_ok=True)
-    probe_args = map_arguments(script_args, {k: 1 for k in BATCH[1:]}, section.get("arg_mappings"))
-    logger.info(f"autotuning: probe run (stops at the first forward), recording the model in {probe_path}")
-    code = launch(probe_args, {ENV_PROBE: str(probe_path.resolve())})
-    if code != 0 or not probe_path.exists():
+def _probe_and_choose(raw: dict, section: dict, script: str, script_args: list[str], index: int, launch) -> dict | None:
+    """Steps 1 and 2: the tuned config (without its autotuning section), or None when the probe failed. The probe
+    gets the config without the section (accelerate refuses one without a zero_optimization section), at the
+    config's ZeRO stage; where that is open, at ZeRO-1, where the script sees whole parameters (at ZeRO-3 the
+    Transformers examples read a partitioned embedding's size as 0 and resize it to the tokenizer's, a model the
+    tuned run may not build), and if that run fails (a model too big for one rank), at ZeRO-3."""
+    where = Path(section.get("exps_dir", "autotuning_exps")) / "profile_model_info"
+    probe_path = where / "model_info.json"
+    where.mkdir(parents=True, exist_ok=True)
+    given = raw.get("zero_optimization")
+    for stage in [None] if isinstance(given, dict) and "stage" in given else [1, 3]:
+        config = {k: v for k, v in raw.items() if k != "autotuning"}
+        if stage is not None:
+            config["zero_optimization"] = {**(given if isinstance(given, dict) else {}), "stage": stage}
+        (where / "ds_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        probe_args = map_arguments(script_args, {k: 1 for k in BATCH[1:]}, section.get("arg_mappings"))
+        probe_args[index] = str(where / "ds_config.json")
+        probe_path.unlink(missing_ok=True)
+        logger.info(f"autotuning: probe run (stops at the first forward), recording the model in {probe_path}")
+        code = launch(probe_args, {ENV_PROBE: str(probe_path.resolve())})
+        if code == 0 and probe_path.exists():
+            break
+    else:
         print(
             f"zerotron run --autotuning: the probe run of {script} exited with status {code} before its first "
             f"forward and wrote no {probe_path}; its output is above",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ from ..errors import ConfigError
 from ..log import logger
 from ..planner.model import ModelShape
 
+HF_LOSS_COPIES = 2  # Transformers' causal-LM loss: the shifted logits and the log-softmax (ModelShape.loss_copies)
 _MAX_POSITIONS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
 
@@ -29,7 +30,7 @@ def model_shape(model, info: dict | None) -> ModelShape:
         return ModelShape.of_gpt(cfg)
     if hasattr(cfg, "to_dict"):  # a Transformers PretrainedConfig
         try:
-            return ModelShape.from_hf_config(cfg.to_dict())
+            return replace(ModelShape.from_hf_config(cfg.to_dict()), loss_copies=HF_LOSS_COPIES)
         except ValueError:
             pass  # an encoder or an unusual config: model_info may still describe it
     if info and all(info.get(k) for k in ("num_params", "hidden_size", "num_layers")):
@@ -84,7 +85,7 @@ def install_probe(model, raw: dict, path: str, world_size: int):
     shape = model_shape(model, (raw.get("autotuning") or {}).get("model_info"))
     info = {
         "shape": asdict(shape),
-        "num_params": sum(p.numel() for p in model.parameters()),
+        "num_params": shape.parameters,  # (the model's own parameters may be ZeRO-3 partitions already)
         "dtype": dtype_of(raw, model),
         "world_size": world_size,
         "max_positions": max_positions(model),

@@ -108,7 +108,7 @@ def _buffers(shape: ModelShape, L: Layout, seq: int, dtype: str, bucket_elements
         out += tokens * (4 * shape.hidden + 16 * kv + 4 * a * kv) // L.tp
     if L.pp > 1:
         out += 2 * 2 * a * tokens * shape.hidden
-    out += 4 * tokens * shape.vocab // L.tp
+    out += 4 * tokens * shape.vocab * (1 + shape.loss_copies) // L.tp
     return out
 
 

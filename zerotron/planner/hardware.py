@@ -100,8 +100,8 @@ def hardware(name: str, **overrides) -> Hardware:
 
 def this_machine(ranks_per_node: int) -> Hardware:
     """The hardware the job runs on: a GPU by the name CUDA reports (its preset, or the H100's with this GPU's
-    peak), with the memory it really has; on CPUs the measured CPU row with the host's memory shared by the
-    node's ranks."""
+    peak), with the memory it really has; on CPUs the measured CPU row with the host's available memory shared by
+    the node's ranks."""
     import os
 
     import torch
@@ -114,4 +114,13 @@ def this_machine(ranks_per_node: int) -> Hardware:
             memory_gib=props.total_memory / GIB, peak_tflops=peak / 1e12 if peak else None, gpus_per_node=ranks_per_node
         )
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
-    return PRESETS["cpu"].with_overrides(memory_gib=host / ranks_per_node, host_gib=host, gpus_per_node=ranks_per_node)
+    free = _available_gib() or host  # (the host is shared: what the other processes leave)
+    return PRESETS["cpu"].with_overrides(memory_gib=free / ranks_per_node, host_gib=host, gpus_per_node=ranks_per_node)
+
+
+def _available_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 / GIB for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None

@@ -32,6 +32,10 @@ class ModelShape:
     top_k: int = 0  # experts each token runs
     expert_ffn: int = 0  # each expert's hidden size
     shared_ffn: int = 0  # the hidden size of the MLP every token runs beside the routed experts (0: none)
+    # fp32 copies of the logits the model's loss holds beyond the logits and their gradient, which zerotron's
+    # models hold (Transformers' causal-LM loss: the shifted logits and the log-softmax, 2; measured 4.1x the
+    # logits at the peak of a GPT-2's forward and backward)
+    loss_copies: int = 0
 
     def __post_init__(self):
         if min(self.layers, self.hidden, self.heads, self.kv_heads, self.ffn, self.vocab) < 1:

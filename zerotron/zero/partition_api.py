@@ -26,7 +26,8 @@ class GatheredParameters:
             params = [params]
         seen, unique = set(), []
         for p in params if params is not None else []:
-            if id(p) not in seen:
+            # (None: a module's absent bias, which Transformers hands in, e.g. resizing an lm_head)
+            if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 unique.append(p)
         self.params = unique
