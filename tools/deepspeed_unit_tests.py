@@ -69,6 +69,20 @@ def _plugin_path(python: str, workdir: str) -> tuple[str, list[str]]:
     return str(where), options
 
 
+def _lend(python: str, lender: str | None, modules: list[str], workdir: str) -> None:
+    """Modules DeepSpeed's tests import that come with DeepSpeed's own dependencies (hjson): where `python` lacks
+    one, link the lender interpreter's copy beside the plugin (nothing is installed anywhere)."""
+    where = Path(workdir) / "plugins"
+    for name in modules:
+        if lender is None or subprocess.run([python, "-c", f"import {name}"], capture_output=True).returncode == 0:
+            continue
+        where_is = f"import {name}, os; print(os.path.dirname({name}.__file__))"
+        found = subprocess.run([lender, "-c", where_is], capture_output=True, text=True)
+        link = where / name
+        if found.returncode == 0 and not link.exists():
+            link.symlink_to(found.stdout.strip())
+
+
 def _pytest(python, alias, workdir, targets, select, timeout, log, local_size=2) -> tuple[int | None, str]:
     """One pytest run over `targets`; the events land in `log`. Returns (exit status or None, output tail)."""
     tests = _tests_copy(_pytest.source, workdir)
@@ -186,6 +200,8 @@ def _run_file(args, path: str, ids: list[str]) -> dict:
 
 def run(args) -> None:
     chosen = json.loads(Path(args.select).read_text())
+    _plugin_path(args.python, args.workdir)
+    _lend(args.python, args.lend_from, args.lend, args.workdir)
     out_path = Path(args.out)
     done = json.loads(out_path.read_text()) if out_path.exists() else {"python": args.python, "files": {}}
     for path, ids in chosen["files"].items():
@@ -272,6 +288,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--only", nargs="*", help="run only the files whose path contains one of these")
     p.add_argument("--ranks", type=int, default=2, help="the most ranks a test may spawn (LOCAL_SIZE)")
+    p.add_argument("--lend-from", help="an interpreter to lend the --lend modules from (DeepSpeed's)")
+    p.add_argument("--lend", nargs="*", default=["hjson"], help="test dependencies DeepSpeed brings")
     p = sub.add_parser("compare")
     p.add_argument("--deepspeed", nargs="+", required=True, help="result files of the DeepSpeed runs")
     p.add_argument("--zerotron", nargs="+", required=True, help="result files of the zerotron runs")
