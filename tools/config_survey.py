@@ -88,8 +88,15 @@ def find_configs(dirs):
                     if any(f'"{k}"' in text for k in DS_KEYS):
                         yield path, None, "not JSON (a template with placeholders)"
                     continue
-                if isinstance(raw, dict) and any(k in raw for k in DS_KEYS):
+                if isinstance(raw, dict) and (any(k in raw for k in DS_KEYS) or _fragment(raw)):
                     yield path, raw, None
+
+
+def _fragment(raw: dict) -> bool:
+    """A snippet of DeepSpeed sections alone (the docs' "flops_profiler": {...}): every key one of DeepSpeed's."""
+    from zerotron.config.deepspeed import DEEPSPEED_TOP_LEVEL
+
+    return bool(raw) and all(k in DEEPSPEED_TOP_LEVEL for k in raw)
 
 
 def _int(value):
@@ -111,7 +118,8 @@ def world_size_for(raw: dict) -> int:
         else 1
     )
     pp = _int((raw.get("pipeline") or {}).get("stages", 1)) if isinstance(raw.get("pipeline"), dict) else 1
-    return dp * int(tp or 1) * int(pp or 1), dp
+    sp = _int(raw.get("sequence_parallel_size", 1))
+    return dp * int(tp or 1) * int(pp or 1) * int(sp or 1), dp
 
 
 def prepare(raw: dict) -> tuple[dict, bool]:
@@ -187,11 +195,11 @@ def warned_keys(texts):
         m = re.match(
             r"zerotron ignores these top-level config sections, which are neither DeepSpeed.s nor zerotron.s: (.*)", t
         )
-        n = re.match(r"zerotron does not implement these DeepSpeed features and ignores their keys: (.*)", t)
+        n = re.match(r"zerotron does not implement these DeepSpeed features and ignores their keys[^:]*: (.*)", t)
         if m:
             out += [f"unknown key {k.strip()}" for k in m.group(1).split(",")]
         elif n:
-            out += [f"not implemented: {k.split(' (')[0].strip()}" for k in n.group(1).split("; ")]
+            out += [f"not implemented: {k.split(' (')[0].split(' = ')[0].strip()}" for k in n.group(1).split("; ")]
         else:
             out.append(_short(t, 100))
     return out
@@ -208,7 +216,7 @@ def main(argv=None):
 
     logging.disable(logging.WARNING)  # DeepSpeed's own logging, when asked
 
-    rows, templates = [], []
+    rows, templates, prepared_all = [], [], []
     for path, raw, why in find_configs(args.dirs):
         rel = _shown(path, args.dirs)
         if raw is None:
@@ -223,6 +231,7 @@ def main(argv=None):
         if args.deepspeed:
             row["deepspeed"] = deepspeed_verdict(prepared, dp) or "accepts"
         rows.append(row)
+        prepared_all.append((resolve_like_hf(prepared), world))
 
     counts = collections.Counter(r["outcome"] for r in rows)
     print(
@@ -269,6 +278,16 @@ def main(argv=None):
             )
         for t in templates:
             print(f"  template          {t}")
+    from tools.config_keys import KEY_CLASSES, key_survey
+
+    key_counts, key_examples = key_survey(prepared_all)
+    print(
+        f"\nkeys: {sum(key_counts.values())} in {len(rows)} configs: "
+        + "   ".join(f"{c}: {key_counts[c]}" for c in KEY_CLASSES)
+    )
+    for c in ("silently ignored", "error", "warned", "no effect"):
+        if key_examples[c]:
+            print(f"  {c}: " + ", ".join(f"{p} ({n})" for p, n in key_examples[c].most_common(12)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "templates": templates}, f, indent=1)

@@ -15,10 +15,12 @@ import torch.distributed as dist
 
 from . import activation_checkpointing, error_report, hf, watchdog  # noqa: F401 (zerotron.hf as DeepSpeed users expect)
 from .comm import init_distributed, launched_by_torchrun, local_device
+from .comm import log as comm_log
 from .config import Config, resolve_auto
 from .engine import Engine
 from .errors import BadBatchError, CollectiveMismatch, ConfigError, NonFiniteError, ZerotronError
 from .hf.takeover import hand_back, hold
+from .log import logger
 from .moe.expert_groups import expert_parallel_size
 from .topology import Topology
 
@@ -104,6 +106,10 @@ def initialize(
     engine_class = Engine
     if pipelined:
         from .engine import PipelineEngine as engine_class
+    if "comms_logger" in cfg.raw:  # as DeepSpeed's engine does, the config sets deepspeed.comm's logger
+        comm_log.configure(cfg)
+    if "log_level" in cfg.raw:  # DeepSpeed's logger level, for zerotron's logger
+        logger.setLevel(str(cfg.raw["log_level"]).upper())
     hand_back(model)  # a model another engine wraps (the Trainer's evaluate() before train()) comes back whole
     engine = engine_class(
         model,

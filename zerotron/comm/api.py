@@ -3,10 +3,11 @@
     import zerotron as deepspeed            # or: import zerotron.comm as dist
     deepspeed.comm.all_reduce(t)            # zerotron.comm is this API plus zerotron's Comm
 
-Each function takes DeepSpeed's arguments, including its logging ones (`prof`, `log_name`, `debug`),
-which are accepted and ignored: zerotron keeps no per-call comms log (engine.comm_stats() counts the
-bytes of the engine's own collectives). ReduceOp is torch's; DeepSpeed's own ReduceOp enum is also
-accepted wherever an `op` is. init_distributed is zerotron's (zerotron.comm.init_distributed).
+Each function takes DeepSpeed's arguments, including its logging ones (`prof`, `log_name`; `debug`
+is the log's setting): with the comms logger on (the config's "comms_logger" section, or configure()),
+each call is logged under its log_name (zerotron/comm/log.py) beside the engine's own collectives, and
+log_summary() prints them. ReduceOp is torch's; DeepSpeed's own ReduceOp enum is also accepted wherever
+an `op` is. init_distributed is zerotron's (zerotron.comm.init_distributed).
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..log import logger
 from ..timeouts import group_timeout
 from .core import _all_gather_flat, _reduce_scatter_flat
 from .groups import init_distributed, shutdown
+from .log import configure, log_summary, logged, reset_log  # noqa: F401 (DeepSpeed's names)
 
 ReduceOp = dist.ReduceOp
 
@@ -66,6 +67,7 @@ __all__ = [
     "has_all_reduce_coalesced",
     "configure",
     "log_summary",
+    "reset_log",
 ]
 
 
@@ -144,20 +146,24 @@ def get_world_group():
 # --- collectives ----------------------------------------------------------------------------------
 
 
+@logged
 def barrier(group=None, async_op=False, device_ids=None, prof=False, log_name="barrier", debug=None):
     return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
 
 
+@logged
 def monitored_barrier(
     group=None, timeout=None, wait_all_ranks=False, prof=False, log_name="monitored_barrier", debug=None
 ):
     return dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
 
 
+@logged
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, prof=False, log_name="all_reduce", debug=None):
     return dist.all_reduce(tensor, op=_op(op), group=group, async_op=async_op)
 
 
+@logged
 def inference_all_reduce(
     tensor, op=ReduceOp.SUM, group=None, async_op=False, prof=False, log_name="all_reduce", debug=None
 ):
@@ -184,6 +190,7 @@ class _ThenWork:
         return self.then is None
 
 
+@logged
 def all_reduce_coalesced(
     tensors, op=ReduceOp.SUM, group=None, async_op=False, prof=False, log_name="all_reduce", debug=None
 ):
@@ -200,10 +207,12 @@ def all_reduce_coalesced(
     unflatten()
 
 
+@logged
 def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False, prof=False, log_name="reduce", debug=None):
     return dist.reduce(tensor, dst=dst, op=_op(op), group=group, async_op=async_op)
 
 
+@logged
 def broadcast(tensor, src, group=None, async_op=False, prof=False, log_name="broadcast", debug=None):
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
@@ -212,6 +221,7 @@ def broadcast_object_list(object_list, src, group=None, device=None):
     return dist.broadcast_object_list(object_list, src=src, group=group, device=device)
 
 
+@logged
 def all_gather(tensor_list, tensor, group=None, async_op=False, prof=False, log_name="all_gather", debug=None):
     return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
 
@@ -220,6 +230,7 @@ def all_gather_object(object_list, obj, group=None, prof=False, log_name="all_ga
     return dist.all_gather_object(object_list, obj, group=group)
 
 
+@logged
 def all_gather_into_tensor(
     output_tensor, tensor, group=None, async_op=False, prof=False, log_name="all_gather_into_tensor", debug=None
 ):
@@ -230,12 +241,14 @@ def allgather_fn(output_tensor, input_tensor, group=None, async_op=False, debug=
     return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
+@logged
 def reduce_scatter(
     output, input_list, op=ReduceOp.SUM, group=None, async_op=False, prof=False, log_name="reduce_scatter", debug=None
 ):
     return dist.reduce_scatter(output, input_list, op=_op(op), group=group, async_op=async_op)
 
 
+@logged
 def reduce_scatter_tensor(
     output_tensor,
     tensor,
@@ -253,6 +266,7 @@ def reduce_scatter_fn(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_
     return reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
 
 
+@logged
 def all_to_all_single(
     output,
     tensor,
@@ -274,14 +288,17 @@ def all_to_all_single(
     )
 
 
+@logged
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
     return dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
 
 
+@logged
 def gather(tensor, gather_list=None, dst=0, group=None, async_op=False, prof=False, log_name="gather", debug=None):
     return dist.gather(tensor, gather_list=gather_list, dst=dst, group=group, async_op=async_op)
 
 
+@logged
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False, prof=False, log_name="scatter", debug=None):
     return dist.scatter(tensor, scatter_list=scatter_list, src=src, group=group, async_op=async_op)
 
@@ -289,19 +306,23 @@ def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False, prof=F
 # --- point to point -------------------------------------------------------------------------------
 
 
+@logged
 def send(tensor, dst, group=None, tag=0, prof=False, log_name="send", debug=None):
     return dist.send(tensor, dst=dst, group=group, tag=tag)
 
 
+@logged
 def recv(tensor, src=None, group=None, tag=0, prof=False, log_name="recv", debug=None):
     return dist.recv(tensor, src=src, group=group, tag=tag)
 
 
+@logged
 def isend(tensor, dst, group=None, tag=0, prof=False, log_name="isend", debug=None):
     """Asynchronous: returns a work to wait on (DeepSpeed 0.19's isend blocks and returns None)."""
     return dist.isend(tensor, dst=dst, group=group, tag=tag)
 
 
+@logged
 def irecv(tensor, src=None, group=None, tag=0, prof=False, log_name="irecv", debug=None):
     return dist.irecv(tensor, src=src, group=group, tag=tag)
 
@@ -325,32 +346,4 @@ def has_coalescing_manager() -> bool:
     return hasattr(dist.distributed_c10d, "_coalescing_manager")
 
 
-# --- DeepSpeed's comms logger ---------------------------------------------------------------------
-
-_logging_asked = False
-
-
-def configure(deepspeed_config=None, enabled=None, prof_all=None, prof_ops=None, verbose=None, debug=None):
-    """DeepSpeed's comms-logger settings: accepted; zerotron has no per-call comms logger."""
-    global _logging_asked
-    comms = getattr(deepspeed_config, "comms_config", None)
-    wanted = bool(enabled) or bool(getattr(comms, "comms_logger_enabled", False))
-    if wanted and not _logging_asked:
-        logger.info(
-            "comms logging is not available in zerotron (no per-call timing); "
-            "engine.comm_stats() reports the bytes of every collective the engine issues"
-        )
-    _logging_asked = _logging_asked or wanted
-
-
-def log_summary(show_straggler=False, return_dict=False):
-    """No per-call log to summarize: says so, and with return_dict returns DeepSpeed's layout, empty."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    if rank == 0:
-        logger.info(
-            "comms logging is off in zerotron: no per-call summary; use engine.comm_stats() for the "
-            "bytes each kind of collective moved"
-        )
-    if return_dict:
-        return {"summary": {}, "straggler_analysis": None, "metadata": {"world_size": world, "rank": rank}}
-    return None
+# --- DeepSpeed's comms logger: configure, log_summary and reset_log are zerotron/comm/log.py's -------

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import watchdog
+from . import log
 
 # torch 2.13 deprecates *_into_tensor / *_tensor in favour of *_single; older releases lack the latter.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -88,13 +89,19 @@ class Comm:
         self.bytes = defaultdict(int)
         self.name = name or ("world" if group is None else "group")
         self.first_operation_done = False  # (strict mode: see _first_operation)
+        self._counted = None  # (kind, bytes) the next operation counted, for the comms log
 
     @cached_property
     def ranks(self) -> list[int]:
         return list(range(dist.get_world_size())) if self.group is None else dist.get_process_group_ranks(self.group)
 
     def _count(self, kind: str, tensor: torch.Tensor):
-        self.bytes[kind] += tensor.numel() * tensor.element_size()
+        self._add(kind, tensor.numel() * tensor.element_size())
+
+    def _add(self, kind: str, nbytes: int):
+        self.bytes[kind] += nbytes
+        before = self._counted[1] if self._counted is not None and self._counted[0] == kind else 0
+        self._counted = (kind, before + nbytes)
 
     def stats(self) -> dict[str, int]:
         return {kind: self.bytes[kind] for kind in self.KINDS}
@@ -131,6 +138,10 @@ class Comm:
         targets = outputs
         if deferred:
             targets = tuple(o.clone() if in_place else torch.empty_like(o) for o in outputs)
+        counted, self._counted = self._counted or (op.split("(")[0], 0), None
+        timing = None
+        if log.LOG.enabled and log.LOG.wants(counted[0]):  # (disabled: this one test)
+            timing = log.Timing(*counted, self.size, tensors[0] if tensors else None)
         watch = watchdog.get() if self.size > 1 else None
         records = []
         if watch is not None:
@@ -142,9 +153,15 @@ class Comm:
         if not async_op:
             for record in records:
                 watch.end(record)
+            if timing is not None:
+                timing.done()
             return work
         return Work(
-            work if isinstance(work, list) else [work], watch, records, list(zip(targets, outputs)) if deferred else []
+            work if isinstance(work, list) else [work],
+            watch,
+            records,
+            list(zip(targets, outputs)) if deferred else [],
+            None if timing is None else timing.done,
         )
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False):
@@ -183,10 +200,10 @@ class Comm:
         from group rank j; equal blocks, or of `input_splits` / `output_splits` rows. Counted as the
         bytes this rank sends to the others."""
         if input_splits is None:
-            self.bytes["all_to_all"] += tensor.numel() * tensor.element_size() * (self.size - 1) // self.size
+            self._add("all_to_all", tensor.numel() * tensor.element_size() * (self.size - 1) // self.size)
         else:
             row = tensor[0].numel() * tensor.element_size() if len(tensor) else 0
-            self.bytes["all_to_all"] += row * (sum(input_splits) - input_splits[self.rank])
+            self._add("all_to_all", row * (sum(input_splits) - input_splits[self.rank]))
         return self._issue(
             "all_to_all",
             lambda out: dist.all_to_all_single(
@@ -298,8 +315,9 @@ class Work:
     writes deferred outputs (strict mode) and tells the watchdog; the watchdog also sees a work
     complete without being waited on (is_completed)."""
 
-    def __init__(self, works: list, watch, records: list, deferred: list):
+    def __init__(self, works: list, watch, records: list, deferred: list, on_done=None):
         self.works, self.watch, self.records, self.deferred = works, watch, records, deferred
+        self.on_done = on_done  # the comms log's timing, when it logs this operation
         if watch is not None:
             for work, record in zip(works if len(works) == len(records) else works * len(records), records):
                 watch.track(record, work)
@@ -315,6 +333,8 @@ class Work:
             for scratch, out in self.deferred:
                 out.copy_(scratch)
             self.works, self.deferred = None, []
+            if self.on_done is not None:
+                self.on_done()
         finally:
             if self.watch is not None:
                 for r in self.records:

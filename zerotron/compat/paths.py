@@ -68,6 +68,9 @@ PATHS: dict[str, str] = {
     # launcher: constants only (launch with torchrun / zerotron run)
     "launcher": "zerotron.compat.launcher",
     "launcher.runner": "zerotron.compat.launcher",
+    # profiling: DeepSpeed's flops_profiler package is one module here (zerotron/profiling/flops.py)
+    "profiling.flops_profiler": "zerotron.profiling.flops",
+    "profiling.flops_profiler.profiler": "zerotron.profiling.flops",
     # moe: zerotron's own package (its gating and layer); DeepSpeed's helpers beside them live in compat
     "moe": "zerotron.moe",
     "moe.utils": "zerotron.compat.moe.utils",

@@ -13,6 +13,7 @@ from typing import Optional
 from ..errors import ConfigError
 from ..log import warn
 from .deepspeed import deepspeed_features, deepspeed_names
+from .profiling import CommsLoggerConfig, FlopsProfilerConfig
 from .resolve import parse_json, parse_section, resolve_auto
 from .scheduler_section import validate_scheduler
 from .sections import (
@@ -71,6 +72,8 @@ class Config(Mapping):
     tensorboard: MonitorConfig = field(default_factory=MonitorConfig)
     csv_monitor: MonitorConfig = field(default_factory=MonitorConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
+    comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
     raw: dict = field(default_factory=dict, repr=False)
     world_size: int = 1
 

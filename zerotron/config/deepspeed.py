@@ -8,34 +8,53 @@ import copy
 
 from ..errors import ConfigError
 from ..log import warn
+from .no_effect import MODEL_DTYPE, ONLY_AT, ONLY_AT_DEFAULT
 
 # DeepSpeed features zerotron does not implement whose keys can be ignored without training a
 # different model than asked (they change speed, memory or tooling, or the script must call
 # DeepSpeed's own API for them, which then fails by name): accepted with a warning naming each.
 _NOT_IMPLEMENTED = {
-    "compile": "DeepSpeed's compile/deepcompile (torch.compile the model yourself)",
-    "compression_training": "model compression (deepspeed.compression: quantization, pruning, layer reduction)",
-    "data_efficiency": "data efficiency (curriculum data sampling, random-LTD)",
-    "quantize_training": "MoQ quantization during training",
-    "eigenvalue": "eigenvalue-based MoQ",
-    "sparse_attention": "sparse attention layouts",
-    "hybrid_engine": "the RLHF hybrid engine",
-    "weight_quantization": "quantized weights",
-    "nebula": "Nebula checkpointing",
-    "datastates": "DataStates checkpointing",
-    "aio": "async I/O (NVMe)",
-    "graph_harvesting": "graph harvesting",
-    "disable_allgather": "disable_allgather (a legacy switch)",
+    "compile": "DeepSpeed's compile/deepcompile: torch.compile the model yourself",
+    "compression_training": "model compression (quantization, pruning, layer reduction): compress the model with a "
+    "library of its own after training",
+    "data_efficiency": "data efficiency (curriculum data sampling, random-LTD): order and sample the data in your "
+    "own DataLoader",
+    "quantize_training": "MoQ quantization during training: train in bf16 and quantize the trained model",
+    "eigenvalue": "eigenvalue-based MoQ: remove the section",
+    "sparse_attention": "sparse attention layouts: use the model's own (dense) attention",
+    "hybrid_engine": "the RLHF hybrid engine: generation runs the training model as it is (slower, same tokens), "
+    "remove the section",
+    "weight_quantization": "quantized weights: quantize the trained model",
+    "nebula": "Nebula checkpointing: engine.save_checkpoint writes to save_dir",
+    "datastates": "DataStates checkpointing: engine.save_checkpoint writes to save_dir",
+    "aio": "async I/O for NVMe offload: zerotron offloads to host memory (offload device 'cpu')",
+    "graph_harvesting": "CUDA graph harvesting: remove the key",
+    "disable_allgather": "disable_allgather (a legacy switch): remove the key",
     "torch_autocast": "torch.autocast around the forward: the forward runs in the model's dtype, for bf16 training "
     'set "bf16": {"enabled": true}',
-    "amp": "apex AMP (the model runs in its dtype, use the 'fp16' or 'bf16' section)",
-    "data_types": "data_types (gradients accumulate in the model dtype, the optimizer sees fp32)",
-    "comet": "Comet logging (use 'tensorboard' or 'csv_monitor')",
-    "datastates_ckpt": "DataStates checkpointing",
+    "amp": "apex AMP: the model runs in its dtype, use the 'fp16' or 'bf16' section",
+    "data_types": "data_types: gradients accumulate in the model dtype and the optimizer sees fp32: remove the section",
+    "comet": "Comet logging: use 'tensorboard' or 'csv_monitor'",
+    "datastates_ckpt": "DataStates checkpointing: engine.save_checkpoint writes to save_dir",
 }
+_DTYPE_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _model_dtype(raw: dict) -> str:
+    return (
+        "bf16"
+        if _enabled(raw.get("bf16")) or _enabled(raw.get("bfloat16"))
+        else "fp16"
+        if _enabled(raw.get("fp16"))
+        else "fp32"
+    )
+
+
 _NOT_IMPLEMENTED_IN = {
     "zero_optimization": {
-        k: "ZeRO++ / MiCS / ZenFlow and other DeepSpeed ZeRO options"
+        k: "ZeRO++ / MiCS / ZenFlow and other DeepSpeed ZeRO options: zerotron's ZeRO trains the same model "
+        "without them, remove the key"
         for k in (
             "zenflow",
             "model_persistence_threshold",
@@ -65,18 +84,23 @@ _NOT_IMPLEMENTED_IN = {
         )
     },
     "bf16": {
-        "bf16_master_weights_and_grads": "bf16 master weights and gradients (zerotron keeps them in fp32)",
-        "bf16_optimizer_states": "bf16 optimizer states (zerotron keeps them in fp32)",
-        "immediate_grad_update": "immediate gradient updates",
-        "check_grad_overflow": "bf16 overflow checks (see zerotron.max_nonfinite_steps)",
+        "bf16_master_weights_and_grads": "bf16 master weights and gradients: zerotron keeps fp32 ones, remove the key",
+        "bf16_optimizer_states": "bf16 optimizer states: zerotron keeps them in fp32, remove the key",
+        "immediate_grad_update": "immediate gradient updates: the update runs at the step, remove the key",
+        "check_grad_overflow": "bf16 overflow checks: zerotron always checks (max_nonfinite_steps), remove it",
     },
-    "fp16": {"fp16_master_weights_and_grads": "fp16 master weights and gradients (zerotron keeps them in fp32)"},
-    "optimizer": {"legacy_fusion": "legacy optimizer fusion"},
-    "zero_optimization.offload_optimizer": {"super_offload": "SuperOffload (for superchips)"},
+    "fp16": {
+        "fp16_master_weights_and_grads": "fp16 master weights and gradients: zerotron keeps fp32 ones, remove the key"
+    },
+    "optimizer": {"legacy_fusion": "legacy optimizer fusion: remove the key"},
+    "zero_optimization.offload_optimizer": {
+        "super_offload": "SuperOffload (for superchips): offload to 'cpu' instead, remove the key"
+    },
     # AutoEP's description of the model to its replacement layer (zerotron runs the model's own router
     # and experts, which need none of it) and its kernel and communication options
     "expert_parallel": {
-        k: "AutoEP's description of the model and its kernels: zerotron runs the model's own router and experts"
+        k: "AutoEP's description of the model and its kernels: zerotron runs the model's own router and experts, "
+        "remove the key"
         for k in (
             "expert_tensor_parallel_size",
             "validate_folding_routing",
@@ -116,7 +140,8 @@ _NOT_IMPLEMENTED_IN = {
     # AutoTP's inference and kernel-injection options, and its own partition specs: zerotron splits
     # by the model's plan (parallelize/registry.py), which gives the same math
     "tensor_parallel": {
-        k: "AutoTP's inference, kernel-injection and custom partition options"
+        k: "AutoTP's inference, kernel-injection and custom partition options: zerotron splits by the model's plan, "
+        "remove the key"
         for k in (
             "dtype",
             "injection_policy_tuple",
@@ -273,7 +298,7 @@ def deepspeed_features(raw: dict) -> dict:
         (
             "elasticity",
             _enabled(raw.get("elasticity")),
-            "elastic training (DeepSpeed chooses the batch sizes) is not implemented by zerotron; remove the section "
+            "elastic training (DeepSpeed chooses the batch sizes) is not implemented by zerotron, remove the section "
             "and set train_batch_size / train_micro_batch_size_per_gpu yourself",
         ),
         (
@@ -284,7 +309,7 @@ def deepspeed_features(raw: dict) -> dict:
         (
             "managed_gradient_accumulation",
             raw.get("managed_gradient_accumulation", True) is not True,
-            "zerotron steps the optimizer at the gradient accumulation boundary only; remove the key or set it to true",
+            "zerotron steps the optimizer at the gradient accumulation boundary only, remove the key or set it to true",
         ),
     ]
     for key, refused, fix in refusals:
@@ -297,7 +322,8 @@ def deepspeed_features(raw: dict) -> dict:
     named = []
     for key in list(out):
         if key in _NOT_IMPLEMENTED:
-            named.append(f"{key} ({_NOT_IMPLEMENTED[key]})")
+            if not (isinstance(out[key], dict) and out[key].get("enabled", True) is False):  # (disabled: nothing asked)
+                named.append(f"{key} ({_NOT_IMPLEMENTED[key]})")
             del out[key]
         elif key == "autotuning":  # initialize() applies an enabled section (zerotron/autotuning): not here
             if _enabled(out[key]):
@@ -310,13 +336,27 @@ def deepspeed_features(raw: dict) -> dict:
             del out[key]
         elif key in ("gradient_allreduce_op", "managed_gradient_accumulation"):
             del out[key]  # the default values, checked above
+    for key, (fine, what) in ONLY_AT.items():
+        if key in out:
+            value, fine = out.pop(key), _model_dtype(raw) if fine is MODEL_DTYPE else fine
+            if _DTYPE_NAMES.get(value, value) != fine:
+                named.append(f"{key} = {value!r} ({what})")
+    for path, (default, what) in ONLY_AT_DEFAULT.items():
+        section, key = _copied_section(out, path.rsplit(".", 1)[0]) or {}, path.rsplit(".", 1)[1]
+        if key in section and section[key] != default:
+            named.append(f"{path} = {section[key]!r} ({what})")
+    if "log_level" in out and str(out["log_level"]).lower() not in _LOG_LEVELS:  # initialize() applies it
+        raise ConfigError("log_level", out["log_level"], f"use one of {', '.join(_LOG_LEVELS)}")
     for path, keys in _NOT_IMPLEMENTED_IN.items():
         section = _copied_section(out, path)
         for k in [k for k in (section or {}) if k in keys]:
             named.append(f"{path}.{k} ({keys[k]})")
             del section[k]
     if named:
-        warn("zerotron does not implement these DeepSpeed features and ignores their keys: " + "; ".join(named))
+        warn(
+            "zerotron does not implement these DeepSpeed features and ignores their keys (each followed by what "
+            "to do instead): " + "; ".join(named)
+        )
     return out
 
 

@@ -13,7 +13,8 @@ import typing
 from ..errors import ConfigError
 from ..log import warn
 from .deepspeed import DEEPSPEED_TOP_LEVEL
-from .sections import ACCEPTED_NO_EFFECT, AUTO, IntOrInf, is_auto
+from .no_effect import ACCEPTED_NO_EFFECT
+from .sections import AUTO, IntOrInf, is_auto
 
 
 def parse_json(text: str, where: str) -> dict:
@@ -221,6 +222,10 @@ def _convert(tp, value, key: str):
         if not isinstance(value, str):
             raise ConfigError(key, value, "expected a string")
         return value
+    if tp is list or origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(key, value, "expected a JSON array")
+        return list(value)
     if tp is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(key, value, "expected a JSON object")

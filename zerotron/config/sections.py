@@ -21,35 +21,6 @@ CHECKPOINT_POLICIES = (
 
 AUTO = "auto"
 
-# DeepSpeed keys we accept but that change nothing about the math here, by section ("" is the
-# top level); no warning for them.
-ACCEPTED_NO_EFFECT = {
-    "": {
-        "memory_breakdown",
-        "dump_state",
-        "zero_force_ds_cpu_optimizer",
-        "dataloader_drop_last",
-        "flops_profiler",
-        "comms_logger",
-        "prescale_gradients",
-        "gradient_predivide_factor",
-        "sparse_gradients",
-        "gradient_accumulation_dtype",
-        "log_level",
-        "timers",
-        "seq_parallel_communication_data_type",
-        "use_data_before_expert_parallelism",
-        "disable_python_gc",
-        "vocabulary_size",
-    },
-    # DeepSpeed computes the norm for its own logging; its flat buffers' alignment
-    "zero_optimization": {"compute_grad_norm", "parameter_alignment"},
-    # threads DeepSpeed's CPU Adam may use (zerotron's uses torch's)
-    "zero_optimization.offload_optimizer": {"cpuadam_cores_perc"},
-    # which torch.utils.checkpoint DeepSpeed's pipeline uses for activation_checkpoint_interval
-    "pipeline": {"use_reentrant"},
-}
-
 
 def is_auto(value) -> bool:
     return isinstance(value, str) and value == AUTO

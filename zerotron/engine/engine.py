@@ -118,7 +118,7 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         self.input_guard = InputGuard(vocab_size(self.module))
         self._take_record()  # what this step gathers over its micro-batches
         self._boundary_override: bool | None = None
-        self.reporter = StepReport(config.steps_per_print, self.monitor)
+        self.reporter = StepReport(self)  # (and the flops profiler, when the config enables it)
         self._created_at = time.perf_counter()  # (compat/utils/engines.py orders engines it finds by it)
         self._step_applied = False
         self._inside_no_sync = False

@@ -1,6 +1,7 @@
 """What the engine says after a step: the planner's memory prediction beside what the rank holds
-(once, after the first step, when optimizer states exist), and every `steps_per_print` steps the
-loss, learning rate and throughput (to the log and the configured monitors)."""
+(once, after the first step, when optimizer states exist), every `steps_per_print` steps the
+loss, learning rate and throughput (to the log and the configured monitors), and the flops profile of
+the config's `flops_profiler.profile_step` (zerotron/profiling)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,20 @@ import time
 import torch
 
 from ..log import logger
+from ..profiling import engine_hook as profiling
 
 MIB = 2**20
 
 
 class StepReport:
-    def __init__(self, steps_per_print: int, monitor):
-        self.steps_per_print, self.monitor = steps_per_print, monitor
+    def __init__(self, engine):
+        self.steps_per_print, self.monitor = engine.config.steps_per_print, engine.monitor
         self.window_start = time.perf_counter()  # of the steps the next printed throughput covers
+        self.flops_profile = profiling.attach(engine)  # None unless enabled (and on global rank 0)
 
     def after_step(self, engine, losses: list[torch.Tensor]):
+        if self.flops_profile is not None:
+            self.flops_profile.after_step()
         if engine.global_steps == 1:
             self._memory(engine)
         print_now = engine.global_steps % self.steps_per_print == 0
