@@ -167,3 +167,16 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2, mpu=None):
     for p in parameters:
         p.grad.detach().mul_(coef.to(p.grad.device))
     return total
+
+
+class PartitionedTensor:
+    """DeepSpeed's pipeline engine splits activations over the tensor-parallel group with this class before
+    sending them between stages. zerotron's pipeline sends each activation whole (zerotron/pipe/p2p.py), so there is
+    nothing to construct: the name exists for imports, construction is refused."""
+
+    def __init__(self, tensor, group, partition_meta=None):
+        raise NotImplementedError(
+            "PartitionedTensor is DeepSpeed's internal activation partitioning for its pipeline engine; zerotron "
+            "sends activations between stages whole and has no such object (partition a tensor with "
+            "partition_uniform() and torch.distributed yourself if a script needs it)"
+        )

@@ -43,6 +43,18 @@ class ZeroParamType(enum.Enum):
     REMOTE = 3  # held by one rank only
 
 
+class MultipleAllGatherHandles:
+    """DeepSpeed's ZeRO-3 internals wrap several in-flight parameter all-gathers in this object. zerotron's
+    gather/release (zerotron/zero) waits on its own collectives, so the name exists for imports and construction
+    is refused."""
+
+    def __init__(self, handles, *args, **kwargs):
+        raise NotImplementedError(
+            "MultipleAllGatherHandles is DeepSpeed's internal ZeRO-3 all-gather bookkeeping; zerotron gathers "
+            "parameters itself (zerotron.zero.GatheredParameters is the public way to gather them)"
+        )
+
+
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter):
     """Tell ZeRO-3 that `module`'s forward uses `parameter`, which another module owns. zerotron
     keeps the record (`module._external_params`, as DeepSpeed); its ZeRO-3 already keeps the
