@@ -43,6 +43,10 @@ class ZeroParamType(enum.Enum):
     REMOTE = 3  # held by one rank only
 
 
+# The shape a ZeRO-3 parameter's data has while released: an empty 1-D placeholder (zerotron/zero/residency.py).
+partitioned_param_data_shape = [0]
+
+
 class MultipleAllGatherHandles:
     """DeepSpeed's ZeRO-3 internals wrap several in-flight parameter all-gathers in this object. zerotron's
     gather/release (zerotron/zero) waits on its own collectives, so the name exists for imports and construction
