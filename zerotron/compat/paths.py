@@ -49,6 +49,8 @@ PATHS: dict[str, str] = {
     "runtime.zero.config": "zerotron.compat.runtime.zero.config",
     "runtime.fp16.fused_optimizer": "zerotron.compat.runtime.fp16.fused_optimizer",
     "runtime.fp16.unfused_optimizer": "zerotron.compat.runtime.fp16.unfused_optimizer",
+    "runtime.bf16_optimizer": "zerotron.compat.runtime.bf16_optimizer",
+    "runtime.zero.utils": "zerotron.compat.runtime.zero.utils",
     "runtime.activation_checkpointing": "zerotron.compat.runtime.activation_checkpointing",
     "runtime.activation_checkpointing.checkpointing": "zerotron.activation_checkpointing",  # as deepspeed.checkpointing
     "runtime.pipe": "zerotron.compat.runtime.pipe",
