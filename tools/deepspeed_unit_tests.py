@@ -205,7 +205,9 @@ def run(args) -> None:
     out_path = Path(args.out)
     done = json.loads(out_path.read_text()) if out_path.exists() else {"python": args.python, "files": {}}
     for path, ids in chosen["files"].items():
-        if path in done["files"] or (args.only and not any(s in path for s in args.only)):
+        if args.only and not any(s in path for s in args.only):
+            continue
+        if path in done["files"] and not args.rerun:
             continue
         print(f"{path}: {len(ids)} tests", flush=True)
         done["files"][path] = _run_file(args, path, ids)
@@ -287,6 +289,7 @@ def main(argv=None) -> None:
     p.add_argument("--select", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--only", nargs="*", help="run only the files whose path contains one of these")
+    p.add_argument("--rerun", action="store_true", help="run the --only files again even if --out has them")
     p.add_argument("--ranks", type=int, default=2, help="the most ranks a test may spawn (LOCAL_SIZE)")
     p.add_argument("--lend-from", help="an interpreter to lend the --lend modules from (DeepSpeed's)")
     p.add_argument("--lend", nargs="*", default=["hjson"], help="test dependencies DeepSpeed brings")
