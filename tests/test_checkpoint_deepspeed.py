@@ -17,6 +17,7 @@ from tools import deepspeed_checkpoints as ds
 from zerotron.checkpoint import CheckpointError
 from zerotron.checkpoint.deepspeed_pickle import load as load_deepspeed_file
 from zerotron.checkpoint.load import open_checkpoint
+from zerotron.cli import main
 from zerotron.compat.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 GOLDEN = json.loads((ds.FIXTURES / "golden.json").read_text())
@@ -121,3 +122,47 @@ def test_a_directory_that_is_neither_says_so(tmp_path):
     (tmp_path / "global_step1").mkdir()
     with pytest.raises(CheckpointError, match="meta.json is missing"):
         open_checkpoint(tmp_path / "global_step1")
+
+
+def _save_zerotron(source, stage, dtype, out):
+    """zerotron resumes DeepSpeed's `source` at ZeRO `stage` and saves its own checkpoint to `out`."""
+    engine, *_ = zerotron.initialize(model=ds.make_model(7), config=ds.config(stage, dtype, world=_world()))
+    engine.load_checkpoint(source)
+    engine.save_checkpoint(out, client_state=ds.CLIENT_STATE)
+
+
+def test_convert_from_deepspeed_gives_a_checkpoint_that_resumes_the_same(tmp_path):
+    out = tmp_path / "zt"
+    assert main(["convert", "--from-deepspeed", _ckpt("zero2_bf16"), str(out)]) == 0
+    meta = json.loads((out / "global_step3" / "meta.json").read_text())
+    assert meta["format"] == "zerotron-checkpoint" and meta["client_state"] == ds.CLIENT_STATE
+    assert meta["param_order"] == [n for n, _ in ds.make_model().named_parameters()]
+    ((losses, lr, steps, client),) = run_ranks(_resume, 2, [(str(out), 3, "bf16", True)], timeout=60)[0]
+    _assert_like_deepspeed(losses, GOLDEN["zero2_bf16"]["resumed"])
+    assert (lr, steps, client) == (GOLDEN["zero2_bf16"]["resumed"]["lr"], 3 + ds.RESUME_STEPS, ds.CLIENT_STATE)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_convert_to_deepspeed_round_trips(tmp_path, stage):
+    """A zerotron checkpoint (ZeRO-1 bf16, whose flat buffers hold the parameters in reverse) written in
+    DeepSpeed's layout reads back as the same tensors, in the model's order, and resumes as DeepSpeed's
+    own directory did. (Real DeepSpeed 0.19.8 resumed such directories with DeepSpeed's own losses:
+    tools/deepspeed_checkpoints.py resume; docs/deepspeed.md.)"""
+    zt, out = tmp_path / "zt", tmp_path / "ds"
+    run_ranks(_save_zerotron, 2, _ckpt("zero1_bf16"), 1, "bf16", str(zt), timeout=60)
+    args = ["convert", "--to-deepspeed", str(zt), str(out), "--zero-stage", str(stage), "--world-size", "2"]
+    assert main(args) == 0
+    back, original = open_checkpoint(out / "global_step3"), open_checkpoint(zt / "global_step3")
+    assert back.names() == [n for n, _ in ds.make_model().named_parameters()] == original.names()
+    for name in back.names():
+        for kind in ["master"] + [f"state.{k}" for k in original.state_keys(name)]:
+            assert torch.equal(back.full(name, kind), original.full(name, kind)), (name, kind)
+    assert back.scalars == original.scalars and back.meta["lr_scheduler"] == original.meta["lr_scheduler"]
+    ((losses, *_),) = run_ranks(_resume, 2, [(str(out), 2, "bf16", True)], timeout=60)[0]
+    _assert_like_deepspeed(losses, GOLDEN["zero1_bf16"]["resumed"])
+
+
+def test_convert_refuses_what_it_cannot_write(tmp_path, capsys):
+    assert main(["convert", "--to-deepspeed", _ckpt("zero2_fp32"), str(tmp_path), "--dtype", "fp16"]) == 2
+    assert "fp16 is not written" in capsys.readouterr().err
+    assert main(["convert", "--from-deepspeed", "--to-deepspeed", _ckpt("zero2_fp32"), str(tmp_path)]) == 2

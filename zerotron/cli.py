@@ -24,7 +24,15 @@ def main(argv: list[str] | None = None) -> int:
     convert = sub.add_parser("convert", help="write a checkpoint's weights as one consolidated safetensors file")
     convert.add_argument("checkpoint", help="a checkpoint directory (save_dir/tag), or a save_dir with 'latest'")
     convert.add_argument("out", help="output directory (gets model.safetensors)")
-    convert.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    convert.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: fp32 weights")
+    convert.add_argument(
+        "--from-deepspeed", action="store_true", help="CHECKPOINT is DeepSpeed's: write a zerotron checkpoint to OUT"
+    )
+    convert.add_argument(
+        "--to-deepspeed", action="store_true", help="write CHECKPOINT in DeepSpeed's layout (OUT/<tag>, OUT/latest)"
+    )
+    convert.add_argument("--zero-stage", type=int, default=None, help="--to-deepspeed: DeepSpeed's ZeRO stage")
+    convert.add_argument("--world-size", type=int, default=None, help="--to-deepspeed: DeepSpeed's data-parallel size")
     convert.add_argument(
         "--max-shard-size",
         type=float,
@@ -50,9 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return _train(args, argv if argv is not None else sys.argv[1:])
         if args.command == "convert":
-            from .checkpoint.export import convert as convert_checkpoint
-
-            print(f"wrote {convert_checkpoint(args.checkpoint, args.out, args.dtype, int(args.max_shard_size))}")
+            try:
+                print(f"wrote {_convert(args)}")
+            except ValueError as e:  # flags that do not go together, a dtype DeepSpeed's layout cannot hold
+                print(f"zerotron convert: {e}", file=sys.stderr)
+                return 2
             return 0
         return _run(args, argv if argv is not None else sys.argv[1:])
     except FileNotFoundError as e:
@@ -61,6 +71,22 @@ def main(argv: list[str] | None = None) -> int:
     except ZerotronError as e:
         report(e)  # once for the whole job when launched (error_report.py)
         return 2 if isinstance(e, ConfigError) else 1
+
+
+def _convert(args):
+    if args.from_deepspeed and args.to_deepspeed:
+        raise ValueError("--from-deepspeed or --to-deepspeed, not both")
+    if args.from_deepspeed:
+        from .checkpoint.from_deepspeed import from_deepspeed
+
+        return from_deepspeed(args.checkpoint, args.out)
+    if args.to_deepspeed:
+        from .checkpoint.deepspeed_out import to_deepspeed
+
+        return to_deepspeed(args.checkpoint, args.out, args.zero_stage, args.world_size, args.dtype)
+    from .checkpoint.export import convert
+
+    return convert(args.checkpoint, args.out, args.dtype or "fp32", int(args.max_shard_size))
 
 
 # ---- zerotron train ---------------------------------------------------------------------------

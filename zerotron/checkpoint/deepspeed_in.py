@@ -30,8 +30,6 @@ from .files import CheckpointError
 # the model-states dict is handed back, as DeepSpeed does).
 _DEEPSPEED_STATES = ("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler")
 _DEEPSPEED_STATES += ("random_ltd", "lr_scheduler", "optimizer")
-# Torch optimizer settings that choose an implementation, not the math: the resuming optimizer keeps its own.
-_IMPLEMENTATION = ("params", "foreach", "fused", "capturable", "differentiable")
 
 
 class DeepSpeedPieces:
@@ -257,7 +255,9 @@ class DeepSpeedPieces:
             "loss_scaler": _loss_scaler(settings),
             "lr_scheduler": m.get("lr_scheduler"),
             "optimizer_groups": [
-                {k: v for k, v in g.items() if k not in _IMPLEMENTATION} for g in groups if isinstance(g, dict)
+                {k: v for k, v in g.items() if k not in layout.IMPLEMENTATION_KEYS}
+                for g in groups
+                if isinstance(g, dict)
             ],
             "data": None,
             "hf_config": None,

@@ -19,6 +19,15 @@ from .files import META
 MODEL_STATES = "mp_rank_00_model_states.pt"
 UNIVERSAL_DIR = "zero"
 LATEST_UNIVERSAL = "latest_universal"
+# What DeepSpeed's save_checkpoint writes into the model-states dict itself; a client's state is the rest.
+DEEPSPEED_KEYS = frozenset(
+    ("module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params")
+    + ("frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names")
+    + ("skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config")
+    + ("ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info")
+)
+# Torch optimizer settings that choose an implementation, not the math: a resuming optimizer keeps its own.
+IMPLEMENTATION_KEYS = ("params", "foreach", "fused", "capturable", "differentiable")
 
 
 def zero3_model_states(rank: int) -> str:

@@ -75,8 +75,8 @@ class SavedPieces:
         return assemble(parts, name)
 
     def names(self) -> list[str]:
-        """The trainable parameters, in the order the files list them (the model's, rank by rank)."""
-        return list(self.by_name)
+        """The trainable parameters in the model's order (a checkpoint from before that was recorded: the files')."""
+        return [n for n in self.meta.get("param_order", self.by_name) if n in self.by_name]
 
     def shape(self, name: str) -> tuple | None:
         found = self.by_name.get(name)

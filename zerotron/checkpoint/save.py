@@ -43,7 +43,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     except TypeError as e:
         raise TypeError(f"client_state must be JSON-serialisable (zerotron stores no pickles): {e}") from None
     root = Path(save_dir)
-    partial, final = root / f".{tag}.partial", root / tag
+    partial = root / f".{tag}.partial"
     rank = dist.get_rank()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -57,7 +57,8 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     save_file(tensors, str(path), metadata={"zerotron": json.dumps(rank_state)})
     with open(path, "rb") as f:  # on disk before the directory can become the checkpoint
         os.fsync(f.fileno())
-    digests = comm_for(None, "world").all_gather_object((path.name, sha256(path)))
+    gathered = comm_for(None, "world").all_gather_object((path.name, sha256(path), _module_positions(engine)))
+    digests = [(name, digest) for name, digest, _ in gathered]
 
     if rank == 0:
         meta = {
@@ -68,20 +69,37 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
             **engine.training_state(),
             "client_state": client_state,
             "files": dict(digests),
+            # The model's parameter order (ZeRO's flat buffers hold them in another): DeepSpeed's layout
+            # needs it (deepspeed_out.py).
+            "param_order": list(dict.fromkeys(name for _, name in sorted(p for *_, ps in gathered for p in ps))),
         }
-        (partial / META).write_text(json.dumps(meta, indent=1, default=_jsonable))
-        fsync_dir(partial)
-        old = root / f".{tag}.old"
-        if final.exists():  # replacing a checkpoint of the same tag: keep it until the new one is in place
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        partial.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-        fsync_dir(root)
-        if save_latest:
-            write_atomically(root / LATEST, tag)
+        publish(root, tag, meta, save_latest)
     comm_for(None, "world").barrier()
     return True
+
+
+def publish(root: Path, tag: str, meta: dict, save_latest: bool = True):
+    """Write meta.json into root/.tag.partial (whose files are on disk), make it root/tag, then point
+    `latest` at it: at every moment the old checkpoint or the new one is whole."""
+    partial, final = root / f".{tag}.partial", root / tag
+    (partial / META).write_text(json.dumps(meta, indent=1, default=_jsonable))
+    fsync_dir(partial)
+    old = root / f".{tag}.old"
+    if final.exists():  # replacing a checkpoint of the same tag: keep it until the new one is in place
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    partial.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(root)
+    if save_latest:
+        write_atomically(root / LATEST, tag)
+
+
+def _module_positions(engine) -> list[tuple[tuple[int, int], str]]:
+    """((pipeline stage, position in the stage's module), name) of each parameter this rank stores a piece of."""
+    position = {id(p): i for i, p in enumerate(engine.module.parameters())}
+    stage = engine.topology.coords(dist.get_rank()).pp
+    return [((stage, position.get(id(param), len(position))), piece.name) for piece, param, *_ in rank_pieces(engine)]
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
