@@ -140,6 +140,31 @@ def test_save_checkpoint_refuses_an_empty_directory():
         run_ranks(_save_empty_dir, 1)
 
 
+# ---- engine.empty_partition_cache ----------------------------------------------------------------------------
+def _losses_with_cache_emptied(stage: int, empty: bool):
+    torch.manual_seed(0)
+    engine, *_ = zerotron.initialize(model=_Tiny(), config=_config(stage))
+    losses, sizes = [], []
+    for step in range(3):
+        torch.manual_seed(step)
+        loss = engine(torch.randn(1, 8))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if empty:  # (DeepSpeed's checkpoint tests call it between training and saving)
+            engine.empty_partition_cache()
+            sizes.append(engine.module.a.weight.numel())
+    return losses, sizes
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_empty_partition_cache_leaves_training_as_it_was(stage):
+    (kept, _), *_ = run_ranks(_losses_with_cache_emptied, 1, stage, False)
+    (emptied, sizes), *_ = run_ranks(_losses_with_cache_emptied, 1, stage, True)
+    assert emptied == kept
+    assert sizes == ([0, 0, 0] if stage == 3 else [64, 64, 64])  # ZeRO-3's parameters read as released
+
+
 # ---- tied weights through zero_to_fp32 ----------------------------------------------------------------------
 def _save_tied(save_dir):
     torch.manual_seed(0)

@@ -138,6 +138,15 @@ class EngineAccessors:
         finally:
             self._inside_no_sync = False
 
+    def empty_partition_cache(self):
+        """DeepSpeed's: release every ZeRO-3 parameter still gathered (the persistent ones stay) and hand cached
+        device memory back; at stages 0-2 there is nothing gathered to release. The next forward gathers again."""
+        release_all = getattr(self.states, "release_all", None)
+        if release_all is not None:
+            release_all()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     # DeepSpeed's offload_states/reload_states (RLHF loops free device memory between training and
     # generation). zerotron moves the optimizer states; the other kinds DeepSpeed names are refused.
     OFFLOADABLE = ("optim_states",)
