@@ -162,7 +162,8 @@ def test_empty_partition_cache_leaves_training_as_it_was(stage):
     (kept, _), *_ = run_ranks(_losses_with_cache_emptied, 1, stage, False)
     (emptied, sizes), *_ = run_ranks(_losses_with_cache_emptied, 1, stage, True)
     assert emptied == kept
-    assert sizes == ([0, 0, 0] if stage == 3 else [64, 64, 64])  # ZeRO-3's parameters read as released
+    # 64-element weights are below stage3_param_persistence_threshold: ZeRO-3 keeps them whole, the call too
+    assert sizes == [64, 64, 64]
 
 
 # ---- tied weights through zero_to_fp32 ----------------------------------------------------------------------
