@@ -51,6 +51,7 @@ PATHS: dict[str, str] = {
     "runtime.fp16.unfused_optimizer": "zerotron.compat.runtime.fp16.unfused_optimizer",
     "runtime.bf16_optimizer": "zerotron.compat.runtime.bf16_optimizer",
     "runtime.zero.utils": "zerotron.compat.runtime.zero.utils",
+    "runtime.precision_config": "zerotron.compat.runtime.precision_config",
     "runtime.activation_checkpointing": "zerotron.compat.runtime.activation_checkpointing",
     "runtime.activation_checkpointing.checkpointing": "zerotron.activation_checkpointing",  # as deepspeed.checkpointing
     "runtime.pipe": "zerotron.compat.runtime.pipe",
