@@ -175,15 +175,22 @@ def _save_tied(save_dir):
 
 
 def test_tied_weights_load_strictly_from_zero_to_fp32(tmp_path):
-    from zerotron.compat.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from zerotron.compat.utils.zero_to_fp32 import (
+        convert_zero_checkpoint_to_fp32_state_dict,
+        get_fp32_state_dict_from_zero_checkpoint,
+    )
 
-    run_ranks(_save_tied, 2, str(tmp_path))
-    state = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="t")
+    run_ranks(_save_tied, 2, str(tmp_path / "ckpt"))
+    state = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ckpt"), tag="t")
     model = _Tiny(tie=True)
     model.load_state_dict(state, strict=True)  # b.weight and c.weight: both names present
-    assert torch.equal(state["b.weight"], state["c.weight"])
+    assert state["b.weight"] is state["c.weight"]  # one tensor, as in DeepSpeed's state dict
     torch.manual_seed(0)
     assert torch.equal(model.c.weight, _Tiny(tie=True).c.weight)
+    convert_zero_checkpoint_to_fp32_state_dict(str(tmp_path / "ckpt"), str(tmp_path / "fp32"), tag="t")
+    saved = torch.load(tmp_path / "fp32" / "pytorch_model.bin")
+    assert saved["b.weight"] is saved["c.weight"]  # torch.save kept the tie
+    _Tiny(tie=True).load_state_dict(saved, strict=True)
 
 
 # ---- runtime.utils: clip_grad_norm_ and the partition helpers -------------------------------------------------

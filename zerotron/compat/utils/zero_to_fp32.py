@@ -91,7 +91,20 @@ def get_fp32_state_dict_from_zero_checkpoint(
     state = _lazy_state_dict(_checkpoint_directory(checkpoint_dir, tag), exclude_frozen_parameters)
     if lazy_mode:
         return state
-    return {name: t.contiguous() for name, t in state.items()}
+    return _read(state, state)
+
+
+def _read(state: dict, names) -> dict[str, torch.Tensor]:
+    """`names`' tensors, each LazyTensor read once: tied names share one tensor object, as in DeepSpeed's state
+    dict (torch.save then writes it once, and a model loading it gets the tie back)."""
+    once: dict[int, torch.Tensor] = {}
+    out = {}
+    for name in names:
+        lazy = state[name]
+        if id(lazy) not in once:
+            once[id(lazy)] = lazy.contiguous()
+        out[name] = once[id(lazy)]
+    return out
 
 
 def _parse_size(size) -> int | None:
@@ -119,6 +132,8 @@ def _write(tensors: dict, path: Path, safe_serialization: bool):
     if safe_serialization:
         from safetensors.torch import save_file
 
+        seen: set[int] = set()  # safetensors refuses tensors sharing memory: a tied weight's second name gets a copy
+        tensors = {k: v.clone() if id(v) in seen else seen.add(id(v)) or v for k, v in tensors.items()}
         save_file(tensors, str(path), metadata={"format": "pt"})
     else:
         torch.save(tensors, str(path))
@@ -163,8 +178,8 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     out.mkdir(parents=True, exist_ok=True)
     total = 0
     for file, shard in zip(names, shards):
-        tensors = {name: state[name].contiguous() for name in shard}
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        tensors = _read(state, shard)
+        total += sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors.values()}.values())
         _write(tensors, out / file, safe_serialization)
         del tensors
     if len(shards) > 1:
