@@ -59,6 +59,26 @@ def test_exact_resume_is_bit_for_bit(tmp_path):
     assert (tmp_path / "ck" / "latest").read_text() == "global_step3"
 
 
+def _save_where_each_rank_says(root):
+    import warnings
+
+    engine, dp, gas = _engine()
+    b = global_batches(1, GLOBAL_BATCH)[0]
+    engine.train_batch(iter(micro_batches(b, engine.coords.dp, dp, gas)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # HelloDeepSpeed names its run directory by each rank's clock: a second apart at times
+        engine.save_checkpoint(os.path.join(root, f"run-{dist.get_rank()}"))
+    return [str(w.message) for w in caught]
+
+
+def test_ranks_naming_different_save_dirs_write_one_checkpoint_under_rank_0s(tmp_path):
+    warned = run_ranks(_save_where_each_rank_says, 2, str(tmp_path))
+    assert all("save_dir differs across ranks" in " ".join(w) for w in warned)
+    assert sorted(os.listdir(tmp_path)) == ["run-0"]  # (DeepSpeed: rank 1's files in run-1, no whole checkpoint)
+    assert run_ranks(_train, 2, str(tmp_path / "run-0"), 1, True)[0][1] == {}  # it loads
+
+
 # (world, stage, tp, pp, pipeline form) saving -> the same loading
 @pytest.mark.parametrize(
     "save,load",

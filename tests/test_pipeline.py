@@ -312,3 +312,17 @@ def test_config_error_when_pipeline_does_not_divide_the_world():
 
     with pytest.raises(ConfigError, match="pipeline"):
         Config.load(ds_config(1, 1), world_size=6, pipeline_stages=4)
+
+
+def _pipeline_reads_training_data_in_order():
+    torch.manual_seed(0)
+    module = PipelineModule(_specs(4, 8), num_stages=2, loss_fn=nn.MSELoss())
+    data = torch.utils.data.TensorDataset(torch.arange(32.0)[:, None].expand(32, 8).clone(), torch.zeros(32, 8))
+    engine, _, loader, _ = zerotron.initialize(model=module, config=ds_config(2, 2), training_data=data)
+    return [x[:, 0].tolist() for x, _ in loader][:4]
+
+
+def test_a_pipeline_reads_training_data_in_order_as_deepspeeds():
+    # DeepSpeed's PipelineEngine builds its loader with shuffle=False: a public script's first losses depend on it
+    first = run_ranks(_pipeline_reads_training_data_in_order, 2)[0]
+    assert first == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]

@@ -19,6 +19,7 @@ import sys
 import types
 
 import torch
+from public_script import LOSSES, RecordedCrossEntropy  # (tools/ is the script's directory)
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 TRAIN, TEST = 128, 16  # samples: 8 steps an epoch at the script's global batch of 16
@@ -49,23 +50,12 @@ def _fake_torchvision() -> types.ModuleType:
     return module
 
 
-LOSSES: list[float] = []
-
-
-class _RecordedCrossEntropy(torch.nn.CrossEntropyLoss):
-    def forward(self, input, target):
-        loss = super().forward(input, target)
-        if torch.is_grad_enabled():
-            LOSSES.append(loss.item())
-        return loss
-
-
 def main():
     script = sys.argv[1]
     sys.argv = [script, *sys.argv[2:]]
     sys.modules["torchvision"] = _fake_torchvision()
     sys.modules["torchvision.transforms"] = sys.modules["torchvision"].transforms
-    torch.nn.CrossEntropyLoss = _RecordedCrossEntropy
+    torch.nn.CrossEntropyLoss = RecordedCrossEntropy
     torch.manual_seed(0)  # the script leaves its weights and RSample noise to torch's per-process random seed
     import deepspeed
 

@@ -16,35 +16,17 @@ from `--model_type gpt2 --config_overrides` (random weights).
 
 from __future__ import annotations
 
-import random
 import sys
 from pathlib import Path
 
-WORDS = [f"w{i}" for i in range(200)]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from public_script import word_lines, word_tokenizer  # noqa: E402
 
 
-def prepare(out: Path, lines: int = 2000, seed: int = 0) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate(["<|endoftext|>", "<unk>", *WORDS])}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", unk_token="<unk>")
-    tokenizer.model_max_length = 128
+def prepare(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(out / "tok")
-    rng = random.Random(seed)
-    # a learnable text: each word mostly followed by the next one
-    text = []
-    for _ in range(lines):
-        w = rng.randrange(len(WORDS))
-        line = []
-        for _ in range(rng.randrange(8, 24)):
-            line.append(WORDS[w])
-            w = (w + 1) % len(WORDS) if rng.random() < 0.8 else rng.randrange(len(WORDS))
-        text.append(" ".join(line))
-    (out / "train.txt").write_text("\n".join(text) + "\n")
+    word_tokenizer({"eos_token": "<|endoftext|>", "unk_token": "<unk>"}, max_length=128).save_pretrained(out / "tok")
+    (out / "train.txt").write_text("\n".join(word_lines(2000)) + "\n")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,8 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
     ready, and `step()` then unscales, clips, updates the fp32 masters and copies them back.
     """
 
+    shuffles_data = True  # the loader built from training_data: shuffled, as DeepSpeed's engine's
+
     def __init__(
         self,
         module: nn.Module,
@@ -204,7 +206,7 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
                 "use more data or a smaller batch"
             )
         sampler = ResumableDistributedSampler(
-            len(dataset), num_replicas=self.topology.dp, rank=self.coords.dp, shuffle=True, infinite=False
+            len(dataset), num_replicas=self.topology.dp, rank=self.coords.dp, shuffle=self.shuffles_data, infinite=False
         )
         return torch.utils.data.DataLoader(
             dataset,

@@ -37,6 +37,8 @@ from .engine import Engine
 
 
 class PipelineEngine(Engine):
+    shuffles_data = False  # DeepSpeed's PipelineEngine reads training_data in order (its sampler's shuffle=False)
+
     def __init__(self, module: PipelineModule, config, topology, **kwargs):
         if config.zero_optimization.stage > 2:
             raise ConfigError(

@@ -4,6 +4,8 @@ its communication counters. A mixin of engine.Engine."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..comm import Comm, comm_for
@@ -125,24 +127,33 @@ class EngineState:
 
         if save_dir is None or str(save_dir) == "":
             raise ValueError("save_checkpoint(save_dir=...): give the directory to save in (it is empty)")
-        tag = self._agreed_tag(str(tag if tag is not None else f"global_step{self.global_steps}"))
+        save_dir, tag = self._agreed_place(
+            str(save_dir), str(tag if tag is not None else f"global_step{self.global_steps}")
+        )
         return save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
-    def _agreed_tag(self, tag: str) -> str:
-        """The tag every rank saves under: this rank's, checked against the others' by the config's
-        checkpoint.tag_validation. All ranks write one checkpoint, so they must agree: with different tags
-        Fail raises (an AssertionError, as DeepSpeed's), Warn says so and Ignore does not, and both save under
-        rank 0's tag (each rank writing a directory of its own would leave no whole checkpoint, and hang)."""
-        tags = comm_for(None, "world").all_gather_object(tag)
+    def _agreed_place(self, save_dir: str, tag: str) -> tuple[str, str]:
+        """The directory and tag every rank saves under. All ranks write one checkpoint, so they must agree.
+        The directory: rank 0's, with a warning naming the others' (DeepSpeedExamples' HelloDeepSpeed names its
+        run directory by each rank's clock, a second apart at times: DeepSpeed then writes rank 1's files into a
+        directory of their own, and neither is a whole checkpoint). The tag: checked against the others' by the
+        config's checkpoint.tag_validation: with different tags Fail raises (an AssertionError, as DeepSpeed's),
+        Warn says so and Ignore does not, and both save under rank 0's tag."""
+        gathered = comm_for(None, "world").all_gather_object((os.path.abspath(save_dir), tag))
+        dirs, tags = [d for d, _ in gathered], [t for _, t in gathered]
+        if len(set(dirs)) > 1:
+            listed = ", ".join(f"rank {r}: {d}" for r, d in enumerate(dirs))
+            warn(f"save_checkpoint: save_dir differs across ranks ({listed}); saving every rank's files under rank 0's")
+        save_dir = save_dir if len(set(dirs)) == 1 else dirs[0]
         if len(set(tags)) == 1:
-            return tag
+            return save_dir, tag
         mode = self.config.checkpoint.tag_validation_mode
         differ = f"checkpoint tags differ across ranks ({', '.join(f'rank {r}: {t!r}' for r, t in enumerate(tags))})"
         if mode == "FAIL":
             raise MisuseError(f"save_checkpoint: {differ}; pass every rank the same tag (checkpoint.tag_validation)")
         if mode == "WARN":
             warn(f"save_checkpoint: {differ}; saving under rank 0's {tags[0]!r} (checkpoint.tag_validation: Warn)")
-        return tags[0]
+        return save_dir, tags[0]
 
     def load_checkpoint(
         self,

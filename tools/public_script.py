@@ -1,0 +1,183 @@
+"""Run a public training script unchanged, with what it would download or needs a GPU for answered locally.
+
+    torchrun --nproc_per_node 2 tools/public_script.py STAND_INS SCRIPT.py ARGS...                 # real DeepSpeed
+    zerotron run -n 2 --as-deepspeed tools/public_script.py STAND_INS SCRIPT.py ARGS...            # zerotron
+
+STAND_INS is a comma-separated list of:
+- `wikitext`: `datasets.load_dataset("wikitext", ...)` gives generated lines of words (HelloDeepSpeed);
+- `roberta-base`: `AutoTokenizer.from_pretrained("roberta-base")` a word-level tokenizer with RoBERTa's special
+  tokens (HelloDeepSpeed);
+- `cifar10`: torchvision's CIFAR-10 gives seeded random 3 x 64 x 64 images and its transforms pass through;
+  `torchvision.models.AlexNet` is torchvision's AlexNet architecture (this machine has no CPU torchvision build)
+  (pipeline_parallelism);
+- `cpu`: `torch.cuda.set_device` does nothing when there is no GPU (pipeline_parallelism calls it unguarded).
+
+Every loss the script computes with `torch.nn.CrossEntropyLoss` with gradients on is recorded; each rank that
+computed some prints them as JSON on a line starting with LOSSES. `import deepspeed` in the script is the
+installed one: real DeepSpeed, or zerotron under the alias. DeepSpeed's launcher puts --local_rank=N first: it
+goes to the script, before the script's own arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import runpy
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+WORDS = [f"w{i}" for i in range(300)]
+LOSSES: list[float] = []
+
+
+def word_lines(lines: int, seed: int = 0) -> list[str]:
+    """Lines of words, each word mostly followed by the next one: text a small model learns from."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        w, words = rng.randrange(len(WORDS)), []
+        for _ in range(rng.randrange(6, 30)):
+            words.append(WORDS[w])
+            w = (w + 1) % len(WORDS) if rng.random() < 0.8 else rng.randrange(len(WORDS))
+        out.append(" ".join(words))
+    return out
+
+
+def word_tokenizer(specials: dict[str, str], max_length: int | None = None, template: bool = False):
+    """A word-level fast tokenizer over WORDS; `specials`: the tokenizer's special tokens by role (bos_token=...),
+    given the first ids in order; `template`: wrap each text in bos ... eos, as RoBERTa's does."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    names = list(dict.fromkeys(specials.values()))
+    vocab = {w: i for i, w in enumerate(names + WORDS)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token=specials.get("unk_token", names[0])))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if template:
+        bos, eos = specials["bos_token"], specials["eos_token"]
+        core.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A {eos}", special_tokens=[(bos, vocab[bos]), (eos, vocab[eos])]
+        )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, **specials)
+    if max_length:
+        tokenizer.model_max_length = max_length
+    return tokenizer
+
+
+class _RandomCifar(torch.utils.data.Dataset):
+    def __init__(self, root=None, train=True, download=False, transform=None, n=256):
+        g = torch.Generator().manual_seed(0 if train else 1)
+        self.images, self.labels = torch.randn(n, 3, 64, 64, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, i):
+        return self.images[i], int(self.labels[i])
+
+
+class _AlexNet(torch.nn.Module):
+    """torchvision's AlexNet: five convolutions, an adaptive 6 x 6 pool, three linear layers with dropout."""
+
+    def __init__(self, num_classes: int = 1000, dropout: float = 0.5):
+        super().__init__()
+        # ALEXNET_DROPOUT=0: each engine's random stream draws the masks; without them losses can be compared
+        dropout = float(os.environ.get("ALEXNET_DROPOUT", dropout))
+        nn = torch.nn
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 64, 11, 4, 2), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2),
+            nn.Conv2d(64, 192, 5, padding=2), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2),
+            nn.Conv2d(192, 384, 3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(384, 256, 3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(256, 256, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2),
+        )  # fmt: skip
+        self.avgpool = nn.AdaptiveAvgPool2d((6, 6))
+        self.classifier = nn.Sequential(
+            nn.Dropout(dropout), nn.Linear(256 * 36, 4096), nn.ReLU(inplace=True),
+            nn.Dropout(dropout), nn.Linear(4096, 4096), nn.ReLU(inplace=True), nn.Linear(4096, num_classes),
+        )  # fmt: skip
+
+    def forward(self, x):
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+def _wikitext():
+    import datasets
+
+    load_dataset = datasets.load_dataset
+
+    def local(path, *args, **kwargs):
+        if path == "wikitext":
+            return datasets.Dataset.from_dict({"text": [line + "\n" for line in word_lines(400)]})
+        return load_dataset(path, *args, **kwargs)
+
+    datasets.load_dataset = local
+
+
+def _roberta_base():
+    import transformers
+
+    roles = dict(bos_token="<s>", pad_token="<pad>", eos_token="</s>", unk_token="<unk>", mask_token="<mask>")
+    directory = Path(tempfile.mkdtemp(prefix="roberta-stand-in-"))
+    word_tokenizer({**roles, "cls_token": "<s>", "sep_token": "</s>"}, template=True).save_pretrained(directory)
+    from_pretrained = transformers.AutoTokenizer.from_pretrained
+
+    def local(name, *args, **kwargs):
+        return from_pretrained(directory if name == "roberta-base" else name, *args, **kwargs)
+
+    transformers.AutoTokenizer.from_pretrained = local
+
+
+def _cifar10():
+    identity = lambda *a, **k: (lambda x: x)  # noqa: E731
+    transforms = types.ModuleType("torchvision.transforms")
+    for name in ("Compose", "Resize", "CenterCrop", "ToTensor", "Normalize"):
+        setattr(transforms, name, identity)
+    models = types.ModuleType("torchvision.models")
+    models.AlexNet, models.vgg19 = _AlexNet, None
+    module = types.ModuleType("torchvision")
+    module.datasets, module.transforms, module.models = types.SimpleNamespace(CIFAR10=_RandomCifar), transforms, models
+    sys.modules.update({"torchvision": module, "torchvision.transforms": transforms, "torchvision.models": models})
+
+
+def _cpu():
+    if not torch.cuda.is_available():
+        torch.cuda.set_device = lambda *a, **k: None
+
+
+STAND_INS = {"wikitext": _wikitext, "roberta-base": _roberta_base, "cifar10": _cifar10, "cpu": _cpu}
+
+
+class RecordedCrossEntropy(torch.nn.CrossEntropyLoss):
+    """CrossEntropyLoss that appends each loss computed with gradients on to LOSSES (at full precision)."""
+
+    def forward(self, input, target):
+        loss = super().forward(input, target)
+        if torch.is_grad_enabled():
+            LOSSES.append(loss.item())
+        return loss
+
+
+def main() -> None:
+    launcher = [a for a in sys.argv[1:3] if a.startswith("--local_rank")]
+    names, script, *args = [a for a in sys.argv[1:] if a not in launcher]
+    for name in names.split(","):
+        STAND_INS[name]()
+    torch.nn.CrossEntropyLoss = RecordedCrossEntropy
+    sys.argv = [script, *launcher, *args]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    runpy.run_path(script, run_name="__main__")
+    import torch.distributed as dist
+
+    if LOSSES:  # (a pipeline computes them on its last stage)
+        print(f"LOSSES rank {dist.get_rank() if dist.is_initialized() else 0} " + json.dumps(LOSSES))
+
+
+if __name__ == "__main__":
+    main()
