@@ -7,10 +7,15 @@ holds the running torch's version, CUDA and NCCL versions ("0.0" where there is 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from .. import __version__ as version
 from .op_builder import ALL_OPS
+
+# zerotron's own version, read from the package already imported (importing the package root from compat would be
+# an import circle; a compat module is only ever imported below an imported zerotron)
+version = sys.modules["zerotron"].__version__
 
 git_hash = "[none]"
 git_branch = "[none]"
