@@ -193,6 +193,24 @@ def test_tied_weights_load_strictly_from_zero_to_fp32(tmp_path):
     _Tiny(tie=True).load_state_dict(saved, strict=True)
 
 
+# ---- errors cross process boundaries ------------------------------------------------------------------------
+def _refused_config(_):
+    zerotron.Config.load({"train_batch_size": 1, "gradient_allreduce_op": "sum"})
+
+
+def test_config_error_comes_back_from_a_pool_worker():
+    """DeepSpeed's test harness runs each rank in a multiprocessing pool: a ConfigError that could not be unpickled
+    (its three-argument __init__) killed the pool's result thread and the test waited forever."""
+    import multiprocessing as mp
+    import pickle
+
+    error = pickle.loads(pickle.dumps(zerotron.ConfigError("k", 1, "use 2")))
+    assert (error.key, error.value, error.fix, str(error)) == ("k", 1, "use 2", "config key 'k' = 1: use 2")
+    with mp.get_context("spawn").Pool(1) as pool:
+        with pytest.raises(zerotron.ConfigError, match="gradient_allreduce_op"):
+            pool.map_async(_refused_config, [0]).get(timeout=60)
+
+
 # ---- runtime.utils: clip_grad_norm_ and the partition helpers -------------------------------------------------
 def _clip(max_norm):
     import torch.distributed as dist

@@ -18,6 +18,12 @@ class ConfigError(ZerotronError, ValueError):
         self.key, self.value, self.fix = key, value, fix
         super().__init__(f"config key '{key}' = {value!r}: {fix}")
 
+    def __reduce__(self):
+        # Rebuilt from its three parts when unpickled: an exception is pickled as cls(*args), which would call
+        # __init__ with the message alone, fail, and leave a multiprocessing pool waiting forever for the result
+        # (DeepSpeed's unit tests run their ranks in such a pool).
+        return type(self), (self.key, self.value, self.fix)
+
 
 # Exit codes (sysexits.h): a job that stops on purpose says why through its status.
 EXIT_FAULT = 70  # EX_SOFTWARE: a collective timed out, or another rank stopped the job
