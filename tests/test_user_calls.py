@@ -88,7 +88,10 @@ def test_every_way_of_handing_in_parameters_trains_the_whole_model(how, world, t
 
 def _subset_without_freezing():
     model = make_model()
-    zerotron.initialize(model=model, config=ds_config(2, 1), model_parameters=list(model.layers.parameters()))
+    engine, *_ = zerotron.initialize(
+        model=model, config=ds_config(2, 1), model_parameters=list(model.layers.parameters())
+    )
+    engine.train_batch(iter(global_batches(1, 2)))  # the first gradient of a parameter left out is the error
 
 
 def _foreign_parameter():
@@ -99,7 +102,7 @@ def _foreign_parameter():
 
 
 def test_a_parameter_in_no_optimizer_group_is_named():
-    with pytest.raises(RankError, match=r"require gradients but are in no optimizer group.*tok_emb.weight"):
+    with pytest.raises(RankError, match=r"received a gradient but is in no optimizer group.*tok_emb.weight"):
         run_ranks(_subset_without_freezing, 2)
     with pytest.raises(RankError, match=r"shape \(3,\) that is not a parameter of the model"):
         run_ranks(_foreign_parameter, 2)
@@ -120,6 +123,29 @@ def _frozen_subset():
 
 def test_frozen_parameters_may_stay_out_of_the_optimizer():
     assert run_ranks(_frozen_subset, 2) == [True, True]
+
+
+def _unused_left_out():
+    """BingBertSquad hands DeepSpeed every parameter but BERT's pooler, which its loss never uses:
+    the same training as handing in all of them, at every stage."""
+    losses = {}
+    for stage in (0, 2, 3):
+        for left_out in (False, True):
+            model = make_model()
+            model.pooler = nn.Linear(8, 8)  # registered, never called by forward
+            params = [p for n, p in model.named_parameters() if not (left_out and n.startswith("pooler"))]
+            zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+            engine, *_ = zerotron.initialize(
+                model=model, config=ds_config(2, 1, zero_optimization=zero), model_parameters=params
+            )
+            losses[stage, left_out] = [engine.train_batch(iter([b])).item() for b in global_batches(STEPS, 2)]
+    return losses
+
+
+def test_an_unused_parameter_may_stay_out_of_the_optimizer():
+    for losses in run_ranks(_unused_left_out, 2):
+        for stage in (0, 2, 3):
+            assert losses[stage, True] == losses[stage, False], stage
 
 
 # ---- loss.backward() instead of engine.backward --------------------------------------------------

@@ -10,7 +10,9 @@ STAND_INS is a comma-separated list of:
 - `cifar10`: torchvision's CIFAR-10 gives seeded random 3 x 64 x 64 images and its transforms pass through;
   `torchvision.models.AlexNet` is torchvision's AlexNet architecture (this machine has no CPU torchvision build)
   (pipeline_parallelism);
-- `cpu`: `torch.cuda.set_device` does nothing when there is no GPU (pipeline_parallelism calls it unguarded).
+- `cpu`: when there is no GPU, `torch.cuda.set_device` does nothing (pipeline_parallelism, BingBertSquad call it
+  unguarded) and a process group asked for with the "nccl" backend is made with "gloo" (BingBertSquad's
+  `deepspeed.init_distributed(dist_backend='nccl')`).
 
 Every loss the script computes with `torch.nn.CrossEntropyLoss` with gradients on is recorded; each rank that
 computed some prints them as JSON on a line starting with LOSSES. `import deepspeed` in the script is the
@@ -149,6 +151,12 @@ def _cifar10():
 def _cpu():
     if not torch.cuda.is_available():
         torch.cuda.set_device = lambda *a, **k: None
+        init_process_group = torch.distributed.init_process_group
+
+        def gloo(backend=None, *args, **kwargs):
+            return init_process_group("gloo" if backend == "nccl" else backend, *args, **kwargs)
+
+        torch.distributed.init_process_group = gloo
 
 
 STAND_INS = {"wikitext": _wikitext, "roberta-base": _roberta_base, "cifar10": _cifar10, "cpu": _cpu}

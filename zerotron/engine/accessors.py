@@ -63,6 +63,12 @@ class EngineAccessors:
     def train_batch_size(self) -> int:
         return self.config.train_batch_size
 
+    def steps_per_print(self):
+        return self.config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.config.wall_clock_breakdown
+
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
             return self._boundary_override

@@ -3,6 +3,9 @@ replicated.py), sharded over the data-parallel ranks (stages 1-2, sharded.py; st
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 
 from ..config import Config
@@ -69,10 +72,10 @@ def make_model_states(
 
 
 def optimizer_groups(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
-    """id(parameter) -> index of the optimizer group holding it. Every parameter of the module
-    that requires a gradient must be in a group, and every group may hold only the module's
-    parameters: anything else would train silently wrong (a parameter never updated, or an
-    update applied to a tensor the model no longer uses)."""
+    """id(parameter) -> index of the optimizer group holding it. Every group may hold only the
+    module's parameters, and a parameter that requires a gradient but is in no group must never
+    receive one: anything else would train silently wrong (an update applied to a tensor the model
+    no longer uses, or a parameter never updated)."""
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
     group_of = {}
     for gi, group in enumerate(optimizer.param_groups):
@@ -85,15 +88,28 @@ def optimizer_groups(module: torch.nn.Module, optimizer: torch.optim.Optimizer) 
                 )
             if p.requires_grad:
                 group_of[id(p)] = gi
-    missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in group_of]
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(
-            f"{len(missing)} parameter(s) require gradients but are in no optimizer group, so they "
-            f"would never be updated: {shown}. Pass all of them (model_parameters=model.parameters()), "
-            "or set requires_grad=False on those that should stay frozen"
+    missing = [(n, p) for n, p in module.named_parameters() if p.requires_grad and id(p) not in group_of]
+    # DeepSpeed takes parameters left out of every group (BingBertSquad leaves out BERT's pooler, which
+    # its loss never uses). One that never receives a gradient trains exactly as if it were in a group
+    # (no optimizer updates a parameter without one); one that does would silently stay as it is, so
+    # its gradient's arrival is the error (while this optimizer lives: the model may be handed on).
+    alive = weakref.ref(optimizer)
+    for name, p in missing:
+        p.register_post_accumulate_grad_hook(
+            functools.partial(_ungrouped_gradient, alive, name, [n for n, _ in missing])
         )
     return group_of
+
+
+def _ungrouped_gradient(alive, name: str, ungrouped: list[str], param: torch.Tensor) -> None:
+    if alive() is None:
+        return
+    shown = ", ".join(ungrouped[:5]) + (f" and {len(ungrouped) - 5} more" if len(ungrouped) > 5 else "")
+    raise ValueError(
+        f"parameter {name} received a gradient but is in no optimizer group, so it would never be updated "
+        f"(parameters that require gradients but are in no optimizer group: {shown}). Pass all of them "
+        "(model_parameters=model.parameters()), or set requires_grad=False on those that should stay frozen"
+    )
 
 
 def _bucketed(params, max_numel, groups: ShardGroups | None = None, isolate=()):
