@@ -92,6 +92,7 @@ def _accessors():
         "gas": engine.gradient_accumulation_steps(),
         "tbs": engine.train_batch_size(),
         "stage": engine.zero_optimization_stage(),
+        "print": (engine.steps_per_print(), engine.wall_clock_breakdown()),  # BingBertSquad copies them to its args
         "boundary": [],
         "lr": [],
         "rank": engine.global_rank,
@@ -114,6 +115,7 @@ def _accessors():
 def test_initialize_returns_deepspeeds_tuple_and_accessors():
     r0, r1 = run_ranks(_accessors, 2)
     assert (r0["mbs"], r0["gas"], r0["tbs"], r0["stage"]) == (2, 3, 12, 0)
+    assert r0["print"] == (10**6, False)
     assert (r0["rank"], r1["rank"], r1["local_rank"]) == (0, 1, 1)
     assert r0["loader_len"] == 10  # 40 samples / 2 ranks / micro-batch 2
     # DeepSpeed's WarmupLR sets iteration 0's lr at construction, and its first step() is
