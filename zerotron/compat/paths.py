@@ -98,6 +98,7 @@ PATHS: dict[str, str] = {
     "ops.lamb.fused_lamb": "zerotron.ops.lamb",
     # which of DeepSpeed's ops exist (the Python optimizers above); nothing is compiled
     "ops.op_builder": "zerotron.compat.op_builder",
+    "ops.aio": "zerotron.compat.op_builder",  # (DeepSpeed's NVMe I/O package: its AsyncIOBuilder, not compatible)
 }
 
 # DeepSpeed's top-level names: name -> (DeepSpeed module path, attribute there).
