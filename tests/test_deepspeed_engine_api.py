@@ -207,7 +207,7 @@ def _with_mpu(tp):
 
 def test_initialize_takes_a_megatron_mpu_of_data_parallel_ranks_and_refuses_a_presplit_model():
     assert run_ranks(_with_mpu, 2, 1) == [2, 2]
-    with pytest.raises(RankError, match="already split over 2 tensor- and 1 pipeline-parallel ranks"):
+    with pytest.raises(RankError, match="describes 2 tensor-parallel ranks but tensor_parallel.autotp_size is 1"):
         run_ranks(_with_mpu, 2, 2)
 
 

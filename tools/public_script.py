@@ -13,8 +13,12 @@ STAND_INS is a comma-separated list of:
 - `cpu`: when there is no GPU, `torch.cuda.set_device` does nothing (pipeline_parallelism, BingBertSquad call it
   unguarded) and a process group asked for with the "nccl" backend is made with "gloo" (BingBertSquad's
   `deepspeed.init_distributed(dist_backend='nccl')`).
+- `seed`: torch's random generator is seeded with 0 when `deepspeed.initialize` returns, so the random inputs a
+  script draws after it are the same under both engines (DeepSpeed leaves each process's generator seeded at
+  random; AutoTP's examples train on `torch.randint` tokens).
 
-Every loss the script computes with `torch.nn.CrossEntropyLoss` with gradients on is recorded; each rank that
+Every loss the script computes with `torch.nn.functional.cross_entropy` (`CrossEntropyLoss`, a Transformers
+model's loss) with gradients on is recorded; each rank that
 computed some prints them as JSON on a line starting with LOSSES. `import deepspeed` in the script is the
 installed one: real DeepSpeed, or zerotron under the alias. DeepSpeed's launcher puts --local_rank=N first: it
 goes to the script, before the script's own arguments.
@@ -159,17 +163,32 @@ def _cpu():
         torch.distributed.init_process_group = gloo
 
 
-STAND_INS = {"wikitext": _wikitext, "roberta-base": _roberta_base, "cifar10": _cifar10, "cpu": _cpu}
+def _seed():
+    import deepspeed
+
+    initialize = deepspeed.initialize
+
+    def seeded(*args, **kwargs):
+        out = initialize(*args, **kwargs)
+        torch.manual_seed(0)
+        return out
+
+    deepspeed.initialize = seeded
 
 
-class RecordedCrossEntropy(torch.nn.CrossEntropyLoss):
-    """CrossEntropyLoss that appends each loss computed with gradients on to LOSSES (at full precision)."""
+STAND_INS = {"wikitext": _wikitext, "roberta-base": _roberta_base, "cifar10": _cifar10, "cpu": _cpu, "seed": _seed}
 
-    def forward(self, input, target):
-        loss = super().forward(input, target)
-        if torch.is_grad_enabled():
-            LOSSES.append(loss.item())
-        return loss
+
+_cross_entropy = torch.nn.functional.cross_entropy
+
+
+def recorded_cross_entropy(input, target, *args, **kwargs):
+    """torch's cross_entropy, appending each loss computed with gradients on to LOSSES (at full precision):
+    CrossEntropyLoss and Transformers' causal-LM loss both call it."""
+    loss = _cross_entropy(input, target, *args, **kwargs)
+    if torch.is_grad_enabled() and loss.numel() == 1:
+        LOSSES.append(loss.item())
+    return loss
 
 
 def main() -> None:
@@ -177,7 +196,7 @@ def main() -> None:
     names, script, *args = [a for a in sys.argv[1:] if a not in launcher]
     for name in names.split(","):
         STAND_INS[name]()
-    torch.nn.CrossEntropyLoss = RecordedCrossEntropy
+    torch.nn.functional.cross_entropy = recorded_cross_entropy
     sys.argv = [script, *launcher, *args]
     sys.path.insert(0, str(Path(script).resolve().parent))
     runpy.run_path(script, run_name="__main__")

@@ -76,7 +76,7 @@ def initialize(
         raise ValueError(
             "mesh_param= is a DeepSpeed hook zerotron does not take; set tensor/pipeline sizes in the config instead"
         )
-    mpu_sp = _check_mpu(mpu)
+    mpu_tp, mpu_sp = _check_mpu(mpu)
     config = _config_source(args, config, config_params)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     from .pipe import PipelineModule
@@ -103,6 +103,7 @@ def initialize(
 
     init_distributed()
     topology.build_groups(local_device().type)
+    _check_mpu_layout(mpu, mpu_tp, topology)
     engine_class = Engine
     if pipelined:
         from .engine import PipelineEngine as engine_class
@@ -128,13 +129,15 @@ def initialize(
     return engine, optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def _check_mpu(mpu) -> int | None:
+def _check_mpu(mpu) -> tuple[int, int | None]:
     """A Megatron-style model-parallel unit: accepted when it describes what zerotron builds
-    itself (model- and pipeline-parallel size 1: every rank is data- or sequence-parallel). A model
-    already split by the script's own tensor-parallel layers is refused: zerotron splits models
-    itself. Returns the sequence-parallel size a sequence mpu (parallel_state_sp) set up, if any."""
+    itself: data- or sequence-parallel ranks, or the tensor-parallel groups AutoTP splits the model
+    over (DeepSpeed's AutoTP training examples pass one beside tensor_parallel.autotp_size; the model
+    is whole when it comes in). A pipeline-split model is refused: zerotron splits models itself.
+    Returns the mpu's tensor-parallel size and the sequence-parallel size a sequence mpu
+    (parallel_state_sp) set up, if any."""
     if mpu is None:
-        return None
+        return 1, None
     sizes = {}
     for what, names in (
         ("tensor", ("get_tensor_model_parallel_world_size", "get_model_parallel_world_size")),
@@ -142,14 +145,38 @@ def _check_mpu(mpu) -> int | None:
     ):
         getter = next((getattr(mpu, n) for n in names if hasattr(mpu, n)), None)
         sizes[what] = int(getter()) if getter is not None else 1
-    if sizes["tensor"] > 1 or sizes["pipeline"] > 1:
+    if sizes["pipeline"] > 1:
         raise ValueError(
-            f"initialize(mpu=...) describes a model already split over {sizes['tensor']} tensor- and "
-            f"{sizes['pipeline']} pipeline-parallel ranks; zerotron splits models itself: pass the "
-            "unsplit model and set tensor_parallel.autotp_size / a PipelineModule's num_stages instead"
+            f"initialize(mpu=...) describes a model already split over {sizes['pipeline']} pipeline-parallel "
+            "ranks; zerotron splits models itself: pass the unsplit model as a PipelineModule with num_stages"
         )
     getter = getattr(mpu, "get_sequence_parallel_world_size", None)
-    return int(getter()) if getter is not None else None
+    return sizes["tensor"], int(getter()) if getter is not None else None
+
+
+def _check_mpu_layout(mpu, mpu_tp: int, topology: Topology) -> None:
+    """An mpu's tensor-parallel size must be the config's autotp_size, and its groups (where it
+    hands them out) the ones zerotron made: otherwise the script's own collectives (its inputs
+    broadcast over the mpu's group) would pair other ranks than the model's split does."""
+    if mpu_tp != topology.tp:
+        raise ValueError(
+            f"initialize(mpu=...) describes {mpu_tp} tensor-parallel ranks but tensor_parallel.autotp_size is "
+            f"{topology.tp}; zerotron splits the whole model itself by autotp_size: make the two agree (a model "
+            "already split by the script's own tensor-parallel layers cannot be taken: pass the unsplit model)"
+        )
+    getter = next(
+        (getattr(mpu, n) for n in ("get_tensor_model_parallel_group", "get_model_parallel_group") if hasattr(mpu, n)),
+        None,
+    )
+    group = getter() if getter is not None and mpu_tp > 1 else None
+    if group is not None:
+        ranks = dist.get_process_group_ranks(group)
+        ours = topology.group_ranks("tp", dist.get_rank())
+        if ranks != ours:
+            raise ValueError(
+                f"initialize(mpu=...)'s tensor-parallel group on rank {dist.get_rank()} is ranks {ranks}; zerotron "
+                f"splits the model over ranks {ours} (tensor-parallel ranks adjacent); build the mpu's groups so"
+            )
 
 
 def _config_source(args, config, config_params):

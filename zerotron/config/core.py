@@ -58,6 +58,7 @@ class Config(Mapping):
     zero_allow_untested_optimizer: bool = False  # ZeRO 1-3: run an optimizer the elementwise probe could not clear
     # Ulysses: each sample's sequence split over this many ranks (DeepSpeed's key; docs/parallelism.md)
     sequence_parallel_size: int = 1
+    data_parallel_size: Optional[int] = None  # DeepSpeed's key beside it: must be what the other sizes leave
     optimizer: Optional[OptimizerConfig] = None
     scheduler: Optional[SchedulerConfig] = None
     fp16: FP16Config = field(default_factory=FP16Config)
@@ -189,6 +190,8 @@ class Config(Mapping):
         self.zerotron.validate("zerotron")
         tp, pp = self.tensor_parallel.autotp_size, self.pipeline.stages
         self._validate_sequence_parallel(tp, pp)
+        dp, fix = self.data_parallel_size, f"the sizes and {self.world_size} processes leave {self.dp_size}; match it"
+        check(dp in (None, self.dp_size) or self.world_size % (tp * pp), "data_parallel_size", dp, fix)
         if self.world_size % (tp * pp):
             # blame the size the user set (the pipeline's when both are)
             key, value = ("tensor_parallel.autotp_size", tp) if pp == 1 else ("pipeline.stages", pp)

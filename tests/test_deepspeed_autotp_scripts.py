@@ -1,0 +1,113 @@
+"""DeepSpeedExamples' training/tensor_parallel scripts, the calls they make: the script builds its own
+tensor- and data-parallel groups, hands them in as a Megatron-style mpu beside tensor_parallel.autotp_size
+(and DeepSpeed's data_parallel_size key), passes the whole model with a client AdamW, and broadcasts each
+step's random tokens over its tensor-parallel group. zerotron splits the model itself; the losses must
+be those of the whole model trained by plain PyTorch on one process."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import RankError, run_ranks
+from hf_families import tiny_config
+
+import zerotron
+
+STEPS, SEQ, LR = 3, 16, 1e-3
+
+
+@dataclass
+class _Mpu:  # the examples' ModelParallelUnit
+    tp_group: object
+    dp_group: object
+    tp_size: int
+    dp_size: int
+    tp_rank: int
+    dp_rank: int
+
+    def get_model_parallel_group(self):
+        return self.tp_group
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_model_parallel_world_size(self):
+        return self.tp_size
+
+    def get_data_parallel_world_size(self):
+        return self.dp_size
+
+    def get_model_parallel_rank(self):
+        return self.tp_rank
+
+    def get_data_parallel_rank(self):
+        return self.dp_rank
+
+
+def _model():
+    model_cls, config = tiny_config("LlamaForCausalLM")
+    torch.manual_seed(0)
+    return model_cls(config)
+
+
+def _tokens(vocab):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (1, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def _reference():
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for x in _tokens(model.config.vocab_size):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # DeepSpeed's default gradient_clipping
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _autotp_example(crossed=False):
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])  # the script's groups: tensor 2 x data 1
+    dp_group = [dist.new_group([r]) for r in range(2)][rank]
+    mpu = _Mpu(*((dp_group, group) if crossed else (group, dp_group)), 2, 1, rank, 0)
+    model = _model()
+    config = {
+        "train_batch_size": 1,
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 1},
+        "tensor_parallel": {"autotp_size": 2},
+        "data_parallel_size": 1,
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    engine, *_ = zerotron.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
+    losses = []
+    for x in _tokens(model.config.vocab_size):
+        x = x if mpu.tp_rank == 0 else torch.empty_like(x)
+        dist.broadcast(x, src=0, group=group)
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.timeout(120)
+def test_autotp_example_mpu_beside_autotp_size_trains_the_whole_model():
+    want = _reference()
+    for got in run_ranks(_autotp_example, 2, timeout=90):
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)), (got, want)
+    # An mpu whose tensor-parallel group holds other ranks than zerotron's split (here the script's
+    # groups crossed: its data-parallel group handed out as the model-parallel one) is refused by name.
+    with pytest.raises(RankError, match=r"tensor-parallel group on rank \d is ranks \[\d\]"):
+        run_ranks(_autotp_example, 2, True, timeout=90)
+
+
+def test_data_parallel_size_must_be_what_the_sizes_leave():
+    zerotron.Config.load({"train_micro_batch_size_per_gpu": 1, "data_parallel_size": 2}, world_size=2)
+    with pytest.raises(zerotron.ConfigError, match="data_parallel_size"):
+        zerotron.Config.load({"train_micro_batch_size_per_gpu": 1, "data_parallel_size": 2}, world_size=4)
