@@ -71,6 +71,7 @@ def test_lr_range_test_parameters_are_checked():
 # ---- no_sync: what DeepSpeed refuses, refused as an AssertionError ------------------------------------------
 def _no_sync_refusals(stage):
     engine, *_ = zerotron.initialize(model=_Tiny(), config=_config(stage))
+    assert engine.sparse_tensor_module_names == set()  # (DeepSpeed's checkpoint tests compare it; all reduced dense)
     out = {}
     try:
         with engine.no_sync():

@@ -144,6 +144,12 @@ class EngineAccessors:
         finally:
             self._inside_no_sync = False
 
+    @property
+    def sparse_tensor_module_names(self) -> set:
+        """DeepSpeed's: the modules whose gradients it all-reduces as sparse tensors (`sparse_gradients`). zerotron
+        reduces every gradient dense (the same values), so none; checkpoint comparisons read the set."""
+        return set()
+
     def empty_partition_cache(self):
         """DeepSpeed's: release every ZeRO-3 parameter still gathered (the persistent ones stay) and hand cached
         device memory back; at stages 0-2 there is nothing gathered to release. The next forward gathers again."""
