@@ -47,6 +47,7 @@ PATHS: dict[str, str] = {
     "runtime.zero": "zerotron.compat.runtime.zero",
     "runtime.zero.partition_parameters": "zerotron.compat.runtime.zero.partition_parameters",
     "runtime.zero.config": "zerotron.compat.runtime.zero.config",
+    "runtime.zero.offload_config": "zerotron.compat.runtime.zero.offload_config",
     "runtime.fp16.fused_optimizer": "zerotron.compat.runtime.fp16.fused_optimizer",
     "runtime.fp16.unfused_optimizer": "zerotron.compat.runtime.fp16.unfused_optimizer",
     "runtime.bf16_optimizer": "zerotron.compat.runtime.bf16_optimizer",
