@@ -65,7 +65,7 @@ def _warnings(raw):
         ({"dataloader_drop_last": False}, "build your DataLoader yourself"),
         ({"bf16": {"enabled": True}, "gradient_accumulation_dtype": "fp32"}, "gradients accumulate in the model dtype"),
         ({"fp16": {"enabled": True, "auto_cast": True}}, "feed the model fp16 inputs yourself"),
-        ({"hybrid_engine": {"enabled": True}}, "remove the section"),
+        ({"hybrid_engine": {"enabled": True}}, "module.generate() runs the training model itself"),
         ({"compression_training": {"weight_quantization": {}}}, "after training"),
     ],
 )

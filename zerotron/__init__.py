@@ -18,6 +18,7 @@ from .comm import init_distributed, launched_by_torchrun, local_device
 from .comm import log as comm_log
 from .config import Config, resolve_auto
 from .engine import Engine
+from .engine.hybrid import hybrid_engine_enabled, sync_generation_rng
 from .errors import BadBatchError, CollectiveMismatch, ConfigError, NonFiniteError, ZerotronError
 from .hf.takeover import hand_back, hold
 from .log import logger
@@ -123,6 +124,8 @@ def initialize(
         collate_fn=collate_fn,
     )
     hold(engine)
+    if not pipelined and hybrid_engine_enabled(cfg.raw):  # DeepSpeed's hybrid engine syncs the ranks' RNG
+        sync_generation_rng()
     # An engine built without an optimizer (evaluation, a reference model) returns None in its
     # place, as DeepSpeed does; the engine keeps a placeholder that refuses to step.
     optimizer = None if getattr(engine.optimizer, "placeholder", False) else engine.optimizer

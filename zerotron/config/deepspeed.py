@@ -22,8 +22,11 @@ _NOT_IMPLEMENTED = {
     "quantize_training": "MoQ quantization during training: train in bf16 and quantize the trained model",
     "eigenvalue": "eigenvalue-based MoQ: remove the section",
     "sparse_attention": "sparse attention layouts: use the model's own (dense) attention",
-    "hybrid_engine": "the RLHF hybrid engine: generation runs the training model as it is (slower, same tokens), "
-    "remove the section",
+    "hybrid_engine": "the RLHF hybrid engine's inference kernels: the engine trains as usual, syncs the ranks' RNG "
+    "from rank 0 as DeepSpeed's does, and module.generate() runs the training model itself, which is what DeepSpeed "
+    "does for a model it has no kernel for (Transformers 4.57's OPT on CPU: the same tokens); max_out_tokens, "
+    "inference_tp_size, release_inference_cache, pin_parameters, tp_gather_partition_size and enable_cuda_graph "
+    "tune those kernels and change nothing here: nothing to do",
     "weight_quantization": "quantized weights: quantize the trained model",
     "nebula": "Nebula checkpointing: engine.save_checkpoint writes to save_dir",
     "datastates": "DataStates checkpointing: engine.save_checkpoint writes to save_dir",
