@@ -20,8 +20,10 @@ and --preln dropped: fp16 does not run on CPU and --preln needs the "DS" path):
     --seed 12345 --no_cuda
 
 VARIANTs (the shipped config with fp16 off, since DeepSpeed refuses fp16 on CPU, and the learning rate raised
-from 3e-5 to 1e-3 so that a wrong update shows in the next steps' losses): fp32, bf16, zero1, zero2 (fp32 with
-ZeRO stage 1 or 2).
+from 3e-5 to 1e-3 so that a wrong update shows in the next steps' losses): fp32, bf16, zero1, zero2, zero3 (fp32
+with that ZeRO stage). The output directory must exist (the script writes its predictions into it, creating it
+only when it is already there). --deepspeed_transformer_kernel does not run on DeepSpeed 0.19.8 on CPU: the
+script reads `DeepSpeedConfig.fp16_enabled`, which DeepSpeed no longer has, and the kernel is CUDA's.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def configs(shipped: Path, work: Path) -> None:
         "bf16": {**base, "bf16": {"enabled": True}},
         "zero1": {**base, "zero_optimization": {"stage": 1}},
         "zero2": {**base, "zero_optimization": {"stage": 2}},
+        "zero3": {**base, "zero_optimization": {"stage": 3}},
     }
     for name, config in variants.items():
         (work / f"{name}.json").write_text(json.dumps(config, indent=1))
