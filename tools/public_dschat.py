@@ -8,6 +8,10 @@ prompt / chosen / rejected records made of the tokenizer's words).
     ZEROTRON_AS_DEEPSPEED=1 torchrun --nproc_per_node 2 PATH/.../step1_supervised_finetuning/main.py \\
         --data_path local/jsonfile --model_name_or_path MODEL_DIR --dtype bf16 --zero_stage 2 \\
         --per_device_train_batch_size 2 --max_seq_len 32 --print_loss --deepspeed --output_dir OUT
+
+Step 3 (PPO) loads its critic and reward model from a reward model's pytorch_model.bin: run step 2 on
+MODEL_DIR first and pass its --output_dir as --critic_model_name_or_path (the actor is MODEL_DIR);
+step 3 also imports torch.utils.tensorboard, so the tensorboard package must be installed.
 """
 
 from __future__ import annotations
