@@ -71,11 +71,13 @@ def _reference():
     return losses
 
 
-def _autotp_example(crossed=False):
+def _autotp_example(mpu_groups="script"):
+    """`mpu_groups`: "script" (the examples' mpu), "crossed" (its groups swapped), None (no mpu: the HF
+    Trainer's way, tensor_parallel.autotp_size alone)."""
     rank = dist.get_rank()
     group = dist.new_group([0, 1])  # the script's groups: tensor 2 x data 1
     dp_group = [dist.new_group([r]) for r in range(2)][rank]
-    mpu = _Mpu(*((dp_group, group) if crossed else (group, dp_group)), 2, 1, rank, 0)
+    mpu = _Mpu(*((dp_group, group) if mpu_groups == "crossed" else (group, dp_group)), 2, 1, rank, 0)
     model = _model()
     config = {
         "train_batch_size": 1,
@@ -85,7 +87,7 @@ def _autotp_example(crossed=False):
         "data_parallel_size": 1,
     }
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    engine, *_ = zerotron.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
+    engine, *_ = zerotron.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu if mpu_groups else None)
     losses = []
     for x in _tokens(model.config.vocab_size):
         x = x if mpu.tp_rank == 0 else torch.empty_like(x)
@@ -100,12 +102,13 @@ def _autotp_example(crossed=False):
 @pytest.mark.timeout(120)
 def test_autotp_example_mpu_beside_autotp_size_trains_the_whole_model():
     want = _reference()
-    for got in run_ranks(_autotp_example, 2, timeout=90):
-        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)), (got, want)
+    for mpu_groups in ("script", None):
+        for got in run_ranks(_autotp_example, 2, mpu_groups, timeout=90):
+            assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)), (mpu_groups, got, want)
     # An mpu whose tensor-parallel group holds other ranks than zerotron's split (here the script's
     # groups crossed: its data-parallel group handed out as the model-parallel one) is refused by name.
     with pytest.raises(RankError, match=r"tensor-parallel group on rank \d is ranks \[\d\]"):
-        run_ranks(_autotp_example, 2, True, timeout=90)
+        run_ranks(_autotp_example, 2, "crossed", timeout=90)
 
 
 def test_data_parallel_size_must_be_what_the_sizes_leave():

@@ -155,6 +155,7 @@ def _cifar10():
 def _cpu():
     if not torch.cuda.is_available():
         torch.cuda.set_device = lambda *a, **k: None
+        torch.cuda.reset_peak_memory_stats = lambda *a, **k: None  # (bf16_master_weight calls it unguarded)
         init_process_group = torch.distributed.init_process_group
 
         def gloo(backend=None, *args, **kwargs):

@@ -132,23 +132,23 @@ def initialize(
     return engine, optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def _check_mpu(mpu) -> tuple[int, int | None]:
+def _check_mpu(mpu) -> tuple[int | None, int | None]:
     """A Megatron-style model-parallel unit: accepted when it describes what zerotron builds
     itself: data- or sequence-parallel ranks, or the tensor-parallel groups AutoTP splits the model
     over (DeepSpeed's AutoTP training examples pass one beside tensor_parallel.autotp_size; the model
     is whole when it comes in). A pipeline-split model is refused: zerotron splits models itself.
     Returns the mpu's tensor-parallel size and the sequence-parallel size a sequence mpu
-    (parallel_state_sp) set up, if any."""
+    (parallel_state_sp) set up, each None where the mpu does not say (or there is none)."""
     if mpu is None:
-        return 1, None
+        return None, None
     sizes = {}
     for what, names in (
         ("tensor", ("get_tensor_model_parallel_world_size", "get_model_parallel_world_size")),
         ("pipeline", ("get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size")),
     ):
         getter = next((getattr(mpu, n) for n in names if hasattr(mpu, n)), None)
-        sizes[what] = int(getter()) if getter is not None else 1
-    if sizes["pipeline"] > 1:
+        sizes[what] = int(getter()) if getter is not None else None
+    if (sizes["pipeline"] or 1) > 1:
         raise ValueError(
             f"initialize(mpu=...) describes a model already split over {sizes['pipeline']} pipeline-parallel "
             "ranks; zerotron splits models itself: pass the unsplit model as a PipelineModule with num_stages"
@@ -157,10 +157,12 @@ def _check_mpu(mpu) -> tuple[int, int | None]:
     return sizes["tensor"], int(getter()) if getter is not None else None
 
 
-def _check_mpu_layout(mpu, mpu_tp: int, topology: Topology) -> None:
+def _check_mpu_layout(mpu, mpu_tp: int | None, topology: Topology) -> None:
     """An mpu's tensor-parallel size must be the config's autotp_size, and its groups (where it
     hands them out) the ones zerotron made: otherwise the script's own collectives (its inputs
     broadcast over the mpu's group) would pair other ranks than the model's split does."""
+    if mpu_tp is None:  # no mpu, or one of data- or sequence-parallel ranks only
+        return
     if mpu_tp != topology.tp:
         raise ValueError(
             f"initialize(mpu=...) describes {mpu_tp} tensor-parallel ranks but tensor_parallel.autotp_size is "
