@@ -2,7 +2,8 @@
 tensor- and data-parallel groups, hands them in as a Megatron-style mpu beside tensor_parallel.autotp_size
 (and DeepSpeed's data_parallel_size key), passes the whole model with a client AdamW, and broadcasts each
 step's random tokens over its tensor-parallel group. zerotron splits the model itself; the losses must
-be those of the whole model trained by plain PyTorch on one process. offload_states: a ZeRO-3 model built
+be those of the whole model trained by plain PyTorch on one process; hf_integration trains OPT (which
+ships no tensor-parallel plan: zerotron's). offload_states: a ZeRO-3 model built
 under zero.Init, offload_states / reload_states between steps with DeepSpeed's enums."""
 
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 from distributed import RankError, run_ranks
 from hf_families import tiny_config
+from parity import EPS, hf_loss, max_weight_diff, reference_training
 
 import zerotron
 
@@ -154,3 +156,30 @@ def test_offload_states_example_calls_with_deepspeeds_enums():
     (plain, _), _ = run_ranks(_offload_states, 2, (False,) * 4, timeout=45)
     assert losses == plain and len(set(plain)) == 4  # the states came back: training goes on as without
     assert "hp_params" in refused  # a kind zerotron does not move is refused by name
+
+
+def _opt(split: bool):
+    # GELU, not OPT's ReLU: a pre-activation within rounding of 0 switches a ReLU's gradient on or off, which
+    # Adam turns into a whole step; the comparison is of the split, not of that amplification.
+    model_cls, config = tiny_config("OPTForCausalLM", {"opt": {"activation_function": "gelu"}})
+    torch.manual_seed(0)
+    model = model_cls(config)
+    batches = [(x, x) for x in _tokens(config.vocab_size)]
+    if not split:
+        return reference_training(batches, model=model, forward=hf_loss, lr=LR, weight_decay=0.0)
+    adamw = {"lr": LR, "betas": [0.9, 0.95], "eps": EPS, "weight_decay": 0.0}
+    config = {"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"autotp_size": 2}}
+    config["optimizer"] = {"type": "AdamW", "params": adamw}
+    engine, *_ = zerotron.initialize(model=model, config=config)
+    losses = [engine.train_batch(iter([{"input_ids": x, "labels": x}])).item() for x, _ in batches]
+    split_layers = sorted({n.split(".")[-2] for n, p in engine.module.named_parameters() if hasattr(p, "tp_split_dim")})
+    return losses, zerotron.zero.consolidated_state_dict(engine.module), split_layers
+
+
+@pytest.mark.timeout(60)
+def test_opt_splits_under_autotp_as_the_hf_integration_example_asks():
+    want, weights = _opt(split=False)
+    losses, state, split_layers = run_ranks(_opt, 2, True, timeout=45)[0]
+    assert split_layers == ["fc1", "fc2", "k_proj", "out_proj", "q_proj", "v_proj"]
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, want)), (losses, want)
+    assert max_weight_diff(state, weights) <= 1e-5

@@ -49,14 +49,29 @@ _GPT2_PLAN = {
 }
 
 
+# OPT ships none either (DeepSpeedExamples' AutoTP + HF Trainer example trains facebook/opt-125m): Megatron's
+# split of each decoder layer. The embedding stays whole, and with it the head tied to it.
+_OPT_PLAN = {
+    **{f"model.decoder.layers.*.self_attn.{p}": "column" for p in ("q_proj", "k_proj", "v_proj")},
+    "model.decoder.layers.*.self_attn.out_proj": "row",
+    "model.decoder.layers.*.fc1": "column",
+    "model.decoder.layers.*.fc2": "row",
+}
+_PLANS = {"gpt2": _GPT2_PLAN, "opt": _OPT_PLAN}
+
+
 def prepare_tensor_parallel(model, tp: int) -> None:
     """Model-specific adjustments before the split: GPT-2's attention splits its fused projection's
-    output by a stored width, which becomes the local width."""
-    if getattr(model.config, "model_type", None) == "gpt2":
-        for m in model.modules():
-            if hasattr(m, "c_attn") and hasattr(m, "split_size"):
-                m.split_size //= tp
-                m.num_heads //= tp
+    output by a stored width, which becomes the local width; OPT's views its projections as
+    (batch, -1, heads, head_dim), so the local head count must be stored or the sequence dimension
+    would absorb the other ranks' heads."""
+    model_type = getattr(model.config, "model_type", None)
+    for m in model.modules():
+        if model_type == "gpt2" and hasattr(m, "c_attn") and hasattr(m, "split_size"):
+            m.split_size //= tp
+            m.num_heads //= tp
+        elif model_type == "opt" and hasattr(m, "q_proj") and hasattr(m, "num_heads"):
+            m.num_heads //= tp
 
 
 def prepare_checkpointing(model) -> None:
@@ -87,8 +102,9 @@ def use_sequence_parallel(model, group, ring_group) -> None:
 
 def tensor_parallel_plan(model, tp: int) -> dict[str, str]:
     """zerotron's plan from the model's own Transformers plan (names relative to `model`)."""
-    if getattr(model.config, "model_type", None) == "gpt2":
-        return _check_heads(model, tp, dict(_GPT2_PLAN))
+    shipped_by_us = _PLANS.get(getattr(model.config, "model_type", None))
+    if shipped_by_us is not None:
+        return _check_heads(model, tp, dict(shipped_by_us))
     plan = dict(getattr(model, "_tp_plan", None) or {})
     if not plan:
         base = getattr(model.config, "base_model_tp_plan", None) or {}
