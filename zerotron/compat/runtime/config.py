@@ -69,6 +69,7 @@ class DeepSpeedConfig:
         self.wall_clock_breakdown = c.wall_clock_breakdown
         self.communication_data_type = c.communication_data_type
         self.gradient_clipping = c.gradient_clipping
+        self.gradient_allreduce_op = "mean"  # the one zerotron's config accepts (it refuses "sum")
         self.zero_config = c.zero_optimization
         self.zero_optimization_stage = c.zero_optimization.stage
         self.zero_enabled = self.zero_optimization_stage > 0
