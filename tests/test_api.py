@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import RankError, run_ranks
+from distributed import run_ranks
 from parity import LR, ds_config, make_model
 
 import zerotron
@@ -126,13 +126,22 @@ def test_initialize_returns_deepspeeds_tuple_and_accessors():
 
 
 def _conflicting_optimizers():
+    import warnings
+
     model = make_model()
-    zerotron.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=ds_config(2, 1))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, optimizer, *_ = zerotron.initialize(model=model, optimizer=sgd, config=ds_config(2, 1))
+    return [str(w.message) for w in caught], optimizer.param_groups[0]["lr"], "momentum" in optimizer.param_groups[0]
 
 
-def test_two_optimizers_is_an_error():
-    with pytest.raises(RankError, match="both the config and initialize"):
-        run_ranks(_conflicting_optimizers, 1)
+def test_two_optimizers_train_with_the_clients_and_warn():
+    """DeepSpeed trains with initialize(optimizer=...)'s and ignores the config's section (DeepSpeedExamples'
+    GAN gives both): zerotron does the same and names the section it ignores."""
+    (caught, lr, sgd), _ = run_ranks(_conflicting_optimizers, 2)
+    assert lr == 0.1 and sgd  # the client's SGD, not the config's AdamW
+    assert any("optimizer section (AdamW) is ignored" in m for m in caught), caught
 
 
 def _client_optimizer_and_args(config_path):

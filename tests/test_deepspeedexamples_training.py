@@ -183,3 +183,57 @@ def test_opt_splits_under_autotp_as_the_hf_integration_example_asks():
     assert split_layers == ["fc1", "fc2", "k_proj", "out_proj", "q_proj", "v_proj"]
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, want)), (losses, want)
     assert max_weight_diff(state, weights) <= 1e-5
+
+
+class _Plain:
+    def __init__(self, net, optimizer):
+        self.net, self.optimizer = net, optimizer
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        torch.nn.utils.clip_grad_norm_(self.net.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+
+def _gan(world: int):
+    """gan_deepspeed_train.py's loop on tiny MLPs: two engines, each given its own client Adam beside the
+    config's optimizer section; the discriminator called directly and backward twice before its step; the
+    generator's loss backpropagating through the discriminator; netD.zero_grad() each iteration. Each rank
+    takes its half of every batch; `world` 0 is plain PyTorch on the whole batch."""
+    torch.manual_seed(0)
+    net_d = torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1), torch.nn.Sigmoid(), torch.nn.Flatten(0)
+    )
+    net_g = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 6))
+    opt_d = torch.optim.Adam(net_d.parameters(), lr=1e-2, betas=(0.5, 0.999))
+    opt_g = torch.optim.Adam(net_g.parameters(), lr=1e-2, betas=(0.5, 0.999))
+    rank, rows = (dist.get_rank(), 4) if world else (0, 8)
+    if world:
+        config = {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 2e-4}}}
+        engine_d, opt_d, *_ = zerotron.initialize(model=net_d, optimizer=opt_d, config=config)
+        engine_g, opt_g, *_ = zerotron.initialize(model=net_g, optimizer=opt_g, config=config)
+    else:  # plain PyTorch on the whole batch: backward, and each step clipped as the engines' (gradient_clipping 1)
+        engine_d, engine_g = _Plain(net_d, opt_d), _Plain(net_g, opt_g)
+    bce, g = torch.nn.BCELoss(), torch.Generator().manual_seed(1)
+    for _ in range(3):
+        real, noise = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+        real, noise = real[rank * rows : (rank + 1) * rows], noise[rank * rows : (rank + 1) * rows]
+        net_d.zero_grad()
+        engine_d.backward(bce(net_d(real), torch.ones(rows)))
+        fake = net_g(noise)
+        engine_d.backward(bce(net_d(fake.detach()), torch.zeros(rows)))
+        engine_d.step()
+        net_g.zero_grad()
+        engine_g.backward(bce(net_d(fake), torch.ones(rows)))
+        engine_g.step()
+    return [p.detach().clone() for p in [*net_d.parameters(), *net_g.parameters()]]
+
+
+@pytest.mark.timeout(60)
+def test_gan_example_two_engines_train_as_plain_pytorch():
+    want = _gan(0)
+    for got in run_ranks(_gan, 2, 2, timeout=45):
+        assert max((a - b).abs().max().item() for a, b in zip(got, want)) <= 1e-5

@@ -10,6 +10,8 @@ STAND_INS is a comma-separated list of:
 - `cifar10`: torchvision's CIFAR-10 gives seeded random 3 x 64 x 64 images and its transforms pass through;
   `torchvision.models.AlexNet` is torchvision's AlexNet architecture (this machine has no CPU torchvision build)
   (pipeline_parallelism);
+- `celeba`: `cifar10`'s, and torchvision's ImageFolder (the GAN's celeba) gives the same random images and
+  `torchvision.utils.save_image` writes nothing (gan);
 - `cpu`: when there is no GPU, `torch.cuda.set_device` does nothing (pipeline_parallelism, BingBertSquad call it
   unguarded) and a process group asked for with the "nccl" backend is made with "gloo" (BingBertSquad's
   `deepspeed.init_distributed(dist_backend='nccl')`).
@@ -17,8 +19,8 @@ STAND_INS is a comma-separated list of:
   script draws after it are the same under both engines (DeepSpeed leaves each process's generator seeded at
   random; AutoTP's examples train on `torch.randint` tokens).
 
-Every loss the script computes with `torch.nn.functional.cross_entropy` (`CrossEntropyLoss`, a Transformers
-model's loss) with gradients on is recorded; each rank that
+Every loss the script computes with `torch.nn.functional.cross_entropy` or `binary_cross_entropy`
+(`CrossEntropyLoss`, `BCELoss`, a Transformers model's loss) with gradients on is recorded; each rank that
 computed some prints them as JSON on a line starting with LOSSES. `import deepspeed` in the script is the
 installed one: real DeepSpeed, or zerotron under the alias. DeepSpeed's launcher puts --local_rank=N first: it
 goes to the script, before the script's own arguments.
@@ -156,6 +158,7 @@ def _cpu():
     if not torch.cuda.is_available():
         torch.cuda.set_device = lambda *a, **k: None
         torch.cuda.reset_peak_memory_stats = lambda *a, **k: None  # (bf16_master_weight calls it unguarded)
+        torch.cuda.synchronize = lambda *a, **k: None  # (the GAN's timing)
         init_process_group = torch.distributed.init_process_group
 
         def gloo(backend=None, *args, **kwargs):
@@ -177,19 +180,38 @@ def _seed():
     deepspeed.initialize = seeded
 
 
-STAND_INS = {"wikitext": _wikitext, "roberta-base": _roberta_base, "cifar10": _cifar10, "cpu": _cpu, "seed": _seed}
+def _celeba():
+    _cifar10()
+    torchvision = sys.modules["torchvision"]
+    torchvision.datasets.ImageFolder = _RandomCifar
+    utils = types.ModuleType("torchvision.utils")
+    utils.save_image = lambda *a, **k: None
+    torchvision.utils = sys.modules["torchvision.utils"] = utils
+    sys.modules["torchvision.datasets"] = torchvision.datasets
+    sys.modules["torchvision.transforms"] = torchvision.transforms
 
 
-_cross_entropy = torch.nn.functional.cross_entropy
+STAND_INS = {
+    "wikitext": _wikitext,
+    "roberta-base": _roberta_base,
+    "cifar10": _cifar10,
+    "celeba": _celeba,
+    "cpu": _cpu,
+    "seed": _seed,
+}
 
 
-def recorded_cross_entropy(input, target, *args, **kwargs):
-    """torch's cross_entropy, appending each loss computed with gradients on to LOSSES (at full precision):
-    CrossEntropyLoss and Transformers' causal-LM loss both call it."""
-    loss = _cross_entropy(input, target, *args, **kwargs)
-    if torch.is_grad_enabled() and loss.numel() == 1:
-        LOSSES.append(loss.item())
-    return loss
+def recorded(loss_fn):
+    """torch's `loss_fn`, appending each loss computed with gradients on to LOSSES (at full precision):
+    CrossEntropyLoss / BCELoss and Transformers' causal-LM loss call these functions."""
+
+    def record(input, target, *args, **kwargs):
+        loss = loss_fn(input, target, *args, **kwargs)
+        if torch.is_grad_enabled() and loss.numel() == 1:
+            LOSSES.append(loss.item())
+        return loss
+
+    return record
 
 
 def main() -> None:
@@ -197,7 +219,8 @@ def main() -> None:
     names, script, *args = [a for a in sys.argv[1:] if a not in launcher]
     for name in names.split(","):
         STAND_INS[name]()
-    torch.nn.functional.cross_entropy = recorded_cross_entropy
+    for name in ("cross_entropy", "binary_cross_entropy"):
+        setattr(torch.nn.functional, name, recorded(getattr(torch.nn.functional, name)))
     sys.argv = [script, *launcher, *args]
     sys.path.insert(0, str(Path(script).resolve().parent))
     runpy.run_path(script, run_name="__main__")

@@ -11,7 +11,8 @@ import torch.nn as nn
 from .. import preemption, watchdog
 from ..comm import Comm, comm_for, local_device
 from ..config import Config
-from ..errors import BadBatchError, ConfigError, MisuseError
+from ..errors import BadBatchError, MisuseError
+from ..log import warn
 from ..moe.expert_groups import shard_groups
 from ..monitor import Monitor
 from ..nested import tensors_in, to_device
@@ -160,11 +161,10 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
                 comm.broadcast(t.data, src_group_rank=0)
 
     def _make_optimizer(self, client, model_parameters, params):
-        if client is not None and self.config.optimizer is not None:
-            raise ConfigError(
-                "optimizer",
-                self.config.optimizer.type,
-                "both the config and initialize(optimizer=...) give an optimizer; keep one",
+        if client is not None and self.config.optimizer is not None:  # DeepSpeed trains with the client's too
+            warn(
+                f"the config's optimizer section ({self.config.optimizer.type}) is ignored: initialize(optimizer=...) "
+                "gave one, which trains the model (as in DeepSpeed); remove the section or the argument"
             )
         groups = list(model_parameters) if model_parameters is not None else params
         if client is None:

@@ -70,6 +70,7 @@ class GradBuckets(InOrderReduction):
         self.reduce_dtype = reduce_dtype
         self.buckets: list[Bucket] = []
         self.sync = True  # reduce in this backward? (False inside gradient accumulation)
+        self.open = False  # is a backward of this engine running (engine.backward or loss.backward on its output)?
         self._next_launch = 0
         self._bucket_of: dict[int, tuple[Bucket, int]] = {}
         for params in buckets:
@@ -88,11 +89,14 @@ class GradBuckets(InOrderReduction):
         bucket, i = self._bucket_of[id(param)]
         view = bucket.views[i]
         if param.grad is not view:
-            # Someone replaced .grad (e.g. zero_grad(set_to_none=True)); fold it back into the bucket.
+            # Someone replaced .grad (zero_grad(set_to_none=True): autograd made a new one): it holds the whole
+            # gradient, and the bucket what was there before the replacement: take it in its place.
             if param.grad is not None:
-                view.add_(param.grad)
+                view.copy_(param.grad)
             param.grad = view
-        if self.sync:
+        # Only this engine's backward reduces: another engine's backward reaching these parameters (a GAN's
+        # generator loss through the discriminator) leaves gradients accumulated unreduced, as in DeepSpeed.
+        if self.sync and self.open:
             self._mark_ready(bucket, i, param)
 
     def _launch(self, bucket: Bucket, in_backward: bool):
@@ -111,6 +115,7 @@ class GradBuckets(InOrderReduction):
     # ---- after backward ---------------------------------------------------------------------
     def finish(self) -> None:
         """Launch buckets whose parameters got no gradient, then wait for every reduction."""
+        self.open = False
         if not self.sync:
             return
         self._launch_ready(in_backward=False)
@@ -160,7 +165,7 @@ class ReplicatedStates:
         self.master.adopt(optimizer)  # whole parameters: any optimizer is exact, nothing to check
 
     def begin_backward(self, sync: bool):
-        self.grad_buckets.sync = sync
+        self.grad_buckets.sync, self.grad_buckets.open = sync, True
 
     def end_backward(self):
         self.grad_buckets.finish()
