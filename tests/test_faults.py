@@ -103,7 +103,8 @@ def test_collective_checks_name_a_rank_that_took_another_branch(tmp_path):
     assert out.returncode == 70 and seconds < 60, out.stderr[-3000:]
     assert "never called collective" in out.stderr and "at step 1" in out.stderr
     err = out.stderr  # whichever rank reports first names both branches' collectives
-    assert "calls barrier at step 1" in err or "in barrier #2 on group world" in err
+    # (save_checkpoint's first collective: the ranks agree on the directory and tag)
+    assert "calls all_gather_object at step 1" in err or "in all_gather_object #2 on group world" in err
     # (the model's 10 gradient buckets: rank 0 waits in step 1's first reduction, #11)
     assert "calls all_reduce(SUM) float32" in err or re.search(r"in all_reduce\(SUM\) #\d+ on group dp_grad", err)
 

@@ -27,6 +27,7 @@ ACCEPTED_NO_EFFECT = {
 # Keys zerotron parses into its typed sections (so engine.config reads them back as DeepSpeed's does) that
 # change nothing here: how DeepSpeed schedules, buffers or lays out work that zerotron does its own way.
 PARSED_NO_EFFECT = {
+    "data_parallel_size": "checked against what the world and the other sizes leave (config/core.py), which decide",
     "zero_optimization.contiguous_gradients": "zerotron's gradients always live in flat contiguous buckets",
     "zero_optimization.overlap_comm": "zerotron always reduces buckets while backward runs",
     "zero_optimization.allgather_partitions": "stages 1-2 always gather the updated shards with one all-gather each",
