@@ -43,8 +43,9 @@ def _log_dist_on_ranks():
     utils.logger.addHandler(handler)
     before = utils.logger.level
     try:
-        if dist.get_rank() == 1:  # zerotron's default on ranks other than 0: its own messages once
-            utils.logger.setLevel(logging.WARNING)
+        # zerotron's defaults (rank 0 INFO; the others WARNING: its own messages once), whatever an earlier
+        # engine in this worker process set from a config's log_level
+        utils.logger.setLevel(logging.WARNING if dist.get_rank() == 1 else logging.INFO)
         utils.log_dist("to one", ranks=[1])
         utils.log_dist("to all", ranks=[-1])
         utils.log_dist("to nobody")
