@@ -24,6 +24,14 @@ from zerotron.planner.tune import MARGIN, tune
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """initialize() in this process makes a one-rank process group: later tests expect none."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def _largest_fitting(shape, gpus, hw, seq, stage, top=64):
     """By brute force: the largest micro-batch up to `top` that fits at `stage`, and its predicted tokens/s."""
     best = None
