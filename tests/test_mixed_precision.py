@@ -1,9 +1,11 @@
-"""fp16 with dynamic loss scaling across ranks: an overflow anywhere skips the step everywhere."""
+"""fp16 with dynamic loss scaling across ranks: an overflow anywhere skips the step everywhere. The model's
+cast to the training dtype: parameters and persistent buffers, not the constants a model computes for itself."""
 
 import pytest
 import torch
 import torch.distributed as dist
 from distributed import RankError, run_ranks
+from hf_families import tiny_config
 from parity import assert_losses_close, ds_config, global_batches, make_model, micro_batches, reference_training
 
 import zerotron
@@ -69,3 +71,40 @@ def test_fp16_static_scale_trains_close_to_fp32():
     assert scales == [1024] * 4 and all(changed) and skipped == 0
     # fp16 keeps 11 mantissa bits (rounding 2**-11); loss values agree to ~1e-3 relative.
     assert_losses_close(losses, ref_losses, rtol=5e-3)
+
+
+def _bf16_placement():
+    model_cls, hf_config = tiny_config("LlamaForCausalLM")
+    torch.manual_seed(0)
+    llama = model_cls(hf_config)
+    tokens = torch.randint(0, hf_config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    # the references: DeepSpeed 0.19.8 casts parameters only; module.to(bf16) casts inv_freq too
+    as_deepspeed = model_cls(hf_config)
+    as_deepspeed.load_state_dict(llama.state_dict())
+    for p in as_deepspeed.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    fully_cast = model_cls(hf_config).to(torch.bfloat16)
+    fully_cast.load_state_dict(llama.state_dict())
+    refs = [m(input_ids=tokens, labels=tokens).loss.item() for m in (as_deepspeed, fully_cast)]
+    bf16 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    engine, *_ = zerotron.initialize(model=llama, config=ds_config(2, 1, **bf16))
+    loss = engine(input_ids=tokens, labels=tokens).loss.item()
+
+    bn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    bn.register_buffer("scale", torch.tensor([0.1]), persistent=False)
+    bn_engine, *_ = zerotron.initialize(model=bn, config=ds_config(4, 1, bf16={"enabled": True}))
+    before = bn[1].running_mean.clone()
+    bn_engine.backward(bn_engine(torch.randn(4, 4, dtype=torch.bfloat16)).float().pow(2).mean())
+    bn_engine.step()
+    dtypes = [llama.model.rotary_emb.inv_freq.dtype, bn[1].running_mean.dtype, bn.scale.dtype, bn[0].weight.dtype]
+    return loss, refs, dtypes, not torch.equal(before, bn[1].running_mean)
+
+
+def test_bf16_keeps_a_models_own_constants_and_casts_its_parameters_and_running_statistics():
+    """A Llama's rotary frequencies (a non-persistent buffer) stay fp32, as in DeepSpeed 0.19.8: its first loss
+    is DeepSpeed's, not that of module.to(bf16); BatchNorm's running statistics follow the parameters (torch's
+    batch_norm needs them in bf16 beside bf16 weights), so a bf16 BatchNorm model trains."""
+    loss, (as_deepspeed, fully_cast), dtypes, bn_stats_moved = run_ranks(_bf16_placement, 2)[0]
+    assert loss == as_deepspeed and as_deepspeed != fully_cast
+    assert dtypes == [torch.float32, torch.bfloat16, torch.float32, torch.bfloat16]
+    assert bn_stats_moved

@@ -15,6 +15,8 @@ STAND_INS is a comma-separated list of:
 - `cpu`: when there is no GPU, `torch.cuda.set_device` does nothing (pipeline_parallelism, BingBertSquad call it
   unguarded) and a process group asked for with the "nccl" backend is made with "gloo" (BingBertSquad's
   `deepspeed.init_distributed(dist_backend='nccl')`).
+- `alpaca`: `datasets.load_dataset("tatsu-lab/alpaca")` gives 64 generated instruction / input / output records of
+  words in its "train" split (SuperOffload's and ZenFlow's fine-tuning scripts);
 - `seed`: torch's random generator is seeded with 0 when `deepspeed.initialize` returns, so the random inputs a
   script draws after it are the same under both engines (DeepSpeed leaves each process's generator seeded at
   random; AutoTP's examples train on `torch.randint` tokens).
@@ -128,6 +130,22 @@ def _wikitext():
     datasets.load_dataset = local
 
 
+def _alpaca():
+    import datasets
+
+    load_dataset = datasets.load_dataset
+
+    def local(path, *args, **kwargs):
+        if path == "tatsu-lab/alpaca":
+            lines = word_lines(192)
+            records = {"instruction": lines[0::3], "input": [line[:20] for line in lines[1::3]], "output": lines[2::3]}
+            records["input"][::2] = [""] * len(records["input"][::2])  # (half of Alpaca's records have no input)
+            return datasets.DatasetDict({"train": datasets.Dataset.from_dict(records)})
+        return load_dataset(path, *args, **kwargs)
+
+    datasets.load_dataset = local
+
+
 def _roberta_base():
     import transformers
 
@@ -193,6 +211,7 @@ def _celeba():
 
 STAND_INS = {
     "wikitext": _wikitext,
+    "alpaca": _alpaca,
     "roberta-base": _roberta_base,
     "cifar10": _cifar10,
     "celeba": _celeba,

@@ -16,6 +16,21 @@ def model_dtype(config: Config) -> torch.dtype:
     return DTYPES[config.model_dtype_name]
 
 
+def cast_module(module: torch.nn.Module, dtype: torch.dtype, device: torch.device | None) -> torch.nn.Module:
+    """`module`'s floating parameters and persistent buffers in `dtype`, everything on `device` (None: where it
+    is). A non-persistent buffer is a constant the model computed for itself (rotary frequencies, masks) and keeps
+    its dtype, as DeepSpeed 0.19.8 keeps buffers: bf16 rotary frequencies give other positions, other losses.
+    Persistent ones (BatchNorm's running statistics) follow the parameters: torch's batch_norm needs them in the
+    parameters' dtype (DeepSpeed, casting no buffer, fails there)."""
+    kept = {id(m._buffers[n]) for m in module.modules() for n in m._non_persistent_buffers_set if n in m._buffers}
+
+    def cast(t):
+        to = dtype if t.is_floating_point() and id(t) not in kept else t.dtype
+        return t.to(dtype=to) if t.is_meta or device is None else t.to(device, dtype=to)
+
+    return module._apply(cast)
+
+
 class LossScaleAtMinimum(RuntimeError):
     pass
 

@@ -18,7 +18,7 @@ from ..monitor import Monitor
 from ..nested import tensors_in, to_device
 from ..optim import build_optimizer
 from ..parallelize import parallelize, vocab_size
-from ..precision import LossScaler, model_dtype
+from ..precision import LossScaler, cast_module, model_dtype
 from ..topology import Topology
 from ..zero import make_model_states
 from ..zero.partition_api import built_under_init
@@ -145,12 +145,7 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
                 "zerotron.zero.Init with tensor parallelism is not supported yet: build the model "
                 "normally (tensor parallelism already splits it) or use tensor_parallel.autotp_size 1"
             )
-        dtype = self.dtype
-        return module._apply(
-            lambda t: t.to(dtype=dtype if t.is_floating_point() else t.dtype)
-            if t.is_meta or device is None
-            else t.to(device, dtype=dtype if t.is_floating_point() else t.dtype)
-        )
+        return cast_module(module, self.dtype, device)
 
     def _broadcast_module(self):
         """Start every replica (data and sequence ranks) from the first one's weights, seeded or not
