@@ -225,3 +225,17 @@ def test_a_hugging_face_models_shape_counts_its_losss_logit_copies():
         - memory(replace(shape, loss_copies=0), plain, 64, "fp32")["buffers"]
     )
     assert extra == 2 * 4 * 4 * 64 * 100  # two more fp32 logits of 4 x 64 tokens
+
+
+def test_an_encoders_own_config_names_give_its_shape(tmp_path):
+    """DistilBERT's config says dim / n_heads / n_layers (autotuning's distilbert example was refused as a model
+    without a config); its feed-forward is not gated, as BERT's intermediate_size would make it."""
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    from zerotron.autotuning.model_info import model_shape
+
+    config = DistilBertConfig(vocab_size=100, dim=32, n_layers=3, n_heads=2, hidden_dim=128)
+    shape = model_shape(DistilBertForSequenceClassification(config), None)
+    assert (shape.layers, shape.hidden, shape.heads, shape.ffn, shape.vocab, shape.gated) == (3, 32, 2, 128, 100, False)
+    config.save_pretrained(tmp_path)  # `zerotron plan --model DIR` reads the same names from config.json
+    assert replace(ModelShape.parse(str(tmp_path)), loss_copies=shape.loss_copies) == shape

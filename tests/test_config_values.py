@@ -42,7 +42,7 @@ BAD = [
     ({TBS: True}, TBS, "expected an integer"),
     ({"gradient_clipping": True}, "gradient_clipping", "expected a finite number"),
     ({"fp16": {"enabled": "true"}}, "fp16.enabled", "expected true or false"),
-    ({"bf16": {"enabled": 1}}, "bf16.enabled", "expected true or false"),
+    ({"bf16": {"enabled": 2}}, "bf16.enabled", "expected true or false"),  # (1 and 0 are taken, as by DeepSpeed)
     ({"gradient_clipping": "1.0"}, "gradient_clipping", "expected a finite number"),
     ({"communication_data_type": 16}, "communication_data_type", "expected a string"),
     ({"fp16": [True]}, "fp16", "expected a JSON object"),

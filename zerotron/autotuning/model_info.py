@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..config.sections import enabled
 from ..errors import ConfigError
 from ..log import logger
 from ..planner.model import ModelShape
@@ -64,8 +65,7 @@ def max_positions(model) -> int | None:
 
 def dtype_of(raw: dict, model) -> str:
     for key in ("bf16", "bfloat16", "fp16"):
-        section = raw.get(key)
-        if isinstance(section, dict) and section.get("enabled") is True:
+        if enabled(raw.get(key)):
             return "fp16" if key == "fp16" else "bf16"
     dtypes = {p.dtype for p in model.parameters()}
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(next(iter(dtypes), torch.float32), "fp32")

@@ -7,6 +7,7 @@ import math
 import os
 
 from ..config import Config, is_auto, read_raw
+from ..config.sections import enabled as enabled_in
 from ..errors import ConfigError
 from ..log import logger, warn
 from ..planner.hardware import GIB, this_machine
@@ -78,7 +79,7 @@ def resolve(config, model, world_size: int):
         return config
     raw = read_raw(config)
     section = raw.get("autotuning")
-    enabled = isinstance(section, dict) and section.get("enabled") is True
+    enabled = enabled_in(section)
     if os.environ.get(ENV_PROBE):
         install_probe(model, raw, os.environ[ENV_PROBE], world_size)
         raw.pop("autotuning", None)

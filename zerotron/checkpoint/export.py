@@ -111,9 +111,7 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
     from safetensors.torch import save_file
 
     zero = engine.config.zero_optimization
-    if zero.stage == 3 and not (
-        zero.stage3_gather_16bit_weights_on_model_save or zero.stage3_gather_fp16_weights_on_model_save
-    ):
+    if zero.stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
         logger.warning(
             "save_16bit_model under ZeRO-3 needs zero_optimization.stage3_gather_16bit_weights_on_model_save"
             " true (it gathers every parameter); nothing saved"

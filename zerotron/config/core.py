@@ -56,8 +56,8 @@ class Config(Mapping):
     wall_clock_breakdown: bool = False  # time the pipeline stages (pipeline_bubble); synchronizes the device
     communication_data_type: Optional[str] = None
     zero_allow_untested_optimizer: bool = False  # ZeRO 1-3: run an optimizer the elementwise probe could not clear
-    # Ulysses: each sample's sequence split over this many ranks (DeepSpeed's key; docs/parallelism.md)
-    sequence_parallel_size: int = 1
+    zero_force_ds_cpu_optimizer: Optional[bool] = None  # true: refuse a client optimizer under offload (optim/build.py)
+    sequence_parallel_size: int = 1  # Ulysses: each sample's sequence split over this many ranks (docs/parallelism.md)
     data_parallel_size: Optional[int] = None  # DeepSpeed's key beside it: must be what the other sizes leave
     optimizer: Optional[OptimizerConfig] = None
     scheduler: Optional[SchedulerConfig] = None

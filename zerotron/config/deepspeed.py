@@ -9,6 +9,8 @@ import copy
 from ..errors import ConfigError
 from ..log import warn
 from .no_effect import MODEL_DTYPE, ONLY_AT, ONLY_AT_DEFAULT
+from .sections import as_bool
+from .sections import enabled as _enabled
 
 # DeepSpeed features zerotron does not implement whose keys can be ignored without training a
 # different model than asked (they change speed, memory or tooling, or the script must call
@@ -239,8 +241,24 @@ _ZERO_ALIASES = [
 ]
 
 
+# DeepSpeed's deprecated zero_optimization keys (the "deprecated" fields of its DeepSpeedZeroConfig), read as it reads
+# them: old key -> (its new key, the new key's value from the old true/false, or None where DeepSpeed sets nothing
+# and only warns). Giving an old key beside its new one is an error there and here.
+_ZERO_DEPRECATED = {
+    "cpu_offload": ("offload_optimizer", lambda on: {"device": "cpu"} if on else None),
+    "cpu_offload_param": ("offload_param", lambda on: {"device": "cpu"} if on else None),
+    "stage3_gather_fp16_weights_on_model_save": ("stage3_gather_16bit_weights_on_model_save", lambda on: on),
+    "cpu_offload_use_pin_memory": ("offload_optimizer.pin_memory or offload_param.pin_memory", None),
+}
+
+
 def deepspeed_names(raw: dict) -> dict:
     """DeepSpeed's aliases and deprecated keys under the names zerotron reads (a copy)."""
+    if isinstance(raw.get("zero_optimization"), bool):  # DeepSpeed's oldest format: true is stage 1
+        raw = dict(raw)
+        on, size = raw.pop("zero_optimization"), raw.pop("allgather_size", 500_000_000)
+        raw["zero_optimization"] = {"stage": 1, "allgather_bucket_size": size} if on else {"stage": 0}
+        warn('"zero_optimization": true/false is deprecated in DeepSpeed; read as {"stage": 1} (or 0)')
     zero = raw.get("zero_optimization")
     if not isinstance(zero, dict):
         return raw
@@ -255,30 +273,21 @@ def deepspeed_names(raw: dict) -> dict:
                     p + alias, value, f"it is another name for {key}, which is set to {zero[key]!r}; keep one of them"
                 )
             zero[key] = value
-    # Deprecated in DeepSpeed, still read by it: cpu_offload -> offload_optimizer, cpu_offload_param
-    # -> offload_param, cpu_offload_use_pin_memory -> both sections' pin_memory.
-    for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
-        if old in zero:
-            value = zero.pop(old)
-            if not isinstance(value, bool):
-                raise ConfigError(p + old, value, "expected true or false")
-            if value:
-                section = zero.get(new)
-                if section is None or (isinstance(section, dict) and section.get("device", "none") == "none"):
-                    zero[new] = {**(section or {}), "device": "cpu"}
-                warn(f'{p}{old} is deprecated in DeepSpeed; read as {p}{new}.device = "cpu"')
-    if "cpu_offload_use_pin_memory" in zero:
-        value = zero.pop("cpu_offload_use_pin_memory")
-        if not isinstance(value, bool):
-            raise ConfigError(p + "cpu_offload_use_pin_memory", value, "expected true or false")
-        for new in ("offload_optimizer", "offload_param"):
-            if isinstance(zero.get(new), dict):
-                zero[new].setdefault("pin_memory", value)
+    for old, (new, convert) in _ZERO_DEPRECATED.items():
+        if old not in zero:
+            continue
+        value = zero.pop(old)
+        if as_bool(value) is None:
+            raise ConfigError(p + old, value, f"expected true or false (it is deprecated: use {p}{new})")
+        if convert is None:
+            warn(f"{p}{old} is deprecated in DeepSpeed and has no effect there or here; use {p}{new}")
+            continue
+        if new in zero:
+            raise ConfigError(p + old, value, f"it is DeepSpeed's deprecated name for {p}{new}, also set; keep {new}")
+        warn(f"{p}{old} is deprecated in DeepSpeed; read as {p}{new} = {convert(as_bool(value))!r}")
+        if convert(as_bool(value)) is not None:
+            zero[new] = convert(as_bool(value))
     return raw
-
-
-def _enabled(section) -> bool:
-    return isinstance(section, dict) and section.get("enabled", False) is True
 
 
 def deepspeed_features(raw: dict) -> dict:

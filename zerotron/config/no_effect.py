@@ -6,7 +6,6 @@ Keys that ask for something zerotron does not do are not here: deepspeed.py warn
 # level), each with why. (Keys that ask for something zerotron does not do are warned about in deepspeed.py.)
 ACCEPTED_NO_EFFECT = {
     "": {
-        "zero_force_ds_cpu_optimizer",  # DeepSpeed's check that offload uses its CPU Adam; any optimizer offloads here
         "prescale_gradients",  # where DeepSpeed divides by the ranks (before or after the sum): the same mean
         "gradient_predivide_factor",  # likewise: a split of the same division
         "sparse_gradients",  # sparse embedding gradients reduced as sparse tensors: the same values
@@ -32,7 +31,6 @@ PARSED_NO_EFFECT = {
     "zero_optimization.overlap_comm": "zerotron always reduces buckets while backward runs",
     "zero_optimization.allgather_partitions": "stages 1-2 always gather the updated shards with one all-gather each",
     "zero_optimization.round_robin_gradients": "the order DeepSpeed assigns gradients to ranks (speed only)",
-    "zero_optimization.ignore_unused_parameters": "zerotron trains models with unused parameters (their grads: 0)",
     "zero_optimization.elastic_checkpoint": "zerotron's checkpoints load at any layout",
     "expert_parallel.preset_model": "zerotron finds a model's experts by their class",
     "pipeline.seed_layers": "PipelineModule(seed_layers=...) decides, as in DeepSpeed",

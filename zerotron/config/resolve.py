@@ -14,7 +14,7 @@ from ..errors import ConfigError
 from ..log import warn
 from .deepspeed import DEEPSPEED_TOP_LEVEL
 from .no_effect import ACCEPTED_NO_EFFECT
-from .sections import AUTO, IntOrInf, is_auto
+from .sections import AUTO, IntOrInf, as_bool, is_auto
 
 
 def parse_json(text: str, where: str) -> dict:
@@ -199,9 +199,10 @@ def _convert(tp, value, key: str):
     if dataclasses.is_dataclass(tp):
         return parse_section(tp, value, key + ".")
     if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(key, value, "expected true or false")
+        flag = as_bool(value)
+        if flag is None:
+            raise ConfigError(key, value, "expected true or false (or 1 / 0)")
+        return flag
     if tp is IntOrInf:
         if value == math.inf or (isinstance(value, str) and value.strip().lower() in ("inf", "infinity")):
             return math.inf

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from ..errors import ConfigError
-from .sections import is_auto
+from .sections import as_bool, is_auto
 
 SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 LOG, LINEAR = "log", "linear"
@@ -46,7 +46,7 @@ _WARMUP_STEPS = (lambda v: _is_int(v) and v >= 0, "an integer >= 0 (fewer than 2
 _COUNT_OR_NONE = (lambda v: v is None or _COUNT[0](v), "an integer >= 0, or null for cycle_first_stair_count")
 _RATIO = (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]")
 _ANY_NUMBER = (_is_number, "a number")  # decay_mom_rate < 0 is how momentum decays downward
-_BOOL = (lambda v: isinstance(v, bool), "true or false")
+_BOOL = (lambda v: as_bool(v) is not None, "true or false (or 1 / 0)")
 _WARMUP_TYPE = (lambda v: v in WARMUP_TYPES, f"one of {list(WARMUP_TYPES)}")
 _ITERATION = (lambda v: _is_int(v) and v >= -1, "an integer >= -1 (-1 = start from the beginning)")
 

@@ -26,6 +26,23 @@ def is_auto(value) -> bool:
     return isinstance(value, str) and value == AUTO
 
 
+def as_bool(value) -> bool | None:
+    """A true/false key's value as DeepSpeed reads it, or None when it is not one: JSON true/false, or the
+    numbers 1 and 0 (DeepSpeed's pydantic sections take them as true and false, and its plain top-level reads,
+    such as zero_allow_untested_optimizer's, test truthiness, which agrees). The one rule for every such key,
+    typed field or raw "enabled". Strings are not taken: pydantic reads "false" as false, a plain read as true."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    return None
+
+
+def enabled(section) -> bool:
+    """Whether a raw section (a dict from the JSON) says "enabled": true (or 1)."""
+    return isinstance(section, dict) and as_bool(section.get("enabled", False)) is True
+
+
 class IntOrInf(int):
     """Type marker: an integer, or positive infinity (`steps_per_print: inf`, which accelerate writes
     to silence DeepSpeed's progress prints; `step % inf` is never 0 after step 0)."""
@@ -112,7 +129,6 @@ class ZeroConfig:
     stage3_max_live_parameters: int = 1_000_000_000
     stage3_max_reuse_distance: int = 1_000_000_000
     stage3_gather_16bit_weights_on_model_save: bool = False
-    stage3_gather_fp16_weights_on_model_save: bool = False
     ignore_unused_parameters: bool = True
     elastic_checkpoint: bool = False
     # Stages 1-2 (zero/sharded.py): free each bucket's full parameters once the boundary backward
@@ -146,6 +162,11 @@ class ZeroConfig:
                 True,
                 "applies to stages 1 and 2 only (stage 3 gathers and releases each unit itself, and "
                 "prefetches by stage3_prefetch_bucket_size); remove it or use stage 1 or 2",
+            )
+        if not self.ignore_unused_parameters and self.stage not in (1, 2):
+            warn(
+                f"{p}.ignore_unused_parameters = false is checked at stages 1 and 2 only (as in DeepSpeed): at stage "
+                f"{self.stage} parameters without a gradient train with zero gradients"
             )
         for key in ("offload_optimizer", "offload_param"):
             off = getattr(self, key)

@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 
 from ..comm import comm_for, local_device
+from ..config.sections import enabled
 
 
 def hybrid_engine_enabled(raw: dict) -> bool:
-    section = raw.get("hybrid_engine")
-    return isinstance(section, dict) and section.get("enabled") is True
+    return enabled(raw.get("hybrid_engine"))
 
 
 def sync_generation_rng() -> None:

@@ -64,8 +64,8 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelShape":
-        """From a Hugging Face config.json (Llama/Mistral/Qwen-style or GPT-2-style keys; mixtures of
-        experts with Mixtral's, Qwen2/3-MoE's or DeepSeek's keys, every block a mixture)."""
+        """From a Hugging Face config.json (Llama/Mistral/Qwen-style, GPT-2-style or DistilBERT/MPT-style keys;
+        mixtures of experts with Mixtral's, Qwen2/3-MoE's or DeepSeek's keys, every block a mixture)."""
 
         def key(*names, default=None):
             for n in names:
@@ -75,8 +75,10 @@ class ModelShape:
                 raise ValueError(f"the model config has none of {', '.join(names)}")
             return default
 
-        hidden = key("hidden_size", "n_embd", "d_model")
-        heads = key("num_attention_heads", "n_head")
+        # config.json holds a model's own names: DistilBERT's dim / n_heads / n_layers are what its config class
+        # maps hidden_size etc. to (its attribute_map), and to_dict() gives them unmapped too
+        hidden = key("hidden_size", "n_embd", "d_model", "dim")
+        heads = key("num_attention_heads", "n_head", "n_heads")
         gated = "intermediate_size" in config
         ffn = key("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)
         moe = {}
@@ -95,7 +97,7 @@ class ModelShape:
                 shared_ffn=shared,
             )
         return cls(
-            layers=key("num_hidden_layers", "n_layer"),
+            layers=key("num_hidden_layers", "n_layer", "n_layers"),
             hidden=hidden,
             heads=heads,
             kv_heads=key("num_key_value_heads", default=heads),
