@@ -100,6 +100,7 @@ PATHS: dict[str, str] = {
     # which of DeepSpeed's ops exist (the Python optimizers above); nothing is compiled
     "ops.op_builder": "zerotron.compat.op_builder",
     "ops.aio": "zerotron.compat.op_builder",  # (DeepSpeed's NVMe I/O package: its AsyncIOBuilder, not compatible)
+    "ops.transformer": "zerotron.compat.transformer_kernel",  # (DeepSpeed's fused CUDA layer: importable, refused)
 }
 
 # DeepSpeed's top-level names: name -> (DeepSpeed module path, attribute there).
@@ -115,6 +116,8 @@ NAMES: dict[str, tuple[str, str]] = {
     "logger": ("utils", "logger"),
     "OnDevice": ("utils", "OnDevice"),
     "tp_model_init": ("runtime.tensor_parallel", "tp_model_init"),
+    "DeepSpeedTransformerLayer": ("ops.transformer", "DeepSpeedTransformerLayer"),
+    "DeepSpeedTransformerConfig": ("ops.transformer", "DeepSpeedTransformerConfig"),
 }
 
 

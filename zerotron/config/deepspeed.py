@@ -58,10 +58,9 @@ def _model_dtype(raw: dict) -> str:
 
 _NOT_IMPLEMENTED_IN = {
     "zero_optimization": {
-        k: "ZeRO++ / MiCS / ZenFlow and other DeepSpeed ZeRO options: zerotron's ZeRO trains the same model "
+        k: "ZeRO++ / MiCS and other DeepSpeed ZeRO options: zerotron's ZeRO trains the same model "
         "without them, remove the key"
         for k in (
-            "zenflow",
             "model_persistence_threshold",
             "stage3_model_persistence_threshold",
             "module_granularity_threshold",
@@ -87,6 +86,11 @@ _NOT_IMPLEMENTED_IN = {
             "use_multi_rank_bucket_allreduce",
             "legacy_stage1",
         )
+    }
+    | {
+        "zenflow": "ZenFlow (applies the smaller gradients late, every update_interval steps: DeepSpeed then trains "
+        "another model than without it): zerotron applies every gradient at every step, the update ZenFlow "
+        "approximates; remove the section"
     },
     "bf16": {
         "bf16_master_weights_and_grads": "bf16 master weights and gradients: zerotron keeps fp32 ones, remove the key",

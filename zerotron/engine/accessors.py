@@ -204,7 +204,7 @@ class EngineAccessors:
         `stage3_gather_16bit_weights_on_model_save`, or its old fp16 name). Below ZeRO-3 with
         tensor parallelism zerotron can always consolidate, so it says True there."""
         zero = self.config.zero_optimization
-        if zero.stage3_gather_16bit_weights_on_model_save or zero.stage3_gather_fp16_weights_on_model_save:
+        if zero.stage3_gather_16bit_weights_on_model_save:
             return True
         return zero.stage < 3 and self.config.tensor_parallel.autotp_size > 1
 
@@ -238,6 +238,19 @@ class EngineAccessors:
     @property
     def is_compiled(self) -> bool:
         return self.__dict__.get("_is_compiled", False)
+
+    # ---- where train_batch() reads when it is given no iterator (DeepSpeed's PipelineEngine's setters) ------
+    def set_dataiterator(self, iterator):
+        """train_batch() / eval_batch() without an argument read `iterator` from now on (instead of the loader
+        built from training_data, which is dropped, as DeepSpeed drops it)."""
+        self.training_dataloader = None
+        self._data_iter = iterator
+
+    def set_dataloader(self, loader):
+        """train_batch() without an argument reads `loader` from its start (once through: wrap it in
+        RepeatingLoader to go on)."""
+        self.training_dataloader = None
+        self._data_iter = iter(loader)
 
     def destroy(self):
         """Detach the engine from the model: its hooks are removed (the model's own hooks stay),

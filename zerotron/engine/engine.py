@@ -17,12 +17,14 @@ from ..moe.expert_groups import shard_groups
 from ..monitor import Monitor
 from ..nested import tensors_in, to_device
 from ..optim import build_optimizer
+from ..optim.build import check_client_on_host
 from ..parallelize import parallelize, vocab_size
 from ..precision import LossScaler, cast_module, model_dtype
 from ..topology import Topology
 from ..zero import make_model_states
 from ..zero.partition_api import built_under_init
 from .accessors import EngineAccessors, ThroughputTimer
+from .direct_backward import refuse_direct_backward
 from .input_guard import InputGuard
 from .report import StepReport
 from .state import EngineState
@@ -174,10 +176,9 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
                 groups,
                 on_host=off is not None and off.device == "cpu",
             )
-        if isinstance(client, torch.optim.Optimizer):
-            return client
-        if callable(client):
-            return client(groups)
+        if isinstance(client, torch.optim.Optimizer) or callable(client):
+            built = client if isinstance(client, torch.optim.Optimizer) else client(groups)
+            return check_client_on_host(built, self.config)
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or a callable, not {type(client).__name__}")
 
     def _make_scheduler(self, client):
@@ -259,11 +260,7 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
     def _on_output_grad(self, grad):
         if self._backward_owner is not None:
             return None
-        if self.loss_scaler.enabled:
-            raise RuntimeError(
-                "with fp16 the loss must be scaled before backward: call engine.backward(loss) "
-                "instead of loss.backward()"
-            )
+        refuse_direct_backward(self)
         self._backward_owner = "autograd"
         self.states.begin_backward(self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_direct_backward)
@@ -325,9 +322,9 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
     def _iterator(self, data_iter):
         if data_iter is not None:
             return data_iter
-        if self.training_dataloader is None:
-            raise ValueError("train_batch needs a data iterator, or training_data given to zerotron.initialize")
-        if self._data_iter is None:
+        if self._data_iter is None:  # (set_dataiterator sets it)
+            if self.training_dataloader is None:
+                raise ValueError("train_batch needs a data iterator, or training_data given to zerotron.initialize")
             self._data_iter = _RepeatingIterator(self.training_dataloader, self.training_dataloader.sampler.epoch)
         return self._data_iter
 

@@ -246,3 +246,24 @@ def build_optimizer(type_name: str, params: dict, model_parameters, on_host: boo
     if cls is torch.optim.SGD:
         kw.setdefault("foreach", True)
     return cls(model_parameters, **kw)
+
+
+def check_client_on_host(optimizer: torch.optim.Optimizer, config) -> torch.optim.Optimizer:
+    """DeepSpeed's "zero_force_ds_cpu_optimizer": true refuses a client optimizer under optimizer offload unless it
+    is the host optimizer (DeepSpeedCPUAdam or DeepSpeedCPULion); returns `optimizer` otherwise. Unset, zerotron
+    runs the client's class on the host shards (the same update; torch's speed), where DeepSpeed's default (true)
+    refuses: the key says to refuse only where a config asks for it."""
+    from ..ops.adam import CPUAdam
+    from ..ops.lion import DeepSpeedCPULion
+
+    off = config.zero_optimization.offload_optimizer
+    if config.zero_force_ds_cpu_optimizer and off is not None and off.device == "cpu":
+        if not isinstance(optimizer, (CPUAdam, DeepSpeedCPULion)):
+            raise ConfigError(
+                "zero_force_ds_cpu_optimizer",
+                True,
+                f"optimizer offload with the client optimizer {type(optimizer).__name__}: pass "
+                "deepspeed.ops.adam.DeepSpeedCPUAdam (or DeepSpeedCPULion), or an 'optimizer' section, or set "
+                "zero_force_ds_cpu_optimizer to false to run this one on the host",
+            )
+    return optimizer

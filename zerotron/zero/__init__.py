@@ -10,7 +10,7 @@ import torch
 
 from ..config import Config
 from ..precision import DTYPES
-from .partition_api import GatheredParameters, Init, consolidated_state_dict
+from .partition_api import GatheredParameters, Init, consolidated_state_dict, unwrap_model_for_generation
 from .shard_group import ShardGroup, ShardGroups
 from .strategy import ModelStates
 
@@ -68,6 +68,10 @@ def make_model_states(
         if zero.overlap_param_gather:
             states.params.watch(module, states.bucket_of)
     states.adopt(optimizer, allow_untested=config.zero_allow_untested_optimizer)
+    if zero.stage in (1, 2) and not zero.ignore_unused_parameters:  # checked at each step (engine/step.py)
+        from .unused import UnusedParameters
+
+        states.unused_check = UnusedParameters(module, params)
     return states
 
 

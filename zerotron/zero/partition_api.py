@@ -3,6 +3,8 @@ look at full weights (`GatheredParameters`, `consolidated_state_dict`), as DeepS
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -58,6 +60,15 @@ class GatheredParameters:
 
 
 @torch.no_grad()
+@contextlib.contextmanager
+def unwrap_model_for_generation(model: nn.Module):
+    """DeepSpeed's `zero.unwrap_model_for_generation` (TRL's generation calls it): `model` (an engine, or its
+    module) with every parameter gathered for the block, so that generate() runs without a gather per layer under
+    ZeRO-3; training goes on as before after it. Below stage 3 the parameters are whole and nothing is gathered."""
+    with GatheredParameters(list(model.parameters())):
+        yield model
+
+
 def consolidated_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """The full state dict of a module partitioned by ZeRO-3 and/or tensor parallelism, in host
     memory on every rank (every rank of the model must call it). One ZeRO-3 unit is gathered at a

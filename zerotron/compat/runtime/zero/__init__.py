@@ -10,6 +10,7 @@ from .partition_parameters import (
     register_external_parameter,
     unregister_external_parameter,
 )
+from .stage3 import unwrap_model_for_generation
 
 __all__ = [
     "Init",
@@ -18,4 +19,5 @@ __all__ = [
     "ZeroParamType",
     "register_external_parameter",
     "unregister_external_parameter",
+    "unwrap_model_for_generation",
 ]
