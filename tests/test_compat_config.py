@@ -169,6 +169,7 @@ def test_features_zerotron_lacks_are_warned_about_by_name():
     ):
         assert name in text, name
     assert "unknown config keys" not in text and "progressive_layer_drop" not in text
+    assert "zerotron applies every gradient at every step" in text  # (ZenFlow trains another model: said so)
 
 
 @pytest.mark.parametrize(

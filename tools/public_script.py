@@ -242,11 +242,13 @@ def main() -> None:
         setattr(torch.nn.functional, name, recorded(getattr(torch.nn.functional, name)))
     sys.argv = [script, *launcher, *args]
     sys.path.insert(0, str(Path(script).resolve().parent))
-    runpy.run_path(script, run_name="__main__")
-    import torch.distributed as dist
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:  # (also when the script fails after training: ZenFlow's saves its checkpoint on rank 0 alone)
+        import torch.distributed as dist
 
-    if LOSSES:  # (a pipeline computes them on its last stage)
-        print(f"LOSSES rank {dist.get_rank() if dist.is_initialized() else 0} " + json.dumps(LOSSES))
+        if LOSSES:  # (a pipeline computes them on its last stage)
+            print(f"LOSSES rank {dist.get_rank() if dist.is_initialized() else 0} " + json.dumps(LOSSES), flush=True)
 
 
 if __name__ == "__main__":
