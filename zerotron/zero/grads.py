@@ -17,11 +17,43 @@ class _ShardHolder:
 
     def __init__(self):
         self.shards: dict[int, torch.Tensor] = {}
+        # Gradients a backward that is not this engine's left on its parameters (a GAN's generator
+        # loss through the discriminator): left accumulated in .grad, unreduced, as DeepSpeed's
+        # stages 0-1 leave them; this engine's next backward takes them in with its own.
+        self.outside: dict[int, tuple] = {}
+
+    def left_outside(self, b: FlatBucket, i: int, param) -> None:
+        self.outside[id(param)] = (b, i, param)
+
+    def take_outside(self) -> list[tuple]:
+        """(bucket, index, parameter) of the outside gradients still there (zero_grad drops them)."""
+        left = [(b, i, p) for b, i, p in self.outside.values() if p.grad is not None]
+        self.outside.clear()
+        return left
+
+    def check_no_outside(self) -> None:
+        left = [p for _, _, p in self.outside.values() if p.grad is not None]
+        if left:
+            raise RuntimeError(
+                f"{len(left)} parameters (the first of shape {tuple(left[0].shape)}) have gradients from a "
+                "backward that was not this engine's, and no backward of this engine took them before step(): "
+                "they are not reduced across ranks. Backpropagate through engine.backward(loss) (or the engine's "
+                "output), or zero them (model.zero_grad()) if they belong to another model's update"
+            )
 
     def shard(self, b: FlatBucket) -> torch.Tensor:
         if b.index not in self.shards:  # no gradient reached this bucket since the last step
             self.shards[b.index] = torch.zeros(b.shard_numel, dtype=b.dtype, device=b.device)
         return self.shards[b.index]
+
+    def reduced(self, b: FlatBucket, received: torch.Tensor) -> None:
+        """`received`: this rank's slice of a bucket-sized buffer just reduced, copied out so that buffer is
+        freed now; added to the shard under accumulation (stages 2-3) or a second boundary backward before the
+        step (stage 1: a GAN's real and fake losses)."""
+        if b.index not in self.shards:
+            self.shards[b.index] = received.to(b.dtype, copy=True)
+        else:
+            self.shards[b.index].add_(received)
 
     def release(self, b: FlatBucket) -> None:
         self.shards.pop(b.index, None)
@@ -44,7 +76,6 @@ class AccumulatedGrads(_ShardHolder):
 
     def __init__(self):
         super().__init__()
-        self._reduced = False
         self.full: dict[int, torch.Tensor] = {}  # bucket index -> its accumulating full bucket
         self.views: dict[int, list[torch.Tensor]] = {}  # ... and each parameter's .grad, a view of it
 
@@ -55,8 +86,10 @@ class AccumulatedGrads(_ShardHolder):
             self.views[b.index] = b.views(self.full[b.index])
         view = self.views[b.index][i]
         if param.grad is not view:
+            # A fresh bucket, or .grad replaced (zero_grad(set_to_none=True): autograd made a new one,
+            # holding the whole gradient since): take it in the view's place
             if param.grad is not None:
-                view.add_(param.grad)
+                view.copy_(param.grad)
             param.grad = view
         return sync
 
@@ -67,23 +100,10 @@ class AccumulatedGrads(_ShardHolder):
             p.grad = None
         return full
 
-    def reduced(self, b: FlatBucket, received: torch.Tensor) -> None:
-        # `received` is the own slice of the full bucket: copied out, so the bucket is freed now
-        self.shards[b.index] = received.to(b.dtype, copy=True)
-
     def begin_reduction(self, sync: bool) -> bool:
-        if not sync:
-            return False
-        if self._reduced:  # the bucket of an earlier micro-batch is reduced already
-            raise RuntimeError(
-                "ZeRO stage 1 reduces the accumulated gradients once, at the boundary "
-                "backward; call engine.step() after it before another backward"
-            )
-        self._reduced = True
-        return True
+        return sync
 
     def zero(self, buckets) -> None:
-        self._reduced = False
         self.full.clear()
         self.views.clear()
         self.shards.clear()
@@ -118,14 +138,6 @@ class StreamedGrads(_ShardHolder):
 
     def to_reduce(self, b: FlatBucket):
         return self.staging.pop(b.index, None)
-
-    def reduced(self, b: FlatBucket, received: torch.Tensor) -> None:
-        # `received` is a slice of the bucket-sized buffer just reduced: copied out, so that
-        # buffer is freed now
-        if b.index not in self.shards:
-            self.shards[b.index] = received.to(b.dtype, copy=True)
-        else:
-            self.shards[b.index].add_(received)
 
     def begin_reduction(self, sync: bool) -> bool:
         return True

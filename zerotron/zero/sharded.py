@@ -1,9 +1,8 @@
 """ZeRO stages 1-3, the optimizer side: fp32 master weights, their gradients and optimizer states
 exist only for this rank's shard of each flat bucket.
 
-- Stage 1: gradients accumulate in full buckets (as in data parallelism); at the accumulation
-  boundary each bucket is reduce-scattered while backward runs, so each rank receives only the
-  summed gradient of its own shard.
+- Stage 1: gradients accumulate in full buckets (as in data parallelism); at the boundary each
+  bucket is reduce-scattered while backward runs: each rank receives its own shard's sum.
 - Stages 2 and 3: every micro-batch's gradients are copied into a short-lived bucket buffer as
   they arrive and reduce-scattered at once; the reduced shard is added into the gradient shard,
   so no rank ever holds a full gradient for longer than a bucket is in flight.
@@ -65,6 +64,7 @@ class ShardedStates(InOrderReduction):
         self.offload = offload  # OffloadConfig of offload_optimizer, or None
         self.host = None  # HostBuffers when offloading
         self.sync = True
+        self.open = False  # is a backward of this engine running?
         self.grads = AccumulatedGrads() if stage == 1 else StreamedGrads()
         self._next_launch = 0
         self._in_flight: deque = deque()
@@ -192,6 +192,7 @@ class ShardedStates(InOrderReduction):
     def make_master_grads(self):
         """The fp32 gradients of the master shard, pointed at by every master run's .grad. In fp32
         they are the reduced gradient shards themselves; otherwise an fp32 copy for the step."""
+        self.grads.check_no_outside()
         if self.masters_are_params:  # fp32 without offload: the reduced shards themselves
             self.master_grad_flat = None
             for (_, m), (b, lo, hi) in zip(self.runs, self.run_in_bucket):
@@ -228,10 +229,13 @@ class ShardedStates(InOrderReduction):
 
     # ---- backward -------------------------------------------------------------------------
     def begin_backward(self, sync: bool) -> None:
-        self.sync = sync
+        self.sync, self.open = sync, True
 
     def _on_grad_ready(self, param: torch.nn.Parameter):
         bucket, i = self._where[id(param)]
+        if not self.open:  # another engine's backward (stage 3 refuses it)
+            return self.grads.left_outside(bucket, i, param)
+        self.grads.outside.pop(id(param), None)  # (its .grad holds both backwards' now)
         if self.grads.take(bucket, i, param, self.sync):
             self._mark_ready(bucket, i, param)
         self._complete_finished()
@@ -272,6 +276,10 @@ class ShardedStates(InOrderReduction):
 
     def end_backward(self) -> None:
         """Reduce what is left (buckets without gradients too), and wait for every reduction."""
+        self.open = False
+        for bucket, i, param in self.grads.take_outside():
+            if self.grads.take(bucket, i, param, self.sync):
+                self._mark_ready(bucket, i, param)
         if not self.grads.begin_reduction(self.sync):
             return
         self._launch_ready(in_backward=False)

@@ -247,6 +247,16 @@ class Stage3States(ShardedStates):
         if unit is not None and unit is not self.root_unit and all(p.requires_grad for p in bucket.params):
             unit.release()
 
+    def _on_grad_ready(self, param: torch.nn.Parameter):
+        if self.open:
+            return super()._on_grad_ready(param)
+        raise RuntimeError(
+            f"a backward that is not this engine's (another engine's loss through this model, e.g. a GAN's "
+            f"generator loss through its discriminator) reached a parameter of shape {tuple(param.shape)}: ZeRO-3 "
+            "gathers, reduces and frees gradients only in its own backward. Freeze this model around the other "
+            "backward (requires_grad_(False); the gradient still flows through it), or use ZeRO stage 0-2 for it"
+        )
+
     def end_backward(self):
         super().end_backward()
         self.release_all()
