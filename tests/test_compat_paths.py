@@ -176,3 +176,29 @@ def test_a_path_outside_the_table_maps_to_the_same_name_under_zerotron():
                           "spec": importlib.util.find_spec("deepspeed.no_such_module") is None, "missing": missing}))
     """)
     assert result == {"same": True, "spec": True, "missing": "No module named 'deepspeed.no_such_module'"}
+
+
+def test_a_deepspeed_feature_zerotron_lacks_is_refused_at_import_with_what_to_do_instead():
+    """DeepSpeedExamples' variable batch size example imports deepspeed.runtime.data_pipeline...; Domino imports
+    deepspeed.runtime.domino: both ways in, the import names the feature and the way instead."""
+    result, _ = _python("""
+        import json
+        import zerotron
+        messages = {}
+        def attempt(key, statement):
+            try:
+                exec(statement)
+            except ModuleNotFoundError as e:
+                messages[key] = [e.name, str(e)]
+        attempt("rename", "from zerotron.runtime.data_pipeline.data_sampling import variable_batch_size_and_lr")
+        attempt("top", "import zerotron.module_inject")
+        zerotron.as_deepspeed()
+        attempt("alias", "from deepspeed.runtime.domino.transformer import DominoTransformer")
+        import deepspeed.runtime.zero  # (its siblings still resolve)
+        print(json.dumps(messages))
+    """)
+    assert result["rename"][0] == "zerotron.runtime.data_pipeline"
+    assert "does not implement DeepSpeed's data efficiency library" in result["rename"][1]
+    assert "in your own DataLoader" in result["rename"][1]
+    assert result["top"][0] == "zerotron.module_inject" and "kernel injection" in result["top"][1]
+    assert result["alias"][0] == "deepspeed.runtime.domino" and "tensor_parallel.autotp_size" in result["alias"][1]

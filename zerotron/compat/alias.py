@@ -107,6 +107,19 @@ def _spec(name: str, target: str, listed: bool):
     return spec
 
 
+class _NotServed(importlib.abc.Loader):
+    """A DeepSpeed package zerotron does not implement (paths.NOT_SERVED): importing it says so, and what to do."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def create_module(self, spec):
+        raise ModuleNotFoundError(f"{spec.name}: {self.why}", name=spec.name)
+
+    def exec_module(self, module):  # (never reached: create_module raises)
+        raise ModuleNotFoundError(self.why)
+
+
 class _AliasLoader(importlib.abc.Loader):
     """Loads an alias as its target: the same module object, nothing executed twice."""
 
@@ -240,6 +253,8 @@ class _PathTable(importlib.abc.MetaPathFinder):
         if not name.startswith("zerotron."):
             return None
         rel = name[len("zerotron.") :]
+        if paths.not_served(rel):  # (the rename way: `import zerotron.module_inject`)
+            return importlib.machinery.ModuleSpec(name, _NotServed(paths.not_served(rel)))
         if paths.PATHS.get(rel, name) == name or _is_alias(name.rpartition(".")[0]):
             return None
         return _spec(name, paths.PATHS[rel], listed=True)
@@ -261,6 +276,8 @@ class _Aliases(importlib.abc.MetaPathFinder):
             rel = name[len("zerotron.") :]
         else:
             return None
+        if paths.not_served(rel):
+            return importlib.machinery.ModuleSpec(name, _NotServed(paths.not_served(rel)))
         if not rel or rel in paths.PATHS:
             return _spec(name, paths.resolve(rel), listed=True)
         # below an alias, a name the table does not list is that name below the alias's module

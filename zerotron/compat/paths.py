@@ -103,6 +103,18 @@ PATHS: dict[str, str] = {
     "ops.transformer": "zerotron.compat.transformer_kernel",  # (DeepSpeed's fused CUDA layer: importable, refused)
 }
 
+# DeepSpeed packages of features zerotron does not implement: path -> what it is and what to do instead. Importing
+# one (or anything below it) either way in raises ModuleNotFoundError with that text, not a bare missing name.
+NOT_SERVED: dict[str, str] = {
+    "runtime.data_pipeline": "DeepSpeed's data efficiency library (curriculum learning, data analysis and sampling, "
+    "variable batch size and LR, random-LTD routing): order, sample and batch the data in your own DataLoader and "
+    "scale the learning rate with a torch scheduler",
+    "runtime.domino": "DeepSpeed-Domino's Megatron tensor-parallel layers (CUDA overlap of compute and "
+    "communication): use tensor_parallel.autotp_size on the model's own layers",
+    "module_inject": "DeepSpeed's inference kernel injection (init_inference and its policies): run the trained "
+    "model's own forward, or an inference engine",
+}
+
 # DeepSpeed's top-level names: name -> (DeepSpeed module path, attribute there).
 NAMES: dict[str, tuple[str, str]] = {
     "get_accelerator": ("accelerator", "get_accelerator"),
@@ -130,6 +142,14 @@ def resolve(path: str) -> str:
         return PATHS[path]
     parent, _, last = path.rpartition(".")
     return f"{resolve(parent)}.{last}"
+
+
+def not_served(path: str) -> str | None:
+    """Why `path` (relative to the package) is not served, when it is in or below a NOT_SERVED package."""
+    for top, why in NOT_SERVED.items():
+        if path == top or path.startswith(top + "."):
+            return f"zerotron does not implement {why}"
+    return None
 
 
 def children(module_name: str) -> dict[str, str]:
