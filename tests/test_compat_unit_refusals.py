@@ -211,3 +211,13 @@ def test_deepspeed_transformer_layer_imports_and_refuses_by_name():
     with pytest.raises(NotImplementedError, match="fused CUDA transformer kernel.*own transformer layers"):
         DeepSpeedTransformerLayer(config)
     assert zerotron.DeepSpeedTransformerLayer is DeepSpeedTransformerLayer  # `from deepspeed import ...`
+
+
+def test_dynamic_scaling_settings_are_checked_only_where_dynamic_scaling_reads_them():
+    for fp16 in ({"enabled": True, "loss_scale": 128}, {"enabled": False}):  # static scale, or no fp16: unused
+        cfg = zerotron.Config.load(
+            {"train_batch_size": 1, "fp16": {**fp16, "loss_scale_window": 0, "min_loss_scale": -1}}
+        )
+        assert (cfg.fp16.loss_scale_window, cfg.fp16.min_loss_scale) == (0, -1)
+    with pytest.raises(ConfigError, match="loss_scale_window"):
+        zerotron.Config.load({"train_batch_size": 1, "fp16": {"enabled": True, "loss_scale_window": 0}})

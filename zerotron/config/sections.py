@@ -75,13 +75,15 @@ class FP16Config:
             self.initial_scale_power,
             "use a power of two exponent in [0, 64], e.g. 16",
         )
+        check(self.hysteresis >= 1, p + ".hysteresis", self.hysteresis, "use a positive integer, e.g. 2")
+        if not (self.enabled and self.loss_scale == 0):
+            return  # the window and the minimum scale are read by dynamic scaling only (DeepSpeed checks them so too)
         check(
             self.loss_scale_window >= 1,
             p + ".loss_scale_window",
             self.loss_scale_window,
             "use a positive number of steps, e.g. 1000",
         )
-        check(self.hysteresis >= 1, p + ".hysteresis", self.hysteresis, "use a positive integer, e.g. 2")
         check(self.min_loss_scale > 0, p + ".min_loss_scale", self.min_loss_scale, "use a positive scale, e.g. 1")
 
 
