@@ -67,6 +67,7 @@ def _warnings(raw):
         ({"fp16": {"enabled": True, "auto_cast": True}}, "feed the model fp16 inputs yourself"),
         ({"hybrid_engine": {"enabled": True}}, "module.generate() runs the training model itself"),
         ({"compression_training": {"weight_quantization": {}}}, "after training"),
+        ({"checkpoint": {"checkpoint_serialization": False}}, "zerotron writes the zip one"),
     ],
 )
 def test_keys_that_ask_for_what_zerotron_does_not_do_are_warned_with_what_to_do(raw, named):
@@ -81,6 +82,7 @@ def test_keys_that_ask_for_what_zerotron_does_not_do_are_warned_with_what_to_do(
         {"bf16": {"enabled": True}, "gradient_accumulation_dtype": "bf16"},
         {"hybrid_engine": {"enabled": False}, "data_efficiency": {"enabled": False}},
         {"flops_profiler": {"enabled": True, "output_file": "x.txt"}, "comms_logger": {"enabled": True}},
+        {"checkpoint": {"checkpoint_serialization": True}},
     ],
 )
 def test_keys_at_the_value_zerotron_has_load_without_a_word(raw):
@@ -95,3 +97,49 @@ def test_profiler_sections_are_typed():
         Config.load({"train_micro_batch_size_per_gpu": 1, "comms_logger": {"prof_ops": "all_reduce"}})
     with pytest.raises(ConfigError, match="log_level"):
         Config.load({"train_micro_batch_size_per_gpu": 1, "log_level": "loud"})
+
+
+# A script in the shape of DeepSpeed-Chat's ds_utils.py and DeepSpeedExamples' AutoTP / SuperOffload scripts: a
+# config built by a function from its arguments' defaults, argparse defaults, a dtype chosen by branch, keys added
+# by assignment, a training checkpoint's dict (not a config), and a here-document with shell variables.
+_SCRIPT = """
+import argparse
+GLOBAL_BATCH = 32
+parser = argparse.ArgumentParser()
+parser.add_argument("--dp_size", type=int, default=2)
+parser.add_argument("--offload", action="store_true")
+def config(args, dtype, stage=2):
+    if dtype == "fp16":
+        name, section = "fp16", {"enabled": True, "loss_scale_window": 100}
+    else:
+        name, section = "bf16", {"enabled": True}
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu" if args.offload else "none"}}
+    zero["overlap_comm"] = True
+    return {"train_batch_size": GLOBAL_BATCH * args.dp_size, "zero_optimization": zero, name: section,
+            "data_parallel_size": args.dp_size, "wall_clock_breakdown": not args.offload}
+def save(model, optimizer):
+    return {"epoch": 1, "optimizer": optimizer.state_dict()}
+"""
+_SHELL = """BATCH_SIZE=${2:-4}
+OUT=/tmp/run
+cat > "$OUT/ds.json" << EOT
+{"train_batch_size": $BATCH_SIZE, "zero_optimization": {"stage": $STAGE}, "tensorboard": {"output_path": "$OUT/tb"}}
+EOT
+"""
+
+
+def test_inline_configs_are_rebuilt_as_the_script_builds_them():
+    from tools.config_inline import python_configs, shell_configs
+
+    zero = {"stage": 2, "offload_optimizer": {"device": "none"}, "overlap_comm": True}
+    common = {"train_batch_size": 64, "zero_optimization": zero, "data_parallel_size": 2, "wall_clock_breakdown": True}
+    assert python_configs(_SCRIPT) == [
+        {**common, "fp16": {"enabled": True, "loss_scale_window": 100}},
+        {**common, "bf16": {"enabled": True}},
+    ]
+    assert shell_configs(_SHELL) == (
+        [{"train_batch_size": 4, "zero_optimization": {"stage": 1}, "tensorboard": {"output_path": "/tmp/run/tb"}}],
+        0,
+    )
+    for raw in python_configs(_SCRIPT):
+        assert "silently ignored" not in classify_keys(raw, world_size_for(raw)[0]).values()

@@ -1,6 +1,6 @@
 """Survey: does zerotron load the DeepSpeed JSON configs found in the wild?
 
-    python tools/config_survey.py DIR... [--list] [--deepspeed] [--json OUT]
+    python tools/config_survey.py DIR... [--list] [--deepspeed] [--json OUT] [--inline]
 
 Walks each DIR for *.json files, keeps those that are DeepSpeed configs (a top-level object with
 at least one of DeepSpeed's own keys: train_batch_size, train_micro_batch_size_per_gpu,
@@ -71,14 +71,17 @@ HF_AUTO = dict(
 )
 
 
-def find_configs(dirs):
-    """(path, raw dict or None, why not) for every *.json under `dirs` that is (or looks like) a DeepSpeed config."""
+def find_configs(dirs, inline: bool = False):
+    """(path, raw dict or None, why not) for every *.json under `dirs` that is (or looks like) a DeepSpeed config;
+    `inline`: also the configs written in *.py and *.sh files (tools/config_inline.py), as PATH#N."""
     for top in dirs:
         for root, _, files in os.walk(top):
             for name in sorted(files):
+                path = os.path.join(root, name)
+                if inline and name.endswith((".py", ".sh")):
+                    yield from _inline(path)
                 if not name.endswith(".json"):
                     continue
-                path = os.path.join(root, name)
                 with open(path, errors="replace") as f:
                     text = f.read()
                 try:
@@ -90,6 +93,25 @@ def find_configs(dirs):
                     continue
                 if isinstance(raw, dict) and (any(k in raw for k in DS_KEYS) or _fragment(raw)):
                     yield path, raw, None
+
+
+def _inline(path: str):
+    from tools.config_inline import python_configs, shell_configs
+
+    with open(path, errors="replace") as f:
+        text = f.read()
+    if not any(f"{q}{k}{q}" in text for k in DS_KEYS for q in "\"'"):
+        return
+    if path.endswith(".py"):
+        folder = os.path.dirname(path)
+        others = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith(".py")]
+        found, templates = python_configs(text, [open(o, errors="replace").read() for o in others if o != path]), 0
+    else:
+        found, templates = shell_configs(text)
+    for i, raw in enumerate(found):
+        yield f"{path}#{i}", raw, None
+    for i in range(templates):
+        yield f"{path}#template{i}", None, "a here-document still not JSON with its variables filled in"
 
 
 def _fragment(raw: dict) -> bool:
@@ -109,7 +131,7 @@ def world_size_for(raw: dict) -> int:
     tbs, mbs, gas = (
         _int(raw.get(k)) for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     )
-    dp = 1
+    dp = _int(raw.get("data_parallel_size")) or 1  # (DeepSpeed's AutoTP examples give it)
     if tbs and mbs and gas and tbs % (mbs * gas) == 0:
         dp = int(tbs // (mbs * gas))
     tp = (
@@ -211,13 +233,14 @@ def main(argv=None):
     ap.add_argument("--list", action="store_true", help="print every file's outcome")
     ap.add_argument("--deepspeed", action="store_true", help="also ask DeepSpeed's DeepSpeedConfig")
     ap.add_argument("--json", help="write the per-file outcomes here")
+    ap.add_argument("--inline", action="store_true", help="also configs written in .py and .sh files")
     args = ap.parse_args(argv)
     import logging
 
     logging.disable(logging.WARNING)  # DeepSpeed's own logging, when asked
 
     rows, templates, prepared_all = [], [], []
-    for path, raw, why in find_configs(args.dirs):
+    for path, raw, why in find_configs(args.dirs, args.inline):
         rel = _shown(path, args.dirs)
         if raw is None:
             templates.append(rel)

@@ -87,4 +87,5 @@ ONLY_AT_DEFAULT = {
         True,
         "rebuilding fp32 master weights from the 16-bit ones on load: zerotron loads the saved fp32 masters",
     ),
+    "checkpoint.checkpoint_serialization": (True, "torch.save's legacy (non-zip) format: zerotron writes the zip one"),
 }

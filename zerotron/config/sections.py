@@ -313,6 +313,7 @@ class CheckpointConfig:
     use_node_local_storage: bool = False
     parallel_write: dict = field(default_factory=dict)
     writer: Optional[dict] = None
+    checkpoint_serialization: bool = True  # torch.save's zip format (no_effect.ONLY_AT_DEFAULT)
 
     @property
     def tag_validation_mode(self) -> str:
