@@ -10,6 +10,8 @@ STAND_INS is a comma-separated list of:
 - `cifar10`: torchvision's CIFAR-10 gives seeded random 3 x 64 x 64 images and its transforms pass through;
   `torchvision.models.AlexNet` is torchvision's AlexNet architecture (this machine has no CPU torchvision build)
   (pipeline_parallelism);
+- `imagenet`: `cifar10`'s, with torchvision's `resnet18` architecture and `datasets.FakeData` as seeded random
+  3 x 32 x 32 images, at most 64 (training/imagenet's `--dummy` data; tools/public_imagenet.py);
 - `celeba`: `cifar10`'s, and torchvision's ImageFolder (the GAN's celeba) gives the same random images and
   `torchvision.utils.save_image` writes nothing (gan);
 - `cpu`: when there is no GPU, `torch.cuda.set_device` does nothing (pipeline_parallelism, BingBertSquad call it
@@ -177,6 +179,7 @@ def _cpu():
         torch.cuda.set_device = lambda *a, **k: None
         torch.cuda.reset_peak_memory_stats = lambda *a, **k: None  # (bf16_master_weight calls it unguarded)
         torch.cuda.synchronize = lambda *a, **k: None  # (the GAN's timing)
+        torch.Tensor.cuda = lambda self, *a, **k: self  # (imagenet's loss record: torch.empty(epochs).cuda())
         init_process_group = torch.distributed.init_process_group
 
         def gloo(backend=None, *args, **kwargs):
@@ -198,6 +201,13 @@ def _seed():
     deepspeed.initialize = seeded
 
 
+def _imagenet():
+    from public_imagenet import install
+
+    _cifar10()
+    install(sys.modules["torchvision"])
+
+
 def _celeba():
     _cifar10()
     torchvision = sys.modules["torchvision"]
@@ -215,6 +225,7 @@ STAND_INS = {
     "roberta-base": _roberta_base,
     "cifar10": _cifar10,
     "celeba": _celeba,
+    "imagenet": _imagenet,
     "cpu": _cpu,
     "seed": _seed,
 }
