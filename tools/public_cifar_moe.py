@@ -8,18 +8,23 @@ zerotron. Rank 0 prints its losses as JSON:
     torchrun --standalone --nproc_per_node 2 tools/public_cifar_moe.py PATH/cifar10_deepspeed.py \\
         --moe --ep-world-size 2 --num-experts 2 --top-k 1 --noisy-gate-policy RSample --moe-param-group \\
         --dtype fp32 --stage 2 -e 1
+
+`tools/public_cifar_moe.py rename PATH/cifar10_deepspeed.py ...` runs it the first way in, without the alias: a
+copy with its DeepSpeed imports renamed to zerotron's (public_script.py's `rename`).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import runpy
 import sys
 import types
 
+import public_script  # (tools/ is the script's directory)
 import torch
-from public_script import LOSSES, RecordedCrossEntropy  # (tools/ is the script's directory)
+from public_script import LOSSES, recorded, renamed
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 TRAIN, TEST = 128, 16  # samples: 8 steps an epoch at the script's global batch of 16
@@ -51,14 +56,16 @@ def _fake_torchvision() -> types.ModuleType:
 
 
 def main():
-    script = sys.argv[1]
-    sys.argv = [script, *sys.argv[2:]]
+    script, *args = sys.argv[1:]
+    if script == "rename":
+        script, *args = args
+        script = renamed(script, "")
+    sys.argv = [script, *args]
     sys.modules["torchvision"] = _fake_torchvision()
     sys.modules["torchvision.transforms"] = sys.modules["torchvision"].transforms
-    torch.nn.CrossEntropyLoss = RecordedCrossEntropy
+    torch.nn.functional.cross_entropy = recorded(torch.nn.functional.cross_entropy)
     torch.manual_seed(0)  # the script leaves its weights and RSample noise to torch's per-process random seed
-    import deepspeed
-
+    deepspeed = importlib.import_module(public_script.ENGINE)
     runpy.run_path(script, run_name="__main__")
     if torch.distributed.get_rank() == 0:
         system = "zerotron" if hasattr(deepspeed, "Config") else f"deepspeed {deepspeed.__version__}"

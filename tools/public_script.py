@@ -1,7 +1,8 @@
 """Run a public training script unchanged, with what it would download or needs a GPU for answered locally.
 
     torchrun --nproc_per_node 2 tools/public_script.py STAND_INS SCRIPT.py ARGS...                 # real DeepSpeed
-    zerotron run -n 2 --as-deepspeed tools/public_script.py STAND_INS SCRIPT.py ARGS...            # zerotron
+    zerotron run -n 2 --as-deepspeed tools/public_script.py STAND_INS SCRIPT.py ARGS...            # zerotron, alias
+    zerotron run -n 2 --local-rank-arg tools/public_script.py rename,STAND_INS SCRIPT.py ARGS...   # zerotron, rename
 
 STAND_INS is a comma-separated list of:
 - `wikitext`: `datasets.load_dataset("wikitext", ...)` gives generated lines of words (HelloDeepSpeed);
@@ -22,20 +23,30 @@ STAND_INS is a comma-separated list of:
 - `seed`: torch's random generator is seeded with 0 when `deepspeed.initialize` returns, so the random inputs a
   script draws after it are the same under both engines (DeepSpeed leaves each process's generator seeded at
   random; AutoTP's examples train on `torch.randint` tokens).
+- `rename` (or `rename:DIR`, DIR a directory holding the script and the packages it imports, such as
+  DeepSpeed-Chat's dschat/): the first way in. The script's directory (or DIR) is copied to a temporary directory
+  with every DeepSpeed import in its .py files edited as a user edits them (`import zerotron as deepspeed`,
+  `from zerotron.X import Y`: tools/deepspeed_rename.py), rank 0 prints each edit after a line
+  `RENAMED <count> import lines`, and the copy runs; PYTHONPATH entries inside DIR point into the copy. Run it
+  without the alias (no --as-deepspeed); the stand-ins use zerotron where they would use `deepspeed`.
 
 Every loss the script computes with `torch.nn.functional.cross_entropy` or `binary_cross_entropy`
 (`CrossEntropyLoss`, `BCELoss`, a Transformers model's loss) with gradients on is recorded; each rank that
 computed some prints them as JSON on a line starting with LOSSES. `import deepspeed` in the script is the
-installed one: real DeepSpeed, or zerotron under the alias. DeepSpeed's launcher puts --local_rank=N first: it
+installed one: real DeepSpeed, or zerotron under the alias (in rename mode there is none: a line says so if
+unedited code, a library, imported a real DeepSpeed anyway). DeepSpeed's launcher puts --local_rank=N first: it
 goes to the script, before the script's own arguments.
 """
 
 from __future__ import annotations
 
+import atexit
+import importlib
 import json
 import os
 import random
 import runpy
+import shutil
 import sys
 import tempfile
 import types
@@ -46,6 +57,7 @@ import torch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 WORDS = [f"w{i}" for i in range(300)]
 LOSSES: list[float] = []
+ENGINE = "deepspeed"  # what the script's DeepSpeed imports give: "zerotron" in rename mode
 
 
 def word_lines(lines: int, seed: int = 0) -> list[str]:
@@ -189,8 +201,7 @@ def _cpu():
 
 
 def _seed():
-    import deepspeed
-
+    deepspeed = importlib.import_module(ENGINE)
     initialize = deepspeed.initialize
 
     def seeded(*args, **kwargs):
@@ -244,11 +255,40 @@ def recorded(loss_fn):
     return record
 
 
+def renamed(script: str, root: str) -> str:
+    """Rename mode: `root` (default: the script's directory) copied to a temporary directory with its DeepSpeed
+    imports renamed to zerotron's (tools/deepspeed_rename.py), every edit printed by rank 0; `sys.path` entries
+    inside `root` (PYTHONPATH's) point into the copy. Returns the copied script's path."""
+    global ENGINE
+    from deepspeed_rename import rename_tree
+
+    if os.environ.get("ZEROTRON_AS_DEEPSPEED", "").strip().lower() not in ("", "0", "false", "no", "off"):
+        sys.exit("public_script.py rename: runs without the alias; unset ZEROTRON_AS_DEEPSPEED (no --as-deepspeed)")
+    script_path = Path(script).resolve()
+    top = Path(root).resolve() if root else script_path.parent
+    temporary = tempfile.mkdtemp(prefix="renamed-")
+    atexit.register(shutil.rmtree, temporary, ignore_errors=True)
+    copy = Path(temporary) / top.name
+    edits = rename_tree(top, copy)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"RENAMED {len(edits)} import lines of {top} in {copy}", flush=True)
+        for file, line, old, new in edits:
+            print(f"  {file}:{line}: {old.strip()}  ->  {new.strip()}", flush=True)
+    inside = lambda p: Path(p).resolve().is_relative_to(top)  # noqa: E731
+    sys.path = [str(copy / Path(p).resolve().relative_to(top)) if p and inside(p) else p for p in sys.path]
+    ENGINE = "zerotron"
+    return str(copy / script_path.relative_to(top))
+
+
 def main() -> None:
     launcher = [a for a in sys.argv[1:3] if a.startswith("--local_rank")]
     names, script, *args = [a for a in sys.argv[1:] if a not in launcher]
-    for name in names.split(","):
-        STAND_INS[name]()
+    names = names.split(",")
+    for name in [n for n in names if n.partition(":")[0] == "rename"]:
+        script = renamed(script, name.partition(":")[2])
+    for name in names:
+        if name.partition(":")[0] != "rename":
+            STAND_INS[name]()
     for name in ("cross_entropy", "binary_cross_entropy"):
         setattr(torch.nn.functional, name, recorded(getattr(torch.nn.functional, name)))
     sys.argv = [script, *launcher, *args]
@@ -260,6 +300,8 @@ def main() -> None:
 
         if LOSSES:  # (a pipeline computes them on its last stage)
             print(f"LOSSES rank {dist.get_rank() if dist.is_initialized() else 0} " + json.dumps(LOSSES), flush=True)
+        if ENGINE == "zerotron" and "deepspeed" in sys.modules:  # code left unedited (a library) imported it
+            print(f"RENAMED but `deepspeed` was imported too: {sys.modules['deepspeed'].__file__}", flush=True)
 
 
 if __name__ == "__main__":

@@ -152,6 +152,12 @@ def _add_run_arguments(p: argparse.ArgumentParser):
         help="with --as-deepspeed: do not pass the script --local_rank=N (DeepSpeed's launcher flag)",
     )
     p.add_argument(
+        "--local-rank-arg",
+        action="store_true",
+        help="pass the script --local_rank=N as DeepSpeed's launcher does, without the alias (--as-deepspeed "
+        "implies it): for a script renamed to `import zerotron as deepspeed` that reads args.local_rank",
+    )
+    p.add_argument(
         "--autotuning",
         choices=["tune", "run"],
         default=None,
@@ -195,8 +201,9 @@ def _run(args, argv: list[str]) -> int:
             )
             return 2
         os.environ[ENV] = "1"
-        if not args.no_local_rank:  # as DeepSpeed's launcher: the script gets --local_rank=N
-            return _torchrun([*argv, "-m", "zerotron.compat.local_rank", args.script, *args.script_args])
+    if (args.as_deepspeed or args.local_rank_arg) and not args.no_local_rank:
+        # as DeepSpeed's launcher: the script gets --local_rank=N
+        return _torchrun([*argv, "-m", "zerotron.compat.local_rank", args.script, *args.script_args])
     return _torchrun([*argv, args.script, *args.script_args])
 
 
