@@ -9,6 +9,7 @@ import weakref
 import torch
 
 from ..config import Config
+from ..log import warn
 from ..precision import DTYPES
 from .partition_api import GatheredParameters, Init, consolidated_state_dict, unwrap_model_for_generation
 from .shard_group import ShardGroup, ShardGroups
@@ -77,9 +78,9 @@ def make_model_states(
 
 def optimizer_groups(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
     """id(parameter) -> index of the optimizer group holding it. Every group may hold only the
-    module's parameters, and a parameter that requires a gradient but is in no group must never
-    receive one: anything else would train silently wrong (an update applied to a tensor the model
-    no longer uses, or a parameter never updated)."""
+    module's parameters (else an update would go to a tensor the model does not use); a parameter that
+    requires a gradient but is in no group stays as it is, as in DeepSpeed, with a warning when a
+    gradient reaches it."""
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
     group_of = {}
     for gi, group in enumerate(optimizer.param_groups):
@@ -93,26 +94,27 @@ def optimizer_groups(module: torch.nn.Module, optimizer: torch.optim.Optimizer) 
             if p.requires_grad:
                 group_of[id(p)] = gi
     missing = [(n, p) for n, p in module.named_parameters() if p.requires_grad and id(p) not in group_of]
-    # DeepSpeed takes parameters left out of every group (BingBertSquad leaves out BERT's pooler, which
-    # its loss never uses). One that never receives a gradient trains exactly as if it were in a group
-    # (no optimizer updates a parameter without one); one that does would silently stay as it is, so
-    # its gradient's arrival is the error (while this optimizer lives: the model may be handed on).
-    alive = weakref.ref(optimizer)
+    # DeepSpeed takes parameters left out of every group and never updates them (BingBertSquad leaves out
+    # BERT's pooler, which its loss never uses; bing_bert's pre-training too, whose next-sentence loss
+    # does). One that never receives a gradient trains exactly as if it were in a group; one that does
+    # stays as it is, which a warning says once (while this optimizer lives: the model may be handed on).
+    alive, warned = weakref.ref(optimizer), []
     for name, p in missing:
         p.register_post_accumulate_grad_hook(
-            functools.partial(_ungrouped_gradient, alive, name, [n for n, _ in missing])
+            functools.partial(_ungrouped_gradient, alive, name, [n for n, _ in missing], warned)
         )
     return group_of
 
 
-def _ungrouped_gradient(alive, name: str, ungrouped: list[str], param: torch.Tensor) -> None:
-    if alive() is None:
+def _ungrouped_gradient(alive, name: str, ungrouped: list[str], warned: list, param: torch.Tensor) -> None:
+    if alive() is None or warned:
         return
+    warned.append(name)
     shown = ", ".join(ungrouped[:5]) + (f" and {len(ungrouped) - 5} more" if len(ungrouped) > 5 else "")
-    raise ValueError(
-        f"parameter {name} received a gradient but is in no optimizer group, so it would never be updated "
-        f"(parameters that require gradients but are in no optimizer group: {shown}). Pass all of them "
-        "(model_parameters=model.parameters()), or set requires_grad=False on those that should stay frozen"
+    warn(
+        f"parameter {name} received a gradient but is in no optimizer group: it stays as it is, as in DeepSpeed "
+        f"(parameters that require gradients but are in no optimizer group: {shown}). To train them, pass them "
+        "(model_parameters=model.parameters()); to say they are frozen, set requires_grad=False"
     )
 
 
