@@ -22,7 +22,7 @@ from ..parallelize import parallelize, vocab_size
 from ..precision import LossScaler, cast_module, model_dtype
 from ..topology import Topology
 from ..zero import make_model_states
-from ..zero.partition_api import built_under_init
+from ..zero.partition_api import built_under_init, refuse_foreign_partitions
 from .accessors import EngineAccessors, ThroughputTimer
 from .direct_backward import refuse_direct_backward
 from .input_guard import InputGuard
@@ -136,6 +136,7 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
         """Cast the model to the training dtype and move it to `device` (None: where it is);
         parameters built under zero.Init stay partitioned (placeholders plus this rank's pieces)
         until ZeRO-3 builds its units from them."""
+        refuse_foreign_partitions(module)
         meta = any(p.is_meta or built_under_init(p) for p in module.parameters())
         if meta and self.config.zero_optimization.stage != 3:
             raise ValueError(

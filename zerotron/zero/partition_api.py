@@ -8,8 +8,28 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from ..errors import ZerotronError
 from .partitioned_init import Init, ZeroParamStatus, built_under_init  # noqa: F401 (the public surface)
 from .residency import holder_of
+
+
+def refuse_foreign_partitions(module: nn.Module) -> None:
+    """Refuse a model whose parameters another engine's zero.Init partitioned (their `ds_status` is not zerotron's
+    ZeroParamStatus): their pieces live in that engine's objects, and zerotron would train the empty placeholders.
+    It happens the first way in (`import zerotron as deepspeed`) when code that was not edited imports the installed
+    DeepSpeed: Transformers' from_pretrained under its HfDeepSpeedConfig (a ZeRO-3 config) builds the model inside
+    DeepSpeed's own zero.Init."""
+    for name, p in module.named_parameters():
+        status = getattr(p, "ds_status", None)
+        if status is not None and not isinstance(status, ZeroParamStatus):
+            raise ZerotronError(
+                f"parameter {name!r} was partitioned by another ZeRO-3 ({type(status).__module__}'s zero.Init), "
+                "not zerotron's: zerotron cannot gather it. With `import zerotron as deepspeed`, code you did not "
+                "edit still imports the installed DeepSpeed (Transformers' from_pretrained under HfDeepSpeedConfig "
+                "builds a ZeRO-3 model in DeepSpeed's zero.Init). Use the alias, so that every `import deepspeed` "
+                "is zerotron: `zerotron run --as-deepspeed`, ZEROTRON_AS_DEEPSPEED=1, or zerotron.as_deepspeed() "
+                "before importing transformers"
+            )
 
 
 class GatheredParameters:
