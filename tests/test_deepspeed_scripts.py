@@ -91,9 +91,11 @@ def test_bert_style_pretraining_resumes_on_the_uninterrupted_losses(tmp_path):
 
 # The DeepSpeed imports of DeepSpeedExamples' scripts run both ways in (HelloDeepSpeed, pipeline_parallelism, cifar
 # --moe, gan, bf16_master_weight, tensor_parallel, offload_states, BingBertSquad, DeepSpeed-Chat's steps and dschat),
-# in each form they take, and the attribute chains they follow from the module.
+# in each form they take, and the attribute chains they follow from the module; and below one of DeepSpeed's
+# one-optimizer packages (one module in zerotron, which Python refused to import below as "not a package").
 PUBLIC_IMPORTS = """
 import deepspeed
+from deepspeed.ops.adam.fused_adam import FusedAdam as Fused
 import deepspeed.comm as dist
 from deepspeed import get_accelerator, DeepSpeedConfig
 from deepspeed.accelerator import get_accelerator
@@ -112,14 +114,15 @@ note = "import deepspeed"  # import deepspeed
 import sys
 assert "deepspeed" not in sys.modules and deepspeed is sys.modules["zerotron"]
 assert dist is sys.modules["zerotron.comm"] and later()[0] is deepspeed.runtime.utils.set_random_seed
-assert deepspeed.moe.layer.MoE and deepspeed.comm.get_rank and deepspeed.initialize and ZeroParamStatus.AVAILABLE
+assert Fused is FusedAdam and deepspeed.moe.layer.MoE and deepspeed.comm.get_rank and deepspeed.initialize
+assert ZeroParamStatus.AVAILABLE
 print("OK", note)
 """
 
 
 def test_public_scripts_imports_renamed_as_a_user_edits_them_import_zerotrons_modules(tmp_path):
     text, edits = rename_source(PUBLIC_IMPORTS)
-    assert len(edits) == 12  # every import line, the wrapped and the indented ones; never strings or comments
+    assert len(edits) == 13  # every import line, the wrapped and the indented ones; never strings or comments
     assert (
         'note = "import deepspeed"  # import deepspeed' in text and "import zerotron.runtime.utils, zerotron as" in text
     )
