@@ -117,15 +117,3 @@ def _modify_persistent():
 def test_gathered_parameters_modifier_reaches_persistent_parameters():
     for seen, master in run_ranks(_modify_persistent, 2):
         assert bool((seen == 7).all()) and bool((master == 7).all())
-
-
-def _two_backwards_stage1():
-    engine, *_ = zerotron.initialize(model=make_model(), config=ds_config(2, 1, zero_optimization={"stage": 1}))
-    x, y = global_batches(1, 2)[0]
-    engine.backward(engine(x, y))
-    engine.backward(engine(x, y))
-
-
-def test_stage1_second_boundary_backward_is_a_clear_error():
-    with pytest.raises(RankError, match="call engine.step"):
-        run_ranks(_two_backwards_stage1, 2)
