@@ -178,7 +178,7 @@ def _train_backward(stage, gas, direct: bool, precision="fp32"):
     return losses, zerotron.zero.consolidated_state_dict(engine.module)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])  # (stage 0 refuses it, as DeepSpeed: test_compat_unit_refusals.py)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("gas", [1, 2])
 def test_loss_backward_without_engine_backward_trains_the_same_weights(stage, gas):
     wanted = run_ranks(_train_backward, 2, stage, gas, False)

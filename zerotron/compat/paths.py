@@ -101,6 +101,7 @@ PATHS: dict[str, str] = {
     "ops.op_builder": "zerotron.compat.op_builder",
     "ops.aio": "zerotron.compat.op_builder",  # (DeepSpeed's NVMe I/O package: its AsyncIOBuilder, not compatible)
     "ops.transformer": "zerotron.compat.transformer_kernel",  # (DeepSpeed's fused CUDA layer: importable, refused)
+    "inference": "zerotron.compat.inference",  # (DeepSpeed-Inference: init_inference importable, refused)
 }
 
 # DeepSpeed packages of features zerotron does not implement: path -> what it is and what to do instead. Importing
@@ -130,6 +131,7 @@ NAMES: dict[str, tuple[str, str]] = {
     "tp_model_init": ("runtime.tensor_parallel", "tp_model_init"),
     "DeepSpeedTransformerLayer": ("ops.transformer", "DeepSpeedTransformerLayer"),
     "DeepSpeedTransformerConfig": ("ops.transformer", "DeepSpeedTransformerConfig"),
+    "init_inference": ("inference", "init_inference"),
 }
 
 

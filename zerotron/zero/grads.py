@@ -11,35 +11,44 @@ import torch
 from .flat import FlatBucket
 
 
+class OutsideGrads:
+    """Gradients a backward that is not this engine's left on its parameters (a GAN's generator loss through the
+    discriminator): left accumulated in .grad, unreduced, as DeepSpeed's stages 0-1 leave them, for this engine's
+    next backward to take in with its own; a step before that refuses them rather than apply them unreduced."""
+
+    def __init__(self):
+        self.left: dict[int, tuple] = {}
+
+    def add(self, b, i: int, param) -> None:
+        self.left[id(param)] = (b, i, param)
+
+    def discard(self, param) -> None:
+        self.left.pop(id(param), None)
+
+    def take(self) -> list[tuple]:
+        """(bucket, index, parameter) of those still there (zero_grad drops them), forgotten from now on."""
+        still = [(b, i, p) for b, i, p in self.left.values() if p.grad is not None]
+        self.left.clear()
+        return still
+
+    def check(self) -> None:
+        still = [p for _, _, p in self.left.values() if p.grad is not None]
+        if still:
+            raise RuntimeError(
+                f"{len(still)} parameters (the first of shape {tuple(still[0].shape)}) have gradients from a "
+                "backward that was not this engine's, and no backward of this engine took them before step(): "
+                "they are not reduced across ranks. Backpropagate through engine.backward(loss) (or the engine's "
+                "output), or zero them (model.zero_grad()) if they belong to another model's update"
+            )
+
+
 class _ShardHolder:
     """The reduced gradient shard of each bucket (by bucket index), from its first reduction to
     the step."""
 
     def __init__(self):
         self.shards: dict[int, torch.Tensor] = {}
-        # Gradients a backward that is not this engine's left on its parameters (a GAN's generator
-        # loss through the discriminator): left accumulated in .grad, unreduced, as DeepSpeed's
-        # stages 0-1 leave them; this engine's next backward takes them in with its own.
-        self.outside: dict[int, tuple] = {}
-
-    def left_outside(self, b: FlatBucket, i: int, param) -> None:
-        self.outside[id(param)] = (b, i, param)
-
-    def take_outside(self) -> list[tuple]:
-        """(bucket, index, parameter) of the outside gradients still there (zero_grad drops them)."""
-        left = [(b, i, p) for b, i, p in self.outside.values() if p.grad is not None]
-        self.outside.clear()
-        return left
-
-    def check_no_outside(self) -> None:
-        left = [p for _, _, p in self.outside.values() if p.grad is not None]
-        if left:
-            raise RuntimeError(
-                f"{len(left)} parameters (the first of shape {tuple(left[0].shape)}) have gradients from a "
-                "backward that was not this engine's, and no backward of this engine took them before step(): "
-                "they are not reduced across ranks. Backpropagate through engine.backward(loss) (or the engine's "
-                "output), or zero them (model.zero_grad()) if they belong to another model's update"
-            )
+        self.outside = OutsideGrads()
 
     def shard(self, b: FlatBucket) -> torch.Tensor:
         if b.index not in self.shards:  # no gradient reached this bucket since the last step

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .grads import OutsideGrads
 from .shard_group import ShardGroup, ShardGroups
 
 
@@ -71,6 +72,7 @@ class GradBuckets(InOrderReduction):
         self.buckets: list[Bucket] = []
         self.sync = True  # reduce in this backward? (False inside gradient accumulation)
         self.open = False  # is a backward of this engine running (engine.backward or loss.backward on its output)?
+        self.outside = OutsideGrads()  # (here in the buckets' views already: reduced by the next sync backward)
         self._next_launch = 0
         self._bucket_of: dict[int, tuple[Bucket, int]] = {}
         for params in buckets:
@@ -96,7 +98,9 @@ class GradBuckets(InOrderReduction):
             param.grad = view
         # Only this engine's backward reduces: another engine's backward reaching these parameters (a GAN's
         # generator loss through the discriminator) leaves gradients accumulated unreduced, as in DeepSpeed.
-        if self.sync and self.open:
+        if not self.open:
+            self.outside.add(bucket, i, param)
+        elif self.sync:
             self._mark_ready(bucket, i, param)
 
     def _launch(self, bucket: Bucket, in_backward: bool):
@@ -118,6 +122,7 @@ class GradBuckets(InOrderReduction):
         self.open = False
         if not self.sync:
             return
+        self.outside.take()  # whatever another backward left in the buckets is reduced with them now
         self._launch_ready(in_backward=False)
         for bucket in self.buckets:
             if bucket.work is not None:
@@ -171,6 +176,7 @@ class ReplicatedStates:
         self.grad_buckets.finish()
 
     def unscale_and_check(self, inv_scale):
+        self.grad_buckets.outside.check()
         return self.master.take_grads(inv_scale)
 
     def master_grads(self):

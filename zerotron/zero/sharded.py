@@ -192,7 +192,7 @@ class ShardedStates(InOrderReduction):
     def make_master_grads(self):
         """The fp32 gradients of the master shard, pointed at by every master run's .grad. In fp32
         they are the reduced gradient shards themselves; otherwise an fp32 copy for the step."""
-        self.grads.check_no_outside()
+        self.grads.outside.check()
         if self.masters_are_params:  # fp32 without offload: the reduced shards themselves
             self.master_grad_flat = None
             for (_, m), (b, lo, hi) in zip(self.runs, self.run_in_bucket):
@@ -234,8 +234,8 @@ class ShardedStates(InOrderReduction):
     def _on_grad_ready(self, param: torch.nn.Parameter):
         bucket, i = self._where[id(param)]
         if not self.open:  # another engine's backward (stage 3 refuses it)
-            return self.grads.left_outside(bucket, i, param)
-        self.grads.outside.pop(id(param), None)  # (its .grad holds both backwards' now)
+            return self.grads.outside.add(bucket, i, param)
+        self.grads.outside.discard(param)  # (its .grad holds both backwards' now)
         if self.grads.take(bucket, i, param, self.sync):
             self._mark_ready(bucket, i, param)
         self._complete_finished()
@@ -277,7 +277,7 @@ class ShardedStates(InOrderReduction):
     def end_backward(self) -> None:
         """Reduce what is left (buckets without gradients too), and wait for every reduction."""
         self.open = False
-        for bucket, i, param in self.grads.take_outside():
+        for bucket, i, param in self.grads.outside.take():
             if self.grads.take(bucket, i, param, self.sync):
                 self._mark_ready(bucket, i, param)
         if not self.grads.begin_reduction(self.sync):
