@@ -234,8 +234,20 @@ def test_an_encoders_own_config_names_give_its_shape(tmp_path):
 
     from zerotron.autotuning.model_info import model_shape
 
-    config = DistilBertConfig(vocab_size=100, dim=32, n_layers=3, n_heads=2, hidden_dim=128)
+    config = DistilBertConfig(vocab_size=100, dim=32, n_layers=3, n_heads=2, hidden_dim=96)
     shape = model_shape(DistilBertForSequenceClassification(config), None)
-    assert (shape.layers, shape.hidden, shape.heads, shape.ffn, shape.vocab, shape.gated) == (3, 32, 2, 128, 100, False)
+    assert (shape.layers, shape.hidden, shape.heads, shape.ffn, shape.vocab, shape.gated) == (3, 32, 2, 96, 100, False)
     config.save_pretrained(tmp_path)  # `zerotron plan --model DIR` reads the same names from config.json
     assert replace(ModelShape.parse(str(tmp_path)), loss_copies=shape.loss_copies) == shape
+
+
+def test_a_gated_mlp_is_told_by_the_activation_not_by_intermediate_size():
+    """BERT, DeBERTa, GPT-NeoX and Phi-2 name their two-matrix GELU MLP intermediate_size too (the run_glue
+    examples' encoders were predicted with a third matrix); SiLU families and Gemma's GeGLU are gated."""
+    import transformers as hf
+
+    gated = {
+        name: ModelShape.from_hf_config(getattr(hf, name)().to_dict()).gated
+        for name in ("BertConfig", "DebertaV2Config", "GPTNeoXConfig", "PhiConfig", "LlamaConfig", "GemmaConfig")
+    }
+    assert [n for n, g in gated.items() if g] == ["LlamaConfig", "GemmaConfig"]

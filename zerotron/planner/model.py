@@ -79,8 +79,14 @@ class ModelShape:
         # maps hidden_size etc. to (its attribute_map), and to_dict() gives them unmapped too
         hidden = key("hidden_size", "n_embd", "d_model", "dim")
         heads = key("num_attention_heads", "n_head", "n_heads")
-        gated = "intermediate_size" in config
-        ffn = key("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)
+        # A gated MLP (three matrices): SiLU families (Llama, Mistral, Qwen, Mixtral, DeepSeek) and Gemma's GeGLU.
+        # intermediate_size alone does not say it: BERT, DeBERTa, GPT-NeoX, Phi-2 and StarCoder2 name their
+        # two-matrix GELU MLP so too.
+        act = str(config.get("hidden_act") or config.get("hidden_activation") or "")
+        gated = "intermediate_size" in config and (
+            act in ("", "silu", "swish") or str(config.get("model_type", "")).startswith("gemma")
+        )
+        ffn = key("intermediate_size", "n_inner", "ffn_dim", "hidden_dim", default=4 * hidden)  # DistilBERT: hidden_dim
         moe = {}
         experts = key("num_local_experts", "num_experts", "n_routed_experts", default=0)
         if experts:
