@@ -23,6 +23,7 @@ from ..precision import LossScaler, cast_module, model_dtype
 from ..topology import Topology
 from ..zero import make_model_states
 from ..zero.partition_api import built_under_init, refuse_foreign_partitions
+from ..zero.unused import unused_parameter_check
 from .accessors import EngineAccessors, ThroughputTimer
 from .direct_backward import refuse_direct_backward
 from .input_guard import InputGuard
@@ -104,6 +105,7 @@ class Engine(StepStages, EngineState, EngineAccessors, nn.Module):
             self.shard_groups,
             isolate=isolate(self.module) if isolate is not None else [],
         )
+        self._unused_check = unused_parameter_check(self.module, config)  # verified at each step
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.loss_scaler = LossScaler(config.fp16)
         self.monitor = Monitor(config, self.global_rank)

@@ -58,8 +58,8 @@ class StepStages:
         (counters, watchdog, report, preemption)."""
         self._step_applied = False
         self._require_optimizer()
-        if getattr(self.states, "unused_check", None) is not None:  # ignore_unused_parameters: false (zero/unused.py)
-            self.states.unused_check.verify()
+        if self._unused_check is not None:  # ignore_unused_parameters: false (zero/unused.py)
+            self._unused_check.verify()
         record = self._take_record()
         verdict = self._agree_on_step(record)
         if verdict.overflow:

@@ -69,10 +69,6 @@ def make_model_states(
         if zero.overlap_param_gather:
             states.params.watch(module, states.bucket_of)
     states.adopt(optimizer, allow_untested=config.zero_allow_untested_optimizer)
-    if zero.stage in (1, 2) and not zero.ignore_unused_parameters:  # checked at each step (engine/step.py)
-        from .unused import UnusedParameters
-
-        states.unused_check = UnusedParameters(module, params)
     return states
 
 

@@ -33,3 +33,12 @@ class UnusedParameters:
                 "true (the default: they train with zero gradients), set requires_grad=False on them, or make "
                 "every trainable parameter take part in the loss"
             )
+
+
+def unused_parameter_check(module: torch.nn.Module, config) -> UnusedParameters | None:
+    """The check `"ignore_unused_parameters": false` asks for, at ZeRO stages 1-2 (where DeepSpeed makes it), over
+    the module's trainable parameters; None elsewhere (config.py warns that it is not checked there)."""
+    zero = config.zero_optimization
+    if zero.stage in (1, 2) and not zero.ignore_unused_parameters:
+        return UnusedParameters(module, [p for p in module.parameters() if p.requires_grad])
+    return None
