@@ -79,7 +79,6 @@ class GatheredParameters:
         return False
 
 
-@torch.no_grad()
 @contextlib.contextmanager
 def unwrap_model_for_generation(model: nn.Module):
     """DeepSpeed's `zero.unwrap_model_for_generation` (TRL's generation calls it): `model` (an engine, or its
@@ -89,6 +88,7 @@ def unwrap_model_for_generation(model: nn.Module):
         yield model
 
 
+@torch.no_grad()
 def consolidated_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """The full state dict of a module partitioned by ZeRO-3 and/or tensor parallelism, in host
     memory on every rank (every rank of the model must call it). One ZeRO-3 unit is gathered at a
