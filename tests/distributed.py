@@ -38,7 +38,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, port, args, results, timeout_s):
+def _rank_main(fn, rank, world_size, port, args, results, timeout_s, fake_cuda=False):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -56,8 +56,15 @@ def _rank_main(fn, rank, world_size, port, args, results, timeout_s):
     torch.set_num_threads(1)
     # A hung rank prints where it is stuck shortly before the parent gives up on it.
     faulthandler.dump_traceback_later(max(1.0, timeout_s - 2), exit=False)
+    backend = "gloo"
+    if fake_cuda:  # this rank sees GPU number `rank` under CUDA's rules (tools/fake_cuda), NCCL's group on gloo
+        from tools.fake_cuda import BACKEND, FakeCuda
+
+        FakeCuda(device_count=world_size, index=rank).__enter__()  # (the process ends with the test)
+        backend = BACKEND
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
         # Plain pickle copies tensor data into the message; the queue's own pickler would share
         # storage through file descriptors that die with this process.
         value = pickle.dumps(fn(*args))
@@ -80,25 +87,26 @@ class RankError(RuntimeError):
 _TRANSPORT_FLAKE = "connectFullMesh failed"
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 60.0) -> list:
-    """Run `fn(*args)` on ranks 0..world_size-1; return their results in rank order.
+def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, fake_cuda: bool = False) -> list:
+    """Run `fn(*args)` on ranks 0..world_size-1; return their results in rank order. With `fake_cuda`,
+    each rank runs on a fake GPU of its own under CUDA's rules (tools/fake_cuda: `FakeCuda.current()`).
 
     Raises RankError naming the failing rank(s) and their tracebacks, or naming the ranks that had
     not finished when `timeout` seconds passed (they are killed; nothing is left hanging).
     """
     try:
-        return _run_ranks_once(fn, world_size, args, timeout)
+        return _run_ranks_once(fn, world_size, args, timeout, fake_cuda)
     except RankError as e:
         if _TRANSPORT_FLAKE not in str(e):
             raise
-        return _run_ranks_once(fn, world_size, args, timeout)
+        return _run_ranks_once(fn, world_size, args, timeout, fake_cuda)
 
 
-def _run_ranks_once(fn, world_size: int, args, timeout: float) -> list:
+def _run_ranks_once(fn, world_size: int, args, timeout: float, fake_cuda: bool) -> list:
     port = free_port()
     results = _ctx.Queue()
     procs = [
-        _ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results, timeout), daemon=True)
+        _ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results, timeout, fake_cuda), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

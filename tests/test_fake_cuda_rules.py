@@ -1,0 +1,85 @@
+"""The fake-CUDA mechanism itself (tools/fake_cuda): what it refuses as CUDA refuses it, what it counts as a
+host sync, the CUDA kernels' contracts it applies on the host; and the GPU-only defects it found, each caught
+on a fake GPU (and failing here before its fix)."""
+
+import pytest
+import torch
+from distributed import run_ranks
+
+from tools.fake_cuda import FakeCuda, FakeCudaError
+
+
+# ---- CUDA's rules --------------------------------------------------------------------------------------
+def test_a_host_tensor_meeting_a_device_tensor_is_refused_with_the_operands_named():
+    with FakeCuda():
+        weight = torch.ones(4, 4, device="cuda")
+        with pytest.raises(FakeCudaError, match=r"addmm.*same device.*float32\[2, 4\] on cpu"):
+            torch.nn.functional.linear(torch.ones(2, 4), weight, torch.zeros(4, device="cuda"))
+        assert (weight * torch.tensor(2.0)).device.type == "cuda"  # (a host scalar is allowed, as on CUDA)
+
+
+def test_a_device_tensor_sees_a_gpu_and_reads_back_as_on_one():
+    with FakeCuda(device_count=2, index=1) as gpu:
+        x = torch.arange(6.0).cuda()
+        assert torch.cuda.is_available() and x.device == torch.device("cuda", 1) and x.is_cuda
+        assert x.view(2, 3).t().device == x.device and x.cpu().device.type == "cpu"
+        with pytest.raises(TypeError, match="can't convert cuda:1 device type tensor to numpy"):
+            x.numpy()
+        assert x.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+        p = torch.nn.Parameter(torch.zeros(6))
+        p.data = x  # (the device belongs to the storage, as on a GPU)
+        assert p.is_cuda
+        assert torch.cuda.memory_allocated() >= 24
+    assert [s.what.split(" of ")[0] for s in gpu.syncs][-2:] == ["copy", "tolist"]  # (.cpu(), .tolist())
+
+
+def test_what_makes_the_host_wait_is_counted_and_what_does_not_is_not():
+    with FakeCuda() as gpu:
+        x = torch.arange(8, device="cuda")
+        gpu.take_syncs()
+        pinned = torch.zeros(8, dtype=torch.int64, pin_memory=True)
+        x.sum().item()  # a device value read
+        x[x > 3]  # a boolean mask: the output's size is on the device
+        torch.tensor([1, 2], device="cuda")  # a blocking copy from pageable memory
+        pinned.copy_(x, non_blocking=True)  # into pinned memory, asynchronously: no wait
+        x.to("cpu", non_blocking=True)  # torch pins a non-blocking download's output: no wait
+        torch.ones(8).to("cuda", non_blocking=True)  # staged by the driver: listed apart
+        staged = list(gpu.staged)
+        syncs = [s.what for s in gpu.take_syncs()]
+    assert len(syncs) == 3 and "local_scalar_dense" in syncs[0] and "index" in syncs[1], syncs
+    assert syncs[2].startswith("copy of int64[2] to the device") and len(staged) == 1
+
+
+def test_cudas_kernels_shapes_and_layouts():
+    """The memory-efficient attention's log-sum-exp comes padded to 32 rows (NaN in the padding) and its output
+    in BMHK memory, as CUDA's kernel returns them; the flash kernel refuses fp32."""
+    aten = torch.ops.aten
+    with FakeCuda():
+        q = torch.randn(1, 2, 24, 16, device="cuda")
+        out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, q, q, None, True, 0.0, True)
+        assert lse.shape == (1, 2, 32) and torch.isnan(lse[..., 24:]).all() and not torch.isnan(lse[..., :24]).any()
+        assert out.stride() == (768, 16, 32, 1)  # [b, m, h, d] in memory
+        with pytest.raises(FakeCudaError, match="FlashAttention only supports fp16 and bf16"):
+            aten._scaled_dot_product_flash_attention(q, q, q)
+
+
+def test_the_grouped_matrix_multiply_wants_16_byte_aligned_operands():
+    with FakeCuda():
+        flat = torch.zeros(3 + 2 * 8 * 8, dtype=torch.bfloat16, device="cuda")
+        weight = flat[3:].view(2, 8, 8)  # 6 bytes past a 16-byte boundary
+        rows, offsets = torch.ones(4, 8, dtype=torch.bfloat16, device="cuda"), torch.tensor([2, 4], device="cuda")
+        with pytest.raises(FakeCudaError, match="aligned to 16 bytes"):
+            torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offsets.int())
+        assert torch._grouped_mm(rows, weight.clone().transpose(-2, -1), offs=offsets.int()).shape == (4, 8)
+
+
+def _collective_on_host():
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(2, device="cuda"))
+    dist.all_reduce(torch.ones(2))
+
+
+def test_a_collective_on_a_host_tensor_is_refused_as_nccl_refuses_it():
+    with pytest.raises(Exception, match="allreduce_ of a float32\\[2\\] tensor in host memory"):
+        run_ranks(_collective_on_host, 2, fake_cuda=True, timeout=60)
