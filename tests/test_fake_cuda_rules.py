@@ -83,3 +83,25 @@ def _collective_on_host():
 def test_a_collective_on_a_host_tensor_is_refused_as_nccl_refuses_it():
     with pytest.raises(Exception, match="allreduce_ of a float32\\[2\\] tensor in host memory"):
         run_ranks(_collective_on_host, 2, fake_cuda=True, timeout=60)
+
+
+# ---- what it found -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ring_attention_blocks_merge_at_a_chunk_that_is_not_a_multiple_of_32(dtype):
+    """Ring attention took the memory-efficient kernel's log-sum-exp as [b, h, m]: CUDA pads it to 32 rows, and
+    merging two blocks of 24 queries broadcast 32 against 24. Now fp32 cuts it to the queries (and pads it back
+    for the backward), bf16 takes the flash kernel, whose log-sum-exp is not padded; both equal SDPA."""
+    from zerotron.long_context import ring
+
+    g = torch.Generator().manual_seed(0)
+    with FakeCuda():
+        q, k, v, go = (torch.randn(1, 2, 48, 16, generator=g).to("cuda", dtype) for _ in range(4))
+        scale, (q1, q2), (k1, k2), (v1, v2) = 16**-0.5, q.chunk(2, 2), k.chunk(2, 2), v.chunk(2, 2)
+        out1, lse1, rng = ring._block_forward(q1, k1, v1, True, scale)
+        pieces = [ring._block_forward(q2, k1, v1, False, scale)[:2], ring._block_forward(q2, k2, v2, True, scale)[:2]]
+        out2, lse2 = ring._merge(*ring._merge(None, None, *pieces[0]), *pieces[1])
+        want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+        got = torch.cat([out1.float(), out2], dim=2)
+        assert lse2.shape == (1, 2, 24) and (got - want).abs().max().item() < (1e-5 if dtype == torch.float32 else 2e-2)
+        dq, dk, dv = ring._block_backward(go[:, :, 24:], q2, k2, v2, out2.to(dtype), lse2, True, scale, rng)
+        assert dq.shape == q2.shape and not torch.isnan(dq).any()

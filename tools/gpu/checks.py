@@ -233,15 +233,15 @@ def ring_kernels(device) -> dict:
     want.backward(go)
     scale, halves = 64**-0.5, [t.chunk(2, dim=2) for t in (q, k, v)]
     (q1, q2), (k1, k2), (v1, v2) = halves
-    out1, lse1 = ring._block_forward(q1, k1, v1, True, scale)
-    pieces = [ring._block_forward(q2, k1, v1, False, scale), ring._block_forward(q2, k2, v2, True, scale)]
+    out1, lse1, rng = ring._block_forward(q1, k1, v1, True, scale)
+    pieces = [ring._block_forward(q2, k1, v1, False, scale)[:2], ring._block_forward(q2, k2, v2, True, scale)[:2]]
     out2, lse2 = ring._merge(*ring._merge(None, None, *pieces[0]), *pieces[1])
     out = torch.cat([out1.float(), out2], dim=2)
     g1, g2 = go.chunk(2, dim=2)
     o2 = out2.to(q.dtype)
-    dq1, dk1, dv1 = ring._block_backward(g1, q1, k1, v1, out1, lse1, True, scale)
-    dq2a, dk1b, dv1b = ring._block_backward(g2, q2, k1, v1, o2, lse2, False, scale)
-    dq2b, dk2, dv2 = ring._block_backward(g2, q2, k2, v2, o2, lse2, True, scale)
+    dq1, dk1, dv1 = ring._block_backward(g1, q1, k1, v1, out1, lse1, True, scale, rng)
+    dq2a, dk1b, dv1b = ring._block_backward(g2, q2, k1, v1, o2, lse2, False, scale, rng)
+    dq2b, dk2, dv2 = ring._block_backward(g2, q2, k2, v2, o2, lse2, True, scale, rng)
     got = [out, torch.cat([dq1, dq2a + dq2b], 2), torch.cat([dk1 + dk1b, dk2], 2), torch.cat([dv1 + dv1b, dv2], 2)]
     errors = [(a.float() - b.float()).abs().max().item() for a, b in zip(got, [want] + [t.grad for t in leaves])]
     return {"max_errors": errors, "ok": max(errors) < 1e-4}

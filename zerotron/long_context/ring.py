@@ -10,8 +10,9 @@ Causal load balancing: the sequence is cut into 2*cp chunks and rank r holds chu
 passing block's keys), a later query chunk sees the whole key chunk, the same chunk is the causal
 diagonal, and an earlier one nothing: only the first two are computed.
 
-Each block is torch's fused attention with its log-sum-exp (the CPU flash kernel; on CUDA the
-memory-efficient one); backward recomputes each block's gradients from the global output and
+Each block is torch's fused attention with its log-sum-exp (the CPU flash kernel; on CUDA the flash
+kernel in fp16/bf16, the memory-efficient one in fp32, whose log-sum-exp comes padded to 32 rows and
+is cut to the queries' count); backward recomputes each block's gradients from the global output and
 log-sum-exp, the key/value gradients travelling with their block back to its owner. The next
 block's exchange is posted before the current block is computed, so the transfer overlaps compute.
 Per layer each rank sends its k and v slices cp-1 times in forward, and in backward k and v cp-1
@@ -25,25 +26,45 @@ import torch.distributed as dist
 
 from ..comm import Comm, comm_for
 
-
 # ---- one block: torch's fused kernels --------------------------------------------------------
+_LSE_ROWS = 32  # CUDA's memory-efficient kernel pads its log-sum-exp to a multiple of this many queries
+
+
+def _flash_fits(q) -> bool:
+    """CUDA's flash kernel takes fp16/bf16 with a head size a multiple of 8 up to 256: its log-sum-exp
+    comes unpadded. Otherwise (fp32) the memory-efficient kernel."""
+    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+
+
 def _block_forward(q, k, v, causal: bool, scale: float):
-    """Attention of q to one key/value block: (output, log-sum-exp [b, h, s] in fp32)."""
+    """Attention of q to one key/value block: (output, log-sum-exp [b, h, s] in fp32, what the kernel's
+    backward takes of its forward)."""
+    if q.device.type == "cuda" and _flash_fits(q):
+        out, lse, *_, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, scale=scale
+        )
+        return out, lse.float(), (seed, offset)
     if q.device.type == "cuda":
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, causal, scale=scale
         )
-        return out, lse.float()
+        return out, lse[..., : q.shape[2]].float(), (seed, offset)  # (padded: see _LSE_ROWS)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return out, lse.float()
+    return out, lse.float(), ()
 
 
-def _block_backward(grad, q, k, v, out, lse, causal: bool, scale: float):
-    """This block's share of dq, dk, dv, given the output and log-sum-exp over every block."""
+def _block_backward(grad, q, k, v, out, lse, causal: bool, scale: float, rng: tuple):
+    """This block's share of dq, dk, dv, given the output and log-sum-exp over every block (`rng`: what
+    the kernel's forward returned for its backward; no dropout, so any block's)."""
+    if q.device.type == "cuda" and _flash_fits(q):
+        m, n = q.shape[2], k.shape[2]
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad, q, k, v, out, lse, None, None, m, n, 0.0, causal, *rng, scale=scale
+        )
     if q.device.type == "cuda":
-        seed = offset = torch.zeros((), dtype=torch.int64)  # unused without dropout; the forward's are host scalars
+        padded = torch.nn.functional.pad(lse, (0, -q.shape[2] % _LSE_ROWS))  # the kernel's own layout
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            grad, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale
+            grad, q, k, v, None, out, padded, *rng, 0.0, [True, True, True, False], causal, scale=scale
         )
         return dq, dk, dv
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -108,7 +129,7 @@ class _RingAttention(torch.autograd.Function):
             source = (rank - step) % cp
             for a, b, diagonal in _pairs(rank, source, cp, causal):
                 kb, vb = (_expand(_piece(t, b), groups) for t in block)
-                out, lse = _block_forward(_piece(q, a), kb, vb, diagonal, scale)
+                out, lse, ctx.rng = _block_forward(_piece(q, a), kb, vb, diagonal, scale)
                 row = halves[a or 0]
                 row[0], row[1] = _merge(row[0], row[1], out, lse)
             if pending is not None:
@@ -135,7 +156,7 @@ class _RingAttention(torch.autograd.Function):
             for a, b, diagonal in _pairs(rank, source, cp, causal):
                 kb, vb = (_expand(_piece(t, b), groups) for t in block)
                 g, qa, oa, la = (_piece(t, a) for t in (grad, q, out, lse))
-                dqa, dkb, dvb = _block_backward(g, qa, kb, vb, oa, la, diagonal, scale)
+                dqa, dkb, dvb = _block_backward(g, qa, kb, vb, oa, la, diagonal, scale, ctx.rng)
                 _slot(dq, a).add_(dqa)
                 _slot(dkv[0], b).add_(_fold(dkb.float(), groups))
                 _slot(dkv[1], b).add_(_fold(dvb.float(), groups))
