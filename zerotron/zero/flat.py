@@ -3,6 +3,11 @@
 The bucket's length is padded to a multiple of the data-parallel size so every rank owns one
 contiguous shard of `shard_numel` elements: rank r owns [r * shard_numel, (r + 1) * shard_numel).
 Parameters become views into the full buffer while it exists. One bucket is one collective.
+
+Each parameter starts on a 16-byte boundary of the buffer (a few elements of zeros after a parameter
+whose size is not a multiple of 16 bytes): CUDA's vectorized kernels read whole 16-byte words, and some
+refuse anything else (torch._grouped_mm: "expected data_ptr to be aligned to 16 bytes"). The gaps hold
+zeros in every state (weights, gradients, masters, moments) and stay zero through any step.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import torch
 
 DEEPSPEED_BUCKET_NUMEL = 500_000_000  # DeepSpeed's default reduce_bucket_size
 OVERLAP_BUCKETS = 8
+ALIGN_BYTES = 16  # where each parameter starts in a bucket (see above)
 
 
 def bucket_numel(configured: int | None, total: int) -> int:
@@ -61,8 +67,10 @@ class FlatBucket:
     def __init__(self, params: list[torch.nn.Parameter], world: int, rank: int):
         self.params = params
         self.world, self.rank = world, rank
+        step = max(1, ALIGN_BYTES // params[0].element_size())
         self.offsets, offset = [], 0
         for p in params:
+            offset = -(-offset // step) * step
             self.offsets.append(offset)
             offset += p.numel()
         self.numel = offset
