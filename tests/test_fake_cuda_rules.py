@@ -86,6 +86,22 @@ def test_a_collective_on_a_host_tensor_is_refused_as_nccl_refuses_it():
 
 
 # ---- what it found -------------------------------------------------------------------------------------
+def test_stacked_experts_index_their_rows_on_the_device():
+    """Expert parallelism on stacked experts (Transformers' families) built the route index from host counts
+    with `torch.repeat_interleave(arange_on_device, torch.tensor(counts))`: an index_select with a host index."""
+    from zerotron.moe.grouped import Groups
+    from zerotron.moe.stacked_experts import _local_experts
+
+    class FamilyExperts(torch.nn.Module):  # Transformers' interface: rows, their expert, their weight
+        def forward(self, rows, index, weights):
+            return rows * (index + 1) * weights
+
+    with FakeCuda():
+        rows = torch.ones(5, 2, device="cuda")
+        out = _local_experts(FamilyExperts(), rows, Groups([2, 0, 3], None))
+        assert out[:, 0].tolist() == [1.0, 1.0, 3.0, 3.0, 3.0]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_ring_attention_blocks_merge_at_a_chunk_that_is_not_a_multiple_of_32(dtype):
     """Ring attention took the memory-efficient kernel's log-sum-exp as [b, h, m]: CUDA pads it to 32 rows, and

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..moe.grouped import grouped_linear
+from ..moe.grouped import Groups, grouped_linear
 
 
 class Experts(nn.Module):
@@ -32,12 +32,17 @@ class Experts(nn.Module):
         tokens, k = top_k_index.shape
         expert = top_k_index.reshape(-1)
         order = torch.argsort(expert, stable=True)
-        counts = torch.bincount(expert, minlength=self.num_experts).tolist()
-        rows = hidden[order // k]  # the routes' tokens, grouped by expert
-        gate, up = grouped_linear(rows, self.gate_up_proj, counts).chunk(2, dim=-1)
-        out = grouped_linear(F.silu(gate) * up, self.down_proj, counts)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=expert.device)
+        counts.index_add_(0, expert, torch.ones_like(expert))
+        groups = Groups(counts.tolist(), counts.cumsum(0).to(torch.int32))  # (the layer's one host read)
+        out = self.grouped(hidden[order // k], groups)  # the routes' tokens, grouped by expert
         out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
         return hidden.new_zeros(hidden.shape).index_add(0, order // k, out.to(hidden.dtype))
+
+    def grouped(self, rows: torch.Tensor, groups: Groups) -> torch.Tensor:
+        """Rows already grouped by expert (`groups`: how many each) through their experts' SwiGLU."""
+        gate, up = grouped_linear(rows, self.gate_up_proj, groups).chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate) * up, self.down_proj, groups)
 
 
 class MoEMLP(nn.Module):
@@ -54,6 +59,7 @@ class MoEMLP(nn.Module):
         top, index = probs.topk(self.top_k, dim=-1)
         weights = top / top.sum(dim=-1, keepdim=True)
         # Switch Transformer: experts x sum over experts of (share of routes) x (mean router probability)
-        share = torch.bincount(index.reshape(-1), minlength=probs.shape[1]).float() / index.numel()
+        share = probs.new_zeros(probs.shape[1]).index_add_(0, index.reshape(-1), probs.new_ones(index.numel()))
+        share = share / index.numel()  # (a sum, not bincount, whose size would depend on the values: a host sync)
         self.aux_loss = probs.shape[1] * (share * probs.mean(0)).sum()
         return self.experts(tokens, index, weights).reshape(x.shape)

@@ -5,8 +5,8 @@ on the rows it received from every rank, the outputs sent back and weighted onto
 Only routed rows travel and are computed: no capacity buffers padded with zeros (DeepSpeed pads each
 expert to the capacity, or without dropping to the largest count any expert got on any rank). The
 arithmetic per token is DeepSpeed's: expert(hidden) times the route's weight in fp32, summed over the
-token's routes. Splits are host integers (one small all-to-all of the counts per layer and pass);
-with one expert-parallel rank nothing is exchanged.
+token's routes. Splits are host integers: one small all-to-all of the counts per layer and pass, then
+one host read of them (the layer's only host sync); with one expert-parallel rank nothing is exchanged.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from ..comm import Comm
 from .gating import Routes
+from .grouped import Groups, on_device
 
 
 class _Exchange(torch.autograd.Function):
@@ -39,38 +40,50 @@ def _exchange(rows: torch.Tensor, comm: Comm, send: list[int], receive: list[int
 
 def run_experts(x: torch.Tensor, routes: Routes, experts, comm: Comm | None) -> torch.Tensor:
     """[tokens, hidden] -> [tokens, hidden]: each token's kept routes through their experts, weighted
-    and summed. `experts(rows, counts)` runs this rank's experts on rows grouped by local expert;
-    `comm`: the expert-parallel group (None or one rank: every expert is here)."""
+    and summed. `experts(rows, groups)` runs this rank's experts on rows grouped by local expert
+    (`groups`: grouped.Groups, each expert's row count and the grouped matrix multiply's offsets);
+    `comm`: the expert-parallel group (None or one rank: every expert is here).
+
+    One host read per call: the routes' counts per expert (with the counts the other ranks send here),
+    which split the all-to-all; everything else the device computes from them."""
     ep = 1 if comm is None else comm.size
     num_experts = routes.counts.numel()
     local = num_experts // ep
-    kept = (routes.experts >= 0).reshape(-1)
-    expert = routes.experts.reshape(-1)[kept]
-    route = torch.arange(kept.numel(), device=x.device)[kept]  # index into [k * tokens]
-    order = torch.argsort(expert * (routes.capacity + 1) + routes.slots.reshape(-1)[kept], stable=True)
-    route, expert = route[order], expert[order]
-    rows = x[route % x.shape[0]]  # grouped by expert, in slot order within one
-    counts = torch.bincount(expert, minlength=num_experts)
+    expert = routes.experts.reshape(-1)
+    expert = torch.where(expert >= 0, expert, num_experts)  # a dropped route sorts after every expert's
+    order = torch.argsort(expert * (routes.capacity + 1) + routes.slots.reshape(-1), stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device)
+    counts.index_add_(0, expert, torch.ones_like(expert))  # (bincount's size would depend on the values)
     if ep == 1:
-        out = experts(rows, counts.tolist())
+        host = counts.tolist()  # the host read
+        route = order[: sum(host[:num_experts])]  # kept routes (index into k x tokens), grouped by expert
+        groups = Groups(host[:num_experts], counts[:num_experts].cumsum(0).to(torch.int32))
+        out = experts(x[route % x.shape[0]], groups)
     else:
-        table = counts.view(ep, local)  # rows for each rank's local experts
+        table = counts[:num_experts].view(ep, local)  # rows for each rank's local experts
         received = torch.empty_like(table)
         comm.all_to_all_single(received, table)
-        send, arrived = table.sum(1).tolist(), received.reshape(-1).tolist()  # (the host sync)
-        receive = received.sum(1).tolist()
-        got = _Exchange.apply(rows, comm, send, receive)  # by source rank, then local expert
-        # regroup by local expert (every source's rows for expert 0, then expert 1, ...) and back
-        starts = torch.tensor([0] + arrived[:-1], device=x.device).cumsum(0).view(ep, local)
-        segments = [(int(starts[s, j]), arrived[s * local + j]) for j in range(local) for s in range(ep)]
-        perm = torch.cat([torch.arange(a, a + n, device=x.device) for a, n in segments]) if got.shape[0] else None
-        per_expert = received.sum(0).tolist()
-        if perm is None:
-            out = experts(got, per_expert)
-        else:
-            ran = experts(got[perm], per_expert)
-            out = torch.empty_like(ran).index_copy(0, perm, ran)
-        out = _Exchange.apply(out, comm, receive, send)
-    per_route = out.new_zeros(kept.numel(), x.shape[1]).index_copy(0, route, out)
+        host = torch.cat([table.reshape(-1), received.reshape(-1)]).tolist()  # the host read
+        mine, arrived = host[:num_experts], host[num_experts:]  # arrived[s * local + j]: from rank s for expert j
+        send = [sum(mine[r * local : (r + 1) * local]) for r in range(ep)]
+        receive = [sum(arrived[s * local : (s + 1) * local]) for s in range(ep)]
+        route = order[: sum(send)]
+        got = _Exchange.apply(x[route % x.shape[0]], comm, send, receive)  # by source rank, then local expert
+        groups = Groups([sum(arrived[j::local]) for j in range(local)], received.sum(0).cumsum(0).to(torch.int32))
+        perm = on_device(_by_expert(arrived, ep, local), x.device)  # regrouped by local expert, and back
+        ran = experts(got[perm], groups)
+        out = _Exchange.apply(torch.empty_like(ran).index_copy(0, perm, ran), comm, receive, send)
+    per_route = out.new_zeros(expert.numel(), x.shape[1]).index_copy(0, route, out)
     weighted = per_route.view(*routes.experts.shape, x.shape[1]) * routes.weights.unsqueeze(-1)
     return weighted.sum(0).to(x.dtype)
+
+
+def _by_expert(arrived: list[int], ep: int, local: int) -> torch.Tensor:
+    """The order that takes rows received by source rank then local expert (`arrived[s * local + j]` rows
+    from rank s for expert j) to local expert then source rank: computed on the host from host counts."""
+    lengths = torch.tensor(arrived, dtype=torch.int64)
+    starts = lengths.cumsum(0) - lengths  # where each (source, expert) block starts as received
+    by_expert = torch.arange(ep * local).view(ep, local).t().reshape(-1)  # the blocks in the new order
+    lengths, starts = lengths[by_expert], starts[by_expert]
+    placed = lengths.cumsum(0) - lengths  # where each block starts in the new order
+    return torch.arange(int(lengths.sum())) + torch.repeat_interleave(starts - placed, lengths)

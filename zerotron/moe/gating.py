@@ -73,7 +73,12 @@ def agree_over(group) -> Optional[Callable[[int], int]]:
     return agree
 
 
-def _dropless(counts: torch.Tensor, agree: Optional[Callable[[int], int]]) -> int:
+def _dropless(counts: torch.Tensor, agree: Optional[Callable[[int], int]], bound: bool, tokens: int) -> int:
+    """The capacity without dropping: the most routes any expert got, agreed over the expert-parallel ranks
+    (a host read and an all-reduce: the size of DeepSpeed's dense tensors); with `bound`, the token count,
+    which every expert's routes are within (all a route table needs, at no cost: the MoE layer's case)."""
+    if bound:
+        return tokens
     most = int(counts.max())
     return agree(most) if agree is not None else most
 
@@ -90,22 +95,25 @@ def route(
     drop_policy: str = "probs",
     used_token: Optional[torch.Tensor] = None,
     agree_capacity: Optional[Callable[[int], int]] = None,
+    dropless_bound: bool = False,
 ) -> Routes:
     """The route table for router `logits` [tokens, experts] (fp32). `agree_capacity(c)`: the largest
-    c over the expert-parallel ranks (dropless only)."""
+    c over the expert-parallel ranks (dropless only); `dropless_bound`: without dropping, the capacity is
+    the token count instead (see _dropless)."""
     if k < 1 or k > logits.shape[1]:
         raise ValueError(f"k {k}: each token goes to between 1 and the {logits.shape[1]} experts")
     if k == 1:
         return _top1(logits, capacity_factor, min_capacity, drop_tokens, use_rts, noisy_gate_policy, used_token,
-                     agree_capacity)  # fmt: skip
+                     (agree_capacity, dropless_bound))  # fmt: skip
     if used_token is not None:
         raise ValueError("used_token masks tokens for top-1 gating only (as in DeepSpeed)")
+    dropless = (agree_capacity, dropless_bound)
     if k == 2:
-        return _top2(logits, capacity_factor, min_capacity, drop_tokens, second_expert_sampling, agree_capacity)
-    return _topk(logits, k, capacity_factor, min_capacity, drop_tokens, drop_policy, agree_capacity)
+        return _top2(logits, capacity_factor, min_capacity, drop_tokens, second_expert_sampling, dropless)
+    return _topk(logits, k, capacity_factor, min_capacity, drop_tokens, drop_policy, dropless)
 
 
-def _top1(logits, factor, min_capacity, drop_tokens, use_rts, noisy, used_token, agree) -> Routes:
+def _top1(logits, factor, min_capacity, drop_tokens, use_rts, noisy, used_token, dropless) -> Routes:
     tokens, experts = logits.shape
     gates = F.softmax(logits, dim=1)
     choice = torch.argmax(logits + gumbel(logits.shape, logits.device) if noisy == "RSample" else gates, dim=1)
@@ -115,7 +123,7 @@ def _top1(logits, factor, min_capacity, drop_tokens, use_rts, noisy, used_token,
     counts = mask.sum(0).detach()
     capacity = _capacity(tokens, experts, factor, min_capacity)
     if not drop_tokens:
-        capacity = min(_dropless(counts, agree), tokens)
+        capacity = min(_dropless(counts, *dropless, tokens=tokens), tokens)
     l_aux = torch.sum(gates.mean(0) * mask.float().mean(0)) * experts
     if tokens < min_capacity:
         raise ValueError(
@@ -137,7 +145,7 @@ def _top1(logits, factor, min_capacity, drop_tokens, use_rts, noisy, used_token,
     )
 
 
-def _top2(logits, factor, min_capacity, drop_tokens, sampling, agree) -> Routes:
+def _top2(logits, factor, min_capacity, drop_tokens, sampling, dropless) -> Routes:
     tokens, experts = logits.shape
     gates = F.softmax(logits, dim=1)
     first = torch.argmax(gates, dim=1)
@@ -153,7 +161,7 @@ def _top2(logits, factor, min_capacity, drop_tokens, sampling, agree) -> Routes:
         capacity = _capacity(tokens, experts, factor * 2, min_capacity)
         mask1, mask2 = mask1 * (loc1 < capacity), mask2 * (loc2 < capacity)
     else:
-        capacity = _dropless(counts, agree)
+        capacity = _dropless(counts, *dropless, tokens=tokens)
     g1, g2 = (gates * mask1).sum(1), (gates * mask2).sum(1)
     denom = torch.clamp(g1 + g2, min=torch.finfo(gates.dtype).eps)
     kept1, kept2 = mask1.sum(1) > 0, mask2.sum(1) > 0
@@ -167,7 +175,7 @@ def _top2(logits, factor, min_capacity, drop_tokens, sampling, agree) -> Routes:
     )
 
 
-def _topk(logits, k, factor, min_capacity, drop_tokens, policy, agree) -> Routes:
+def _topk(logits, k, factor, min_capacity, drop_tokens, policy, dropless) -> Routes:
     tokens, experts = logits.shape
     gates = F.softmax(logits, dim=1)
     top_gate, top_idx = torch.topk(gates, k=k, dim=1)
@@ -187,7 +195,7 @@ def _topk(logits, k, factor, min_capacity, drop_tokens, policy, agree) -> Routes
         else:
             raise ValueError(f"drop_policy {policy!r}: use 'probs' or 'position'")
     else:
-        capacity = _dropless(counts, agree)
+        capacity = _dropless(counts, *dropless, tokens=tokens)
         locations = torch.cumsum(mask, dim=0) - 1
     masked = gates * mask
     masked = masked / torch.clamp(masked.sum(-1, keepdim=True), min=torch.finfo(gates.dtype).eps)

@@ -25,6 +25,7 @@ from ..zero.partitioned_init import copy_partitioned
 from . import ep_groups
 from .exchange import run_experts
 from .gating import Routes, agree_over, route
+from .grouped import Groups
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 
@@ -74,6 +75,7 @@ class TopKGate(nn.Module):
             self.top2_2nd_expert_sampling,
             used_token=used_token,
             agree_capacity=agree_over(self.ep_group),
+            dropless_bound=True,  # (the layer's route table needs no exact capacity: no host read for it)
         )
 
 
@@ -90,10 +92,10 @@ class Experts(nn.Module):
             for p in e.parameters():
                 p.allreduce, p.group_name = False, expert_group_name
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """[rows, hidden] grouped by local expert (`counts[j]` rows for expert j) -> the same."""
+    def forward(self, rows: torch.Tensor, groups: Groups) -> torch.Tensor:
+        """[rows, hidden] grouped by local expert (`groups.counts[j]` rows for expert j) -> the same."""
         outs = []
-        for part, expert in zip(rows.split(counts), self.deepspeed_experts):
+        for part, expert in zip(rows.split(groups.counts), self.deepspeed_experts):
             out = expert(part)
             outs.append(out[0] if isinstance(out, tuple) else out)
         return torch.cat(outs)

@@ -26,6 +26,7 @@ from ..tensor_parallel.layers import shard_parameter
 from ..zero.partitioned_init import take_whole
 from .exchange import run_experts
 from .gating import Routes
+from .grouped import Groups, on_device
 
 
 def is_stacked_experts(module: nn.Module) -> bool:
@@ -103,11 +104,17 @@ def _expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
         l_aux=None,
         counts=torch.zeros(self.zt_total_experts, dtype=torch.long, device=index.device),
     )
-    return run_experts(hidden_states, routes, lambda rows, counts: _local_experts(self, rows, counts), self.zt_ep_comm)
+    return run_experts(hidden_states, routes, lambda rows, groups: _local_experts(self, rows, groups), self.zt_ep_comm)
 
 
-def _local_experts(module, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Rows grouped by local expert through the family's own expert code, each with weight 1."""
-    index = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), torch.tensor(counts)).unsqueeze(1)
+def _local_experts(module, rows: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Rows grouped by local expert through the experts' own code: zerotron's reference experts take them
+    grouped (`grouped`, with their counts: no host read), a family's through its interface, each row
+    routed to its expert with weight 1. (No rows: no gradient, which ZeRO handles.)"""
+    if hasattr(module, "grouped"):
+        return module.grouped(rows, groups)
+    counts = on_device(torch.tensor(groups.counts, dtype=torch.int64), rows.device)
+    experts = torch.arange(len(groups.counts), device=rows.device)
+    index = torch.repeat_interleave(experts, counts, output_size=rows.shape[0]).unsqueeze(1)  # (sizes known)
     weights = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
-    return type(module).forward(module, rows, index, weights)  # (no rows: no gradient, which ZeRO handles)
+    return type(module).forward(module, rows, index, weights)

@@ -17,9 +17,10 @@ keeps, per token: the router's probabilities in fp32, the top-k indices (int64),
 and their sum (fp32), 4E + 12k + 4 bytes; and per row its experts run (k per token on one rank):
 the rows, gate/up, silu, their product, the weighted output and the combine's copy, one weight and three
 int64 indices, 3·a·d + 4·a·f_e + a + 24 (two-matrix experts: 2·a·f_e). Under expert parallelism a
-rank's experts run the rows the others send it, imbalance x k per token on the busiest rank, each with
-another index and a·d more (the regrouped copy); each of its own k routes keeps its index, weight (fp32)
-and output back, a·d + 12. Tensor parallelism keeps the experts whole. A shared MLP keeps what a dense
+rank's experts run the rows the others send it, imbalance x k per token on the busiest rank, grouped as
+they arrive (moe/exchange.py: no weighting or combine on that side, the regrouping's index instead),
+3·a·d + 4·a·f_e + 16 per row; each of its own k routes keeps its index, weight (fp32) and output back,
+a·d + 12. Tensor parallelism keeps the experts whole. A shared MLP keeps what a dense
 MLP of its width does.
 
 Sequence parallelism splits the norms by t. Ring attention (context parallelism) keeps its own
@@ -88,8 +89,8 @@ def moe_bytes_per_token(shape: ModelShape, dtype: str = "fp32", tp: int = 1, ep:
     router = 4 * shape.experts + 12 * k + 4
     row = 3 * a * d + _mlp(shape, shape.expert_ffn, a) + a + 24
     routes = 0.0
-    if ep > 1:  # the rows arriving from the other ranks, regrouped; each own route's way back
-        row += 8 + a * d
+    if ep > 1:  # the rows arriving from the other ranks, run grouped; each own route's way back
+        row = 3 * a * d + _mlp(shape, shape.expert_ffn, a) + 16
         routes = k * (a * d + 12)
     rows = k * (imbalance if ep > 1 else 1.0)
     return router + rows * row + routes + _mlp(shape, shape.shared_ffn, a) / tp
