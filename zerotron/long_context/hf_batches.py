@@ -87,7 +87,7 @@ class UlyssesSPDataLoaderAdapter:
             on_host = {k: v.cpu() if torch.is_tensor(v) else v for k, v in batch.items()}
             for shared in self.comm.all_gather_object(on_host):  # one batch per sequence rank, in rank order
                 piece = shard_batch(shared, self.sp_rank, self.sp_world_size)
-                yield {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in piece.items()}
+                yield {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in piece.items()}
 
     def set_epoch(self, epoch: int) -> None:
         """Passed on, so a shuffling sampler reshuffles each epoch as it would without the adapter."""

@@ -43,6 +43,8 @@ class SequenceSplit:
             x = ring_shard(x, dim, self.cp_index, self.cp)
         return x.chunk(self.sp, dim=dim)[self.sp_index] if self.sp > 1 else x
 
-    def positions(self, local_length: int, device=None) -> torch.Tensor:
-        """The positions in the whole sequence of this rank's `local_length` tokens."""
-        return self.take(torch.arange(local_length * self.parts, device=device), dim=0)
+    def positions(self, local_length: int, device=None) -> tuple[torch.Tensor, int]:
+        """The positions in the whole sequence of this rank's `local_length` tokens, and the whole
+        sequence's length (every rank's the same: no device value is read to check it)."""
+        whole = local_length * self.parts
+        return self.take(torch.arange(whole, device=device), dim=0), whole

@@ -180,7 +180,7 @@ class GPT(nn.Module):
         self.loss_fn = cross_entropy
         self.output_fn = None
         # Sequence parallelism: (local length, device) -> where this copy's tokens sit in the
-        # whole sequence (long_context/layout.py); None: the tokens are the whole sequence
+        # whole sequence and its length (long_context/layout.py); None: the tokens are the whole sequence
         self.token_positions = None
         self.apply(self._init_weights)
 
@@ -197,10 +197,9 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits (batch, seq, vocab); or, given targets, the mean cross-entropy loss."""
         t = tokens.shape[1]
-        positions = None if self.token_positions is None else self.token_positions(t, tokens.device)
-        last = t if positions is None else int(positions.max()) + 1
-        if last > self.config.max_seq_len:
-            raise ValueError(f"sequence length {last} exceeds max_seq_len {self.config.max_seq_len}")
+        positions, whole = (None, t) if self.token_positions is None else self.token_positions(t, tokens.device)
+        if whole > self.config.max_seq_len:
+            raise ValueError(f"sequence length {whole} exceeds max_seq_len {self.config.max_seq_len}")
         x = self.tok_emb(tokens)
         cos, sin = rotary_tables(self.config, t, tokens.device, positions)
         for layer in self.layers:
