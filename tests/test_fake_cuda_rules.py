@@ -121,3 +121,16 @@ def test_ring_attention_blocks_merge_at_a_chunk_that_is_not_a_multiple_of_32(dty
         assert lse2.shape == (1, 2, 24) and (got - want).abs().max().item() < (1e-5 if dtype == torch.float32 else 2e-2)
         dq, dk, dv = ring._block_backward(go[:, :, 24:], q2, k2, v2, out2.to(dtype), lse2, True, scale, rng)
         assert dq.shape == q2.shape and not torch.isnan(dq).any()
+
+
+def test_a_page_lock_the_host_refuses_leaves_no_cuda_error_behind():
+    """A refused cudaHostRegister (page-locked memory at the host's limit) leaves CUDA's last error set; the
+    next kernel launch's check used to report it as its own failure. The offload buffer falls back to torch's
+    pinned allocator and the error is taken."""
+    from zerotron.zero.offload import host_empty
+
+    with FakeCuda() as gpu:
+        gpu.runtime.cudart.fail_host_register = True
+        buffer = host_empty(1024, torch.float32, pin=True)
+        assert (torch.ones(4, device="cuda") + 1).sum().item() == 8  # (before the fix: "CUDA error: out of memory")
+        assert buffer.is_pinned()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 
 import torch
 
@@ -47,6 +48,31 @@ def _cudart():
     return torch.cuda.cudart()
 
 
+def _take_cuda_error() -> None:
+    """Clear CUDA's last error. A failed runtime call (cudaHostRegister at the host's page-lock limit) leaves
+    it set, and the next kernel launch's check would report it as that kernel's failure, somewhere unrelated.
+    torch binds no cudaGetLastError: it is called in the CUDA runtime this process loaded."""
+    take = getattr(_cudart(), "cudaGetLastError", None) or getattr(_loaded_cudart(), "cudaGetLastError", None)
+    if take is not None:
+        take()
+
+
+@functools.cache
+def _loaded_cudart():
+    """The CUDA runtime library this process loaded (torch's), or None where it cannot be found."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libcudart" in line and line.split()[-1][0] == "/"})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
 def can_pin() -> bool:
     """Page-locked host memory needs a GPU driver."""
     return torch.cuda.is_available()
@@ -66,6 +92,9 @@ class _PinnedMemory(bytearray):
             self.registered = int(getattr(status, "value", status)) == 0
         except Exception:  # noqa: BLE001 (no cudart binding in this build)
             self.registered = False
+            return
+        if not self.registered:
+            _take_cuda_error()
 
     def __del__(self):
         if getattr(self, "registered", False):
