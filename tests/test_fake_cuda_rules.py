@@ -134,3 +134,29 @@ def test_a_page_lock_the_host_refuses_leaves_no_cuda_error_behind():
         buffer = host_empty(1024, torch.float32, pin=True)
         assert (torch.ones(4, device="cuda") + 1).sum().item() == 8  # (before the fix: "CUDA error: out of memory")
         assert buffer.is_pinned()
+
+
+def _pipeline_with_the_comms_logger():
+    from parity import ds_config, global_batches, make_model, micro_batches
+
+    import zerotron
+    from tools.fake_cuda import FakeCuda
+    from zerotron.comm import log
+    from zerotron.parallelize import to_pipeline
+
+    FakeCuda.current().sync_wait_s = 5.0
+    module = to_pipeline(make_model(n_layer=4, n_kv_head=4), 4, partition_method="type:_PipeBlock")
+    config = ds_config(1, 8, pipeline={"schedule": "1f1b"}, comms_logger={"enabled": True})
+    engine, *_ = zerotron.initialize(model=module, config=config)
+    for b in global_batches(2, 8):
+        engine.train_batch(iter(micro_batches(b, 0, 1, 8)))
+    summary = log.LOG.summary()
+    return sorted(summary), summary["p2p"]
+
+
+def test_the_comms_logger_times_a_four_stage_pipeline_without_waiting_on_its_posted_receives():
+    """The comms log timed each operation with torch.cuda.synchronize(), which also waits for the receives 1F1B
+    posts ahead: at 4 stages every stage waited on another (a deadlock, found on a fake GPU). CUDA events now,
+    read when the log is summarized."""
+    for names, p2p in run_ranks(_pipeline_with_the_comms_logger, 4, fake_cuda=True, timeout=120):
+        assert "p2p" in names and all(row["count"] > 0 and row["total_latency_ms"] >= 0 for row in p2p.values())

@@ -6,8 +6,10 @@ bytes `engine.comm_stats()` counts: all_reduce, reduce_scatter, all_gather, broa
 p2p, so the log's bytes per name add up to comm_stats()), and the `deepspeed.comm` functions a script
 calls (under their `log_name`, with the bytes of the tensor they are given, as DeepSpeed logs them).
 A blocking operation is timed to its return; an asynchronous one of the engine's, from its launch to
-the end of its wait() (so time overlapped with computation counts). Disabled, the log costs one
-attribute test per operation.
+the end of its wait() (so time overlapped with computation counts). On a GPU the times are the device's:
+CUDA events on the current stream, read when the log is summarized (reading them as they happen would
+make the host wait for everything queued on the device, the receives a pipeline posts ahead included,
+which deadlocks 1F1B from four stages on). Disabled, the log costs one attribute test per operation.
 
 Bandwidths follow nccl-tests: algbw = bytes / time, busbw = algbw x 2(n-1)/n for all-reduce and
 x (n-1)/n for all-gather, reduce-scatter and all-to-all (n: the group's size; the gathered or
@@ -61,6 +63,7 @@ class CommsLog:
     def __init__(self):
         self.enabled, self.verbose, self.prof_all, self.prof_ops, self.debug = False, False, True, [], False
         self.records: dict[str, dict[int, list]] = {}  # name -> bytes -> [count, [ms], [algbw], [busbw]]
+        self.unread: list = []  # operations timed by CUDA events not read yet (see record)
 
     def configure(self, section=None, **settings):
         """From the config's comms_logger section and/or DeepSpeed's keyword settings (None: unchanged)."""
@@ -78,9 +81,13 @@ class CommsLog:
         """A record's name: with `debug`, the calling function's added (call it where the operation starts)."""
         return f"{name} | [Caller Func: {_caller()}]" if self.debug else name
 
-    def record(self, name: str, nbytes: int, seconds: float, group_size: int, op: str | None = None):
-        ms = seconds * 1e3
-        algbw = nbytes * 8 / seconds / 1e9 if seconds > 0 else 0.0
+    def record(self, name: str, nbytes: int, took, group_size: int, op: str | None = None):
+        """`took`: seconds, or a (start, end) pair of CUDA events, read when the log is next summarized."""
+        if isinstance(took, tuple):
+            self.unread.append((name, nbytes, took, group_size, op))
+            return
+        ms = took * 1e3
+        algbw = nbytes * 8 / took / 1e9 if took > 0 else 0.0
         busbw = algbw * _bus_factor(op or name, group_size)
         row = self.records.setdefault(name, {}).setdefault(nbytes, [0, [], [], []])
         row[0] += 1
@@ -94,10 +101,19 @@ class CommsLog:
 
     def reset(self):
         self.records.clear()
+        self.unread.clear()
+
+    def _read(self) -> None:
+        """The device times of the operations timed by CUDA events (each end event waited for alone)."""
+        unread, self.unread = self.unread, []
+        for name, nbytes, (start, end), group_size, op in unread:
+            end.synchronize()
+            self.record(name, nbytes, start.elapsed_time(end) / 1e3, group_size, op)
 
     def summary(self) -> dict:
         """{name: {bytes: {count, total_latency_ms, avg_latency_ms, tput_avg_gbps, busbw_avg_gbps,
         msg_size_bytes, msg_size_str}}} (DeepSpeed's layout; averages without outliers)."""
+        self._read()
         return {
             name: {
                 nbytes: {
@@ -137,25 +153,40 @@ def _caller() -> str:
     return frame.f_code.co_name if frame is not None else "?"
 
 
-def _synchronize(tensor) -> None:
-    if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
-        torch.cuda.synchronize(tensor.device)  # the time of the operation, not of its launch
+class _Clock:
+    """How long an operation takes: on a GPU, CUDA events on the current stream (the time of the operation,
+    not of its launch; read later, see the module's docstring); elsewhere the host's clock."""
+
+    def __init__(self, tensor):
+        self.cuda = isinstance(tensor, torch.Tensor) and tensor.is_cuda
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.start = time.perf_counter()
+
+    def took(self):
+        """Seconds, or the (start, end) events to read them from."""
+        if not self.cuda:
+            return time.perf_counter() - self.start
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        return self.start, end
 
 
 class Timing:
     """One logged operation of the engine's Comm, from launch to done() (called once)."""
 
     def __init__(self, name: str, nbytes: int, group_size: int, tensor):
-        self.name, self.nbytes, self.group_size, self.tensor = LOG.named(name), nbytes, group_size, tensor
+        self.name, self.nbytes, self.group_size = LOG.named(name), nbytes, group_size
         self.op = name
-        self.start = time.perf_counter()
+        self.clock = _Clock(tensor)
 
     def done(self):
-        if self.start is None:
+        if self.clock is None:
             return
-        _synchronize(self.tensor)
-        LOG.record(self.name, self.nbytes, time.perf_counter() - self.start, self.group_size, self.op)
-        self.start = None
+        LOG.record(self.name, self.nbytes, self.clock.took(), self.group_size, self.op)
+        self.clock = None
 
 
 def _nbytes(value) -> int:
@@ -183,12 +214,11 @@ def logged(fn):
         bound = signature.bind_partial(*args, **kwargs).arguments
         tensor = bound.get(tensor_param)
         size = dist.get_world_size(bound.get("group")) if dist.is_initialized() else 1
-        name, start = LOG.named(name), time.perf_counter()
+        name, clock = LOG.named(name), _Clock(tensor)
         try:
             return fn(*args, **kwargs)
         finally:
-            _synchronize(tensor if isinstance(tensor, torch.Tensor) else None)
-            LOG.record(name, _nbytes(tensor), time.perf_counter() - start, size, op=fn.__name__)
+            LOG.record(name, _nbytes(tensor), clock.took(), size, op=fn.__name__)
 
     return call
 
@@ -233,22 +263,23 @@ def log_summary(show_straggler=False, return_dict=False):
 
 
 def _stragglers(summary: dict) -> dict:
-    """Per record, its total latency minus the fastest rank's (an all-reduce of the totals, MIN): every
-    rank must hold the same records, as every rank runs the same collectives."""
+    """Per record, its total latency minus the fastest rank's (every rank's totals gathered as one object, so
+    the host's numbers never need a device tensor): every rank must hold the same records, as every rank runs
+    the same collectives."""
     keys = [(name, nbytes) for name, sizes in summary.items() for nbytes in sizes]
-    totals = torch.tensor([summary[n][b]["total_latency_ms"] for n, b in keys], dtype=torch.float64)
-    fastest = totals.clone()
+    totals = [summary[n][b]["total_latency_ms"] for n, b in keys]
+    everyone = [(keys, totals)]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        counts = [None] * dist.get_world_size()
-        dist.all_gather_object(counts, keys)
-        if any(c != keys for c in counts):
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (keys, totals))
+        if any(theirs != keys for theirs, _ in everyone):
             raise RuntimeError(
                 "log_summary(show_straggler=True): the ranks logged different operations, so their "
                 "latencies cannot be compared; enable the comms logger on every rank with the same prof_ops"
             )
-        dist.all_reduce(fastest, op=dist.ReduceOp.MIN)
+    fastest = [min(column) for column in zip(*(t for _, t in everyone))]
     out: dict = {}
-    for (name, nbytes), total, low in zip(keys, totals.tolist(), fastest.tolist()):
+    for (name, nbytes), total, low in zip(keys, totals, fastest):
         row = summary[name][nbytes]
         out.setdefault(name, {})[nbytes] = {
             "count": row["count"],
