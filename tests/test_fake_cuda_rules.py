@@ -160,3 +160,43 @@ def test_the_comms_logger_times_a_four_stage_pipeline_without_waiting_on_its_pos
     read when the log is summarized."""
     for names, p2p in run_ranks(_pipeline_with_the_comms_logger, 4, fake_cuda=True, timeout=120):
         assert "p2p" in names and all(row["count"] > 0 and row["total_latency_ms"] >= 0 for row in p2p.values())
+
+
+def _stalled_collective_on_nccl():
+    """A collective that returns at once and never completes, as NCCL's does when a peer never arrives."""
+    import torch.distributed as dist
+
+    from zerotron import watchdog
+    from zerotron.comm import Comm
+
+    class Enqueued:  # NCCL: neither the call nor wait() blocks the host
+        def wait(self, *args):
+            return True
+
+        def is_completed(self):
+            return False
+
+    comm, messages = Comm(None, "dp"), []
+    comm.blocking_wait = False  # (NCCL's)
+    watch = watchdog.get()
+    watch.timeout_s, watch.poll_s, watch._exit = 1.0, 0.2, messages.append
+    if dist.get_rank() == 0:
+        real, dist.all_reduce = dist.all_reduce, lambda *a, **k: Enqueued()
+        try:
+            comm.all_reduce(torch.ones(2))  # blocking on gloo; on NCCL it returns and the device waits
+        finally:
+            dist.all_reduce = real
+    import time
+
+    deadline = time.monotonic() + 10
+    while not messages and time.monotonic() < deadline and dist.get_rank() == 0:
+        time.sleep(0.1)
+    watch.stop()
+    return messages
+
+
+def test_a_stalled_collective_is_named_on_nccl_where_wait_does_not_block():
+    """The watchdog's records ended when the call or its wait() returned: on NCCL both return before the
+    device is done, so a stalled collective stayed silent until NCCL's own timeout. They end on completion."""
+    messages = run_ranks(_stalled_collective_on_nccl, 2, timeout=60)[0]
+    assert messages and "collective timeout" in messages[0] and "all_reduce(SUM) #" in messages[0], messages

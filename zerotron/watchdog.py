@@ -101,7 +101,7 @@ class Watchdog:
 
     def _end_completed(self) -> None:
         with self._lock:
-            done = [c for c in self._pending.values() if c.work is not None and _completed(c.work)]
+            done = [c for c in self._pending.values() if c.work is not None and completed(c.work)]
         for c in done:
             self.end(c)
 
@@ -229,7 +229,8 @@ class Watchdog:
         os._exit(EXIT_FAULT)
 
 
-def _completed(work) -> bool:
+def completed(work) -> bool:
+    """Whether a backend work is done (a failed one counts: its wait() raises in the main thread)."""
     try:
         return bool(work.is_completed())
     except Exception:  # noqa: BLE001 (a failed work: its wait() raises in the main thread)

@@ -89,6 +89,7 @@ class Comm:
         self.bytes = defaultdict(int)
         self.name = name or ("world" if group is None else "group")
         self.first_operation_done = False  # (strict mode: see _first_operation)
+        self.blocking_wait = _waits_block(group)
         self._counted = None  # (kind, bytes) the next operation counted, for the comms log
 
     @cached_property
@@ -149,26 +150,27 @@ class Comm:
                 shape = next((t for t in tensors if t is not None), None)
                 details = ["" if shape is None else f"{str(shape.dtype).removeprefix('torch.')}{list(shape.shape)}"]
             records = [watch.begin(op, f"{self.name}{self.ranks}", self.ranks, d) for d in details]
+        # Issued asynchronously whenever the backend can, blocking or not: its work tells the watchdog when
+        # the operation completes (on NCCL neither the call nor wait() blocks the host until then).
         work = call(targets)
-        if not async_op:
-            for record in records:
-                watch.end(record)
-            if timing is not None:
-                timing.done()
-            return work
-        return Work(
-            work if isinstance(work, list) else [work],
+        issued = Work(
+            work if isinstance(work, list) else [] if work is None else [work],
             watch,
             records,
             list(zip(targets, outputs)) if deferred else [],
             None if timing is None else timing.done,
+            self.blocking_wait,
         )
+        if async_op:
+            return issued
+        issued.wait()
+        return None
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False):
         self._count("all_reduce", tensor)
         return self._issue(
             f"all_reduce({str(op).rsplit('.', 1)[-1]})",
-            lambda out: dist.all_reduce(out[0], op=op, group=self.group, async_op=async_op),
+            lambda out: dist.all_reduce(out[0], op=op, group=self.group, async_op=True),
             (tensor,),
             (tensor,),
             async_op,
@@ -179,7 +181,7 @@ class Comm:
         self._count("all_gather", output)
         return self._issue(
             "all_gather",
-            lambda out: _all_gather_flat(out[0], shard, group=self.group, async_op=async_op),
+            lambda out: _all_gather_flat(out[0], shard, group=self.group, async_op=True),
             (output, shard),
             (output,),
             async_op,
@@ -189,7 +191,7 @@ class Comm:
         self._count("reduce_scatter", full)
         return self._issue(
             "reduce_scatter",
-            lambda out: _reduce_scatter_flat(out[0], full, op=op, group=self.group, async_op=async_op),
+            lambda out: _reduce_scatter_flat(out[0], full, op=op, group=self.group, async_op=True),
             (full, shard),
             (shard,),
             async_op,
@@ -207,7 +209,7 @@ class Comm:
         return self._issue(
             "all_to_all",
             lambda out: dist.all_to_all_single(
-                out[0], tensor, output_splits, input_splits, group=self.group, async_op=async_op
+                out[0], tensor, output_splits, input_splits, group=self.group, async_op=True
             ),
             (tensor, output),
             (output,),
@@ -219,7 +221,7 @@ class Comm:
         src = dist.get_global_rank(self.group, src_group_rank) if self.group is not None else src_group_rank
         return self._issue(
             f"broadcast(from {src})",
-            lambda out: dist.broadcast(out[0], src=src, group=self.group, async_op=async_op),
+            lambda out: dist.broadcast(out[0], src=src, group=self.group, async_op=True),
             (tensor,),
             (tensor,),
             async_op,
@@ -231,7 +233,11 @@ class Comm:
         out = [torch.empty_like(tensor) for _ in range(self.size)]
         self._count("all_gather", tensor)
         self._issue(
-            "all_gather", lambda o: dist.all_gather(out, tensor.contiguous(), group=self.group), (tensor,), (), False
+            "all_gather",
+            lambda o: dist.all_gather(out, tensor.contiguous(), group=self.group, async_op=True),
+            (tensor,),
+            (),
+            False,
         )
         return out
 
@@ -248,7 +254,7 @@ class Comm:
         return out
 
     def barrier(self):
-        self._issue("barrier", lambda o: dist.barrier(group=self.group), (), (), False)
+        self._issue("barrier", lambda o: dist.barrier(group=self.group, async_op=True), (), (), False)
 
     def batch_p2p(self, ops: list, header: int = 0) -> "Work":
         """Post point-to-point sends and receives together. Returns one work for the whole batch,
@@ -273,6 +279,12 @@ class Comm:
         return self._issue(
             "p2p", post, tuple(o.tensor for o in ops), tuple(ops[i].tensor for i in receives), True, details=details
         )
+
+
+def _waits_block(group) -> bool:
+    """gloo's wait() returns when the operation is done (and some of its works report completion no other way:
+    its reduce-scatter's); NCCL's returns at once, having made the current stream wait for the operation."""
+    return "nccl" not in {part.split(":")[-1] for part in str(dist.get_backend(group)).split(",")}
 
 
 def strict() -> bool:
@@ -315,9 +327,10 @@ class Work:
     writes deferred outputs (strict mode) and tells the watchdog; the watchdog also sees a work
     complete without being waited on (is_completed)."""
 
-    def __init__(self, works: list, watch, records: list, deferred: list, on_done=None):
+    def __init__(self, works: list, watch, records: list, deferred: list, on_done=None, blocking_wait=True):
         self.works, self.watch, self.records, self.deferred = works, watch, records, deferred
         self.on_done = on_done  # the comms log's timing, when it logs this operation
+        self.blocking_wait = blocking_wait  # (Comm.blocking_wait)
         if watch is not None:
             for work, record in zip(works if len(works) == len(records) else works * len(records), records):
                 watch.track(record, work)
@@ -327,6 +340,7 @@ class Work:
         (gloo's point-to-point works must be waited on once: a second wait blocks)."""
         if self.works is None:
             return True
+        failed = True
         try:
             for w in self.works:
                 w.wait(*args)
@@ -335,10 +349,12 @@ class Work:
             self.works, self.deferred = None, []
             if self.on_done is not None:
                 self.on_done()
+            failed = False
         finally:
-            if self.watch is not None:
-                for r in self.records:
-                    self.watch.end(r)
+            if self.watch is not None:  # (on NCCL wait() returns before the device is done: the watchdog
+                for r in self.records:  # ends those records when their works complete, or names them)
+                    if failed or self.blocking_wait or r.work is None or watchdog.completed(r.work):
+                        self.watch.end(r)
         return True
 
     def is_completed(self) -> bool:
