@@ -1,6 +1,6 @@
-"""tools/gpu, the one-GPU runbook, in its CPU smoke mode: every part's code path on a tiny model
-(the GPU-only branches, memory counters and the micro-batch probe, are not reached here), plus the
-arithmetic that sizes the offload part on the GPU machine."""
+"""tools/gpu, the GPU runbooks: the one-GPU runbook in its CPU smoke mode (every part's code path on a tiny
+model), the GPU side of its checks on a fake GPU (tools/fake_cuda), the multi-GPU layouts on gloo ranks, the
+verdict and the time limits, and the arithmetic that sizes the offload part on the GPU machine."""
 
 import json
 import math
@@ -11,7 +11,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from distributed import run_ranks  # noqa: E402
+
 from tools.gpu import device, sizing  # noqa: E402
+from tools.gpu.checks import all_passed  # noqa: E402
 
 GiB = 1 << 30
 
@@ -42,8 +45,9 @@ def test_smoke_run_prints_and_writes_every_part(tmp_path):
     assert correct["all_ok"], correct
     assert len(correct["zero_parity"]) == 11 and all(v["ok"] for v in correct["zero_parity"].values())
     assert correct["overflow"]["bf16"]["ok"] and correct["checkpoint_round_trip"]["ok"]
-    assert correct["host_syncs"]["ok"], correct["host_syncs"]
-    assert correct["ring_kernels"]["ok"], correct["ring_kernels"]  # ring attention's block kernels on this device
+    assert "skipped" in correct["host_syncs"] and "skipped" in correct["moe_host_syncs"]  # (none on a CPU)
+    for check in ("bf16_offload", "ring_attention_bf16", "moe_grouped_bf16"):
+        assert correct[check] and all_passed(correct[check]), (check, correct[check])
     for name, job in jobs.items():
         assert not job.get("error") and not job.get("skipped"), (name, job)
         assert job["device"]["type"] == "cpu"
@@ -71,6 +75,48 @@ def test_smoke_run_prints_and_writes_every_part(tmp_path):
     assert abs(host - 14 * psi) < 0.01 * 14 * psi, (host, 14 * psi)
     assert jobs["offload_off"]["outcome"] == "fits"  # no device memory limit on a CPU
     assert jobs["offload_off"]["micro_batch"] == off["micro_batch"]
+
+
+def _checks_on_a_fake_gpu():
+    import torch
+
+    from tools.gpu import checks, moe_ring
+
+    device = torch.device("cuda", 0)
+    checks_of = (checks.host_syncs, checks.bf16_offload, moe_ring.ring_autograd, moe_ring.moe_grouped,
+                 moe_ring.moe_host_syncs)  # fmt: skip
+    return {check.__name__: check(device) for check in checks_of}
+
+
+def test_the_runbooks_gpu_branches_on_a_fake_gpu():
+    """What the smoke run cannot reach: the checks' GPU side (host syncs from torch.cuda.set_sync_debug_mode,
+    CUDA's attention kernels through ring attention's autograd function, the bf16 grouped matrix multiply, bf16
+    offload on a device) on a fake GPU (tools/fake_cuda)."""
+    result = run_ranks(_checks_on_a_fake_gpu, 1, fake_cuda=True, timeout=180)[0]
+    assert all_passed(result), result
+    assert result["host_syncs"]["count"] == 2 and result["moe_host_syncs"]["count"] == 6, result
+
+
+def _multi_gpu_runbook(out):
+    from tools.gpu import multi
+
+    return multi.main(["--smoke", "--out", str(out)])
+
+
+def test_the_multi_gpu_runbook_on_cpu_ranks(tmp_path):
+    """tools/gpu/multi.py's layouts (what only several GPUs show) on 2 gloo ranks: each matches one process."""
+    assert run_ranks(_multi_gpu_runbook, 2, tmp_path / "multi.json", timeout=180) == [0, 0]
+    layouts = json.loads((tmp_path / "multi.json").read_text())["layouts"]
+    assert len(layouts) == 10 and all(v["ok"] for v in layouts.values()), layouts
+
+
+def test_a_failed_check_fails_the_run_and_the_limits_fit_the_budget():
+    from tools.gpu import run
+
+    jobs = {"correct": {"all_ok": False}, "mfu": {"systems": {}}, "offload": {"error": "killed"}, "ckpt": {}}
+    assert run.failed_parts({"jobs": jobs}) == ["correct", "offload"]
+    # every part in its turn within 8 minutes, even if one runs into its grace period
+    assert sum(run.JOB_LIMITS.values()) + run.GRACE_S <= run.GPU["time_budget"] - 20
 
 
 def test_offload_arithmetic():

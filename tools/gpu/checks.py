@@ -10,8 +10,10 @@ a world of one).
   bit-identical to an uninterrupted run;
 - the ZeRO checks rerun under CUDA_LAUNCH_BLOCKING=1 and compared bit for bit (a race between
   streams shows as a difference);
-- the host syncs of one training step, from `torch.cuda.set_sync_debug_mode("warn")` (on a CPU,
-  a TorchFunctionMode counting .item()/.tolist()/.cpu()/bool()).
+- bf16 with optimizer offload (ZeRO-2) and parameter offload (ZeRO-3) against bf16 without offload;
+- the host syncs of one training step, from `torch.cuda.set_sync_debug_mode("warn")` (a CPU has none:
+  tests/test_fake_cuda.py counts them on a fake GPU);
+- ring attention, the MoE GPT's grouped matrix multiply and its host syncs: tools/gpu/moe_ring.py.
 
 Runs on torch 2.11 and later (the GPU machine's), on CUDA or, in the smoke run, on the CPU.
 """
@@ -25,13 +27,13 @@ import subprocess
 import sys
 import tempfile
 import traceback
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-from tools import sync_counter, training  # noqa: E402
+from tools import training  # noqa: E402
+from tools.gpu import moe_ring  # noqa: E402
 
 STEPS, SEQ, MICRO = 4, 64, 4
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-6, "weight_decay": 0.1}
@@ -194,57 +196,32 @@ def checkpoint_round_trip(device) -> dict:
 
 
 def host_syncs(device) -> dict:
-    """The host syncs of one ZeRO-2 training step after warm-up."""
-    import torch
+    """The host syncs of one ZeRO-2 training step after warm-up: the step's agreement and the loss read."""
+    from tools.gpu.device import host_syncs as count
 
-    engine = _engine(device, 2, 2)
     batches = _batches(device, 2)
-    _train(engine, batches[:1])
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                _train(engine, batches[1:])
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-        where = [str(w.message).splitlines()[0][:160] for w in seen if "synchroniz" in str(w.message)]
-    else:
-        with sync_counter.SyncCounter() as counter:
-            _train(engine, batches[1:])
-        where = counter.where
-    return {"count": len(where), "where": where[:20], "ok": len(where) <= 2}  # the step's agreement (+ the loss)
+    return count(_engine(device, 2, 2), _train, batches[:1], batches[1:], budget=2)
 
 
-def ring_kernels(device) -> dict:
-    """Ring attention's block kernels on this device (the CUDA memory-efficient kernel and its
-    backward on a GPU, the flash kernel on a CPU): a sequence's attention from two key/value blocks
-    merged by log-sum-exp, and each block's gradients from the merged output, against SDPA."""
-    import torch
-    import torch.nn.functional as F
-
-    from zerotron.long_context import ring
-
-    g = torch.Generator().manual_seed(0)
-    q, k, v, go = (torch.randn(2, 4, 256, 64, generator=g).to(device) for _ in range(4))
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    want = F.scaled_dot_product_attention(*leaves, is_causal=True)
-    want.backward(go)
-    scale, halves = 64**-0.5, [t.chunk(2, dim=2) for t in (q, k, v)]
-    (q1, q2), (k1, k2), (v1, v2) = halves
-    out1, lse1, rng = ring._block_forward(q1, k1, v1, True, scale)
-    pieces = [ring._block_forward(q2, k1, v1, False, scale)[:2], ring._block_forward(q2, k2, v2, True, scale)[:2]]
-    out2, lse2 = ring._merge(*ring._merge(None, None, *pieces[0]), *pieces[1])
-    out = torch.cat([out1.float(), out2], dim=2)
-    g1, g2 = go.chunk(2, dim=2)
-    o2 = out2.to(q.dtype)
-    dq1, dk1, dv1 = ring._block_backward(g1, q1, k1, v1, out1, lse1, True, scale, rng)
-    dq2a, dk1b, dv1b = ring._block_backward(g2, q2, k1, v1, o2, lse2, False, scale, rng)
-    dq2b, dk2, dv2 = ring._block_backward(g2, q2, k2, v2, o2, lse2, True, scale, rng)
-    got = [out, torch.cat([dq1, dq2a + dq2b], 2), torch.cat([dk1 + dk1b, dk2], 2), torch.cat([dv1 + dv1b, dv2], 2)]
-    errors = [(a.float() - b.float()).abs().max().item() for a, b in zip(got, [want] + [t.grad for t in leaves])]
-    return {"max_errors": errors, "ok": max(errors) < 1e-4}
+def bf16_offload(device) -> dict:
+    """bf16 with optimizer offload (ZeRO-2) and with parameter offload (ZeRO-3) against bf16 ZeRO-2 without: the
+    same fp32 masters and AdamW arithmetic on the host as on the device, so the losses agree to the bf16 weights'
+    rounding (1e-3 relative) and the weights to a bf16 rounding step."""
+    pinned = {"device": "cpu", "pin_memory": True}
+    want = _train(_engine(device, 2, 1, "bf16"), _batches(device))
+    out = {}
+    for name, stage, zero in (
+        ("offload_optimizer_zero2_bf16", 2, {"offload_optimizer": pinned}),
+        ("offload_param_zero3_bf16", 3, {"offload_optimizer": pinned, "offload_param": pinned}),
+    ):
+        try:
+            engine = _engine(device, stage, 1, "bf16", **zero)
+            got = _train(engine, _batches(device))
+            worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+            out[name] = {"losses": got, "reference": want, "max_loss_rel": worst, "ok": worst <= 1e-3}
+        except Exception as e:  # noqa: BLE001 - one case failing is a finding, the others still run
+            out[name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return out
 
 
 def job_correct(args, dev, result, save):
@@ -260,7 +237,10 @@ def job_correct(args, dev, result, save):
         ("overflow", overflow),
         ("checkpoint_round_trip", checkpoint_round_trip),
         ("host_syncs", host_syncs),
-        ("ring_kernels", ring_kernels),
+        ("bf16_offload", bf16_offload),
+        ("ring_attention_bf16", moe_ring.ring_autograd),
+        ("moe_grouped_bf16", moe_ring.moe_grouped),
+        ("moe_host_syncs", moe_ring.moe_host_syncs),
     ):
         try:
             result[name] = check(device)

@@ -9,6 +9,7 @@ import gc
 import os
 import resource
 import time
+import warnings
 
 import torch
 
@@ -17,6 +18,25 @@ from tools.gpu.sizing import GiB
 
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 T0 = float(os.environ.get("ZT_GPU_BENCH_T0", time.time()))
+
+
+def host_syncs(engine, train, warmup, batches, budget: int) -> dict:
+    """The host syncs of `train(engine, batches)` after `train(engine, warmup)`, from torch.cuda.set_sync_debug_mode
+    ("warn"), against `budget` (on a CPU there is nothing to wait for: tests/test_fake_cuda.py counts them there,
+    on a fake GPU)."""
+    train(engine, warmup)
+    if not torch.cuda.is_available():
+        return {"skipped": "no GPU to wait for (tests/test_fake_cuda.py counts them on a fake one)"}
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            train(engine, batches)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    where = [str(w.message).splitlines()[0][:160] for w in seen if "synchroniz" in str(w.message)]
+    return {"count": len(where), "budget": budget, "where": where[:20], "ok": len(where) <= budget}
 
 
 def log(msg: str) -> None:

@@ -34,7 +34,16 @@ def summarize(payload: dict) -> list[str]:
             f"parity {len(parity) - len(bad)}/{len(parity)} (worst weight diff {_f(worst, '{:.1e}')})"
             + (f", failing {bad}" if bad else "")
         )
-        for key in ("overflow", "checkpoint_round_trip", "host_syncs", "launch_blocking_rerun"):
+        for key in (
+            "overflow",
+            "checkpoint_round_trip",
+            "host_syncs",
+            "bf16_offload",
+            "ring_attention_bf16",
+            "moe_grouped_bf16",
+            "moe_host_syncs",
+            "launch_blocking_rerun",
+        ):
             lines.append(f"    {key}: {json.dumps(correct.get(key), default=str)[:200]}")
     sanitized = jobs.get("sanitized", {})
     if sanitized:
