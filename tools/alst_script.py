@@ -138,6 +138,18 @@ def train(
     `runtime.sequence_parallel.ulysses_sp`), `steps` micro-steps with the optimizer stepping every
     `gas` of them. Returns the per-step losses, the full weights and the
     engine (its comm_stats() under zerotron)."""
+    losses, world = [], dist.get_world_size()
+    for engine, loss in micro_steps(deepspeed, ulysses_sp, stage, sp, steps, kind, tiled_shards, lengths, gas):
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    return losses, _full_weights(engine, deepspeed, stage), engine
+
+
+def micro_steps(
+    deepspeed, ulysses_sp, stage: int, sp: int, steps: int, kind: str, tiled_shards: int = 0, lengths=UNEVEN, gas=1
+):
+    """`train`'s loop, one micro-step at a time: yields (engine, this rank's loss) after each."""
     world = dist.get_world_size()
     model = build_model()
     if tiled_shards:
@@ -169,10 +181,9 @@ def train(
         sp_rank=mpu.get_sequence_parallel_rank(),
         sp_group=mpu.get_sequence_parallel_group(),
         sp_world_size=mpu.get_sequence_parallel_world_size(),
-        device=torch.device("cpu"),
+        device=engine.device,
     )
     group = mpu.get_sequence_parallel_group()
-    losses = []
     for step, batch in enumerate(loader):
         if step == steps:
             break
@@ -180,10 +191,7 @@ def train(
         loss = sequence_loss(out.logits, batch["shift_labels"], group)
         engine.backward(loss)
         engine.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
-    return losses, _full_weights(engine, deepspeed, stage), engine
+        yield engine, loss
 
 
 def _full_weights(engine, deepspeed, stage):
