@@ -275,7 +275,8 @@ def test_the_watchdog_thread_stops_before_the_interpreter_finalizes():
 @pytest.mark.timeout(900)
 def test_finished_jobs_exit_zero():
     # tests/faults/exits.py, short: the 3D and ZeRO-2 bf16 runs that used to abort at teardown now and then
+    # (one 3D run here: test_cli.py's 3D job is the suite's second, its exit status checked the same way)
     from faults.exits import soak
 
-    counts = soak({"3d-8-ranks": 2, "zero2-bf16-2-ranks": 3}, log=lambda *a: None)
-    assert counts == {"3d-8-ranks": {0: 2}, "zero2-bf16-2-ranks": {0: 3}}, counts
+    counts = soak({"3d-8-ranks": 1, "zero2-bf16-2-ranks": 3}, log=lambda *a: None)
+    assert counts == {"3d-8-ranks": {0: 1}, "zero2-bf16-2-ranks": {0: 3}}, counts

@@ -1,7 +1,7 @@
 """Finished jobs exit 0: consecutive short `zerotron train` runs, counting their exit statuses.
 
     python tests/faults/exits.py --runs 50               # 50 8-rank 3D runs and 50 2-rank runs
-    python tests/faults/exits.py --runs 3 --small 5      # what CI runs (tests/test_faults.py)
+    python tests/faults/exits.py --runs 1 --small 3      # what CI runs (tests/test_faults.py)
 
 The 8-rank run is `--dp 2 --tp 2 --pp 2 --steps 3` and the 2-rank one ZeRO-2 in bf16, the two
 layouts that used to end with "terminate called without an active exception" (SIGABRT at

@@ -56,6 +56,7 @@ class Oracle:
 
     def __init__(self):
         self.mode = FakeTensorMode(allow_fallback_kernels=False)
+        self.mode.cache_enabled = False  # (its own cache, keyed by more than ours, only repeats our lookups)
         self.converter = self.mode.fake_tensor_converter
         self.verdicts: dict = {}
 
